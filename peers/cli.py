@@ -1,0 +1,149 @@
+"""The ``swarm`` command: config tools and the peer programs (bootstrap, join, local, monitor)."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from pathlib import Path
+
+import typer
+
+from peers import _common as common
+from peers.config_cmd import config_app
+
+app = typer.Typer(
+    help="Decentralized training with quantized gossip. Start with `swarm local` or see README.md.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+)
+app.add_typer(config_app, name="config")
+
+
+def _flags(initial_peers, host_maddrs, announce_maddrs, port, public_ip, identity_path, client_mode):
+    return common.NetworkFlags(
+        initial_peers=initial_peers,
+        host_maddrs=host_maddrs,
+        announce_maddrs=announce_maddrs,
+        port=port,
+        public_ip=public_ip,
+        identity_path=str(identity_path) if identity_path else None,
+        client_mode=client_mode,
+    )
+
+
+@app.command()
+def bootstrap(
+    config: Path | None = common.CONFIG_OPTION,
+    set_: list[str] | None = common.SET_OPTION,
+    initial_peers: list[str] | None = common.INITIAL_PEERS_OPTION,
+    host_maddrs: list[str] | None = common.HOST_MADDRS_OPTION,
+    announce_maddrs: list[str] | None = common.ANNOUNCE_MADDRS_OPTION,
+    port: int | None = common.PORT_OPTION,
+    public_ip: str | None = common.PUBLIC_IP_OPTION,
+    identity_path: Path | None = common.IDENTITY_OPTION,
+    client_mode: bool | None = common.CLIENT_MODE_OPTION,
+    public_name: str = common.PUBLIC_NAME_OPTION,
+) -> None:
+    """Start a stable entry peer and print the line others paste to join."""
+    from peers.bootstrap import run_bootstrap
+
+    cfg = common.load_run_config(config, set_)
+    flags = _flags(initial_peers, host_maddrs, announce_maddrs, port, public_ip, identity_path, client_mode)
+    network = common.resolve_network(cfg, flags)
+    with common.shutdown_on_signals() as stop:
+        run_bootstrap(cfg, network, public_name=public_name, config_path=_str(config), stop=stop)
+
+
+@app.command()
+def join(
+    config: Path | None = common.CONFIG_OPTION,
+    set_: list[str] | None = common.SET_OPTION,
+    initial_peers: list[str] | None = common.INITIAL_PEERS_OPTION,
+    host_maddrs: list[str] | None = common.HOST_MADDRS_OPTION,
+    announce_maddrs: list[str] | None = common.ANNOUNCE_MADDRS_OPTION,
+    port: int | None = common.PORT_OPTION,
+    public_ip: str | None = common.PUBLIC_IP_OPTION,
+    identity_path: Path | None = common.IDENTITY_OPTION,
+    client_mode: bool | None = common.CLIENT_MODE_OPTION,
+    public_name: str = common.PUBLIC_NAME_OPTION,
+) -> None:
+    """Join a swarm through an initial peer and announce this peer."""
+    from peers.join import run_join
+
+    cfg = common.load_run_config(config, set_)
+    flags = _flags(initial_peers, host_maddrs, announce_maddrs, port, public_ip, identity_path, client_mode)
+    network = common.resolve_network(cfg, flags)
+    if not network.initial_peers:
+        common.fail("swarm join needs --initial-peers (the line `swarm bootstrap` printed)")
+    with common.shutdown_on_signals() as stop:
+        run_join(cfg, network, public_name=public_name, stop=stop)
+
+
+@app.command()
+def local(
+    config: Path | None = common.CONFIG_OPTION,
+    set_: list[str] | None = common.SET_OPTION,
+    peers: int = typer.Option(
+        3, "--peers", "-n", min=1, max=64, help="Number of peers besides the bootstrap."
+    ),
+    duration: float | None = typer.Option(
+        60.0, "--duration", min=1.0, help="Stop after this many seconds (0 or less is refused)."
+    ),
+    forever: bool = typer.Option(False, "--forever", help="Run until Ctrl+C instead of --duration."),
+    log_dir: Path | None = typer.Option(
+        None, "--log-dir", help="Where peer logs go (default runs/local-<time>)."
+    ),
+) -> None:
+    """Launch a bootstrap and N peers on loopback; stop them all at the end or on Ctrl+C."""
+    from peers.local import run_local
+
+    cfg = common.load_run_config(config, set_)
+    log_dir = log_dir or Path("runs") / f"local-{datetime.now():%Y%m%d-%H%M%S}"
+    with common.shutdown_on_signals() as stop:
+        status = run_local(
+            cfg,
+            peers=peers,
+            duration_s=None if forever else duration,
+            config_path=_str(config),
+            overrides=list(set_ or ()),
+            log_dir=log_dir,
+            stop=stop,
+        )
+    raise typer.Exit(status)
+
+
+@app.command()
+def monitor(
+    config: Path | None = common.CONFIG_OPTION,
+    set_: list[str] | None = common.SET_OPTION,
+    initial_peers: list[str] | None = common.INITIAL_PEERS_OPTION,
+    once: bool = typer.Option(False, "--once", help="Print the members once and exit."),
+    output_format: str = typer.Option("table", "--format", help="table or json."),
+    wait: float = typer.Option(10.0, "--wait", min=0.0, help="Seconds to wait for the first records."),
+) -> None:
+    """Show the live members of a run (joins in client mode; never counts as a member)."""
+    from peers.monitor import FORMATS, run_monitor_once
+
+    if output_format not in FORMATS:
+        common.fail(f"--format {output_format!r} is not one of {', '.join(FORMATS)}")
+    cfg = common.load_run_config(config, set_)
+    network = common.resolve_network(cfg, common.NetworkFlags(initial_peers=initial_peers, client_mode=True))
+    if not network.initial_peers:
+        common.fail("swarm monitor needs --initial-peers")
+    with common.shutdown_on_signals() as stop:
+        run_monitor_once(cfg, network, output_format=output_format, wait_s=wait, stop=stop)
+        while not once and not stop.wait(cfg.monitor.refresh_s):
+            run_monitor_once(cfg, network, output_format=output_format, wait_s=0.0, stop=stop)
+
+
+def _str(path: Path | None) -> str | None:
+    return str(path) if path is not None else None
+
+
+def main() -> None:
+    """Console-script entry point."""
+    common.setup_logging()
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,153 @@
+"""`swarm local`: a whole swarm on this machine, a bootstrap and N peers as subprocesses.
+
+Each child runs in its own process group so that stopping it also stops what it started (the DHT
+worker process and its ``p2pd``). Children also get ``PR_SET_PDEATHSIG`` so that they go down with the
+launcher even if the launcher itself is killed with SIGKILL.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import typer
+
+from peers._common import SHUTDOWN_GRACE_S, open_node
+from peers.bootstrap import JOIN_LINE_PREFIX
+from peers.monitor import observer_info
+from swarm.config import RunConfig
+from swarm.network import NetworkOptions
+
+_PR_SET_PDEATHSIG = 1
+
+
+@dataclass
+class LocalSwarm:
+    """The processes of a local swarm and where their logs go."""
+
+    log_dir: Path
+    processes: list[tuple[str, subprocess.Popen]] = field(default_factory=list)
+
+    def spawn(self, name: str, args: list[str]) -> subprocess.Popen:
+        log = open(self.log_dir / f"{name}.log", "wb")  # noqa: SIM115 (the child owns it from here)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "peers.cli", *args],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            preexec_fn=_die_with_parent,
+        )
+        log.close()
+        self.processes.append((name, proc))
+        return proc
+
+    def alive(self) -> list[str]:
+        return [name for name, proc in self.processes if proc.poll() is None]
+
+    def stop(self) -> None:
+        """SIGTERM every peer, wait for the grace period, then SIGKILL whatever is left of each group.
+
+        Only the peer's main process gets SIGTERM: it stops its own DHT worker and daemon in order.
+        """
+        for _, proc in self.processes:
+            if proc.poll() is None:
+                proc.terminate()
+        deadline = time.monotonic() + SHUTDOWN_GRACE_S
+        for _, proc in self.processes:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        for _, proc in self.processes:
+            _signal_group(proc, signal.SIGKILL)  # also reaps the group's p2pd/DHT leftovers, if any
+            proc.wait()
+
+
+def _die_with_parent() -> None:
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def _signal_group(proc: subprocess.Popen, signum: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signum)
+
+
+def wait_for_join_line(log_path: Path, proc: subprocess.Popen, timeout_s: float) -> str:
+    """Read the bootstrap's log until its join line appears; return the multiaddr in it."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for line in log_path.read_text(errors="replace").splitlines():
+            if line.startswith(JOIN_LINE_PREFIX):
+                return line[len(JOIN_LINE_PREFIX) :].strip()
+        if proc.poll() is not None:
+            raise RuntimeError(f"bootstrap exited with status {proc.returncode}; see {log_path}")
+        time.sleep(0.1)  # polling a file another process writes; there is nothing to wait on
+    raise RuntimeError(f"bootstrap printed no join line within {timeout_s:.0f}s; see {log_path}")
+
+
+def run_local(
+    config: RunConfig,
+    *,
+    peers: int,
+    duration_s: float | None,
+    config_path: str | None,
+    overrides: list[str],
+    log_dir: Path,
+    stop: threading.Event,
+) -> int:
+    """Run a bootstrap and ``peers`` joiners until ``duration_s`` passes or ``stop`` is set."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    common = (["--config", config_path] if config_path else []) + [a for o in overrides for a in ("--set", o)]
+    swarm = LocalSwarm(log_dir)
+    try:
+        boot = swarm.spawn("bootstrap", ["bootstrap", *common, "--public-name", "local-bootstrap"])
+        maddr = wait_for_join_line(log_dir / "bootstrap.log", boot, timeout_s=60)
+        typer.echo(f"[local] bootstrap up at {maddr}")
+        for index in range(1, peers + 1):
+            args = ["join", *common, "--initial-peers", maddr, "--public-name", f"local-{index}"]
+            swarm.spawn(f"peer-{index}", args)
+        typer.echo(f"[local] started {peers} peers; logs in {log_dir}")
+        with open_node(
+            NetworkOptions(initial_peers=[maddr], client_mode=True),
+            observer_info(config),
+            config,
+            announce=False,
+        ) as observer:
+            return _supervise(swarm, duration_s, stop, lambda: len(observer.members()))
+    finally:
+        typer.echo("[local] stopping all peers")
+        swarm.stop()
+        typer.echo("[local] all peers stopped")
+
+
+def _supervise(
+    swarm: LocalSwarm, duration_s: float | None, stop: threading.Event, count_members: Callable[[], int]
+) -> int:
+    started = time.monotonic()
+    expected = len(swarm.processes)
+    while not stop.wait(timeout=_next_tick(started, duration_s)):
+        elapsed = time.monotonic() - started
+        alive = swarm.alive()
+        typer.echo(f"[local] t={elapsed:4.0f}s processes {len(alive)}/{expected}, members {count_members()}")
+        if len(alive) < expected:
+            dead = sorted({name for name, _ in swarm.processes} - set(alive))
+            typer.echo(f"[local] process(es) exited early: {', '.join(dead)}; see their logs", err=True)
+            return 1
+        if duration_s is not None and elapsed >= duration_s:
+            return 0
+    return 0
+
+
+def _next_tick(started: float, duration_s: float | None, every_s: float = 5.0) -> float:
+    if duration_s is None:
+        return every_s
+    return max(0.0, min(every_s, started + duration_s - time.monotonic()))

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Idempotent setup: creates .venv at the repo root and installs the project with its dev extra.
+# A second run with nothing changed is a quick no-op (it compares a stamp of pyproject.toml).
+# SWARM_TORCH_SPEC overrides the torch requirement, e.g. SWARM_TORCH_SPEC="torch==2.5.1" for a CUDA build.
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+venv="$root/.venv"
+torch_spec="${SWARM_TORCH_SPEC:-torch==2.13.0}"
+stamp="$venv/.swarm-setup-stamp"
+want="$(sha256sum pyproject.toml | cut -d' ' -f1) $torch_spec"
+
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && [ -x "$venv/bin/swarm" ]; then
+    exit 0
+fi
+
+if [ ! -x "$venv/bin/python" ]; then
+    echo "[setup] creating $venv"
+    python3 -m venv "$venv"
+fi
+echo "[setup] installing $torch_spec and the project (dev extra)"
+"$venv/bin/python" -m pip install --quiet --upgrade pip
+"$venv/bin/python" -m pip install --quiet "$torch_spec"
+"$venv/bin/python" -m pip install --quiet -e ".[dev]"
+echo "$want" > "$stamp"
+echo "[setup] done"

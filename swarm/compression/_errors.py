@@ -1,0 +1,43 @@
+"""The one error type of the wire decoder and the limits it enforces."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class FrameError(ValueError):
+    """A received frame (or stream of frames) is malformed, corrupt, or exceeds a limit.
+
+    Every failure of the decoding side raises exactly this type; the message names the bad field.
+    """
+
+
+@dataclass(frozen=True)
+class DecodeLimits:
+    """Hard limits checked against every header field before anything is allocated.
+
+    The defaults accept any tensor a real model has while keeping a hostile peer from making us
+    allocate more than a few GiB.
+    """
+
+    max_elements: int = 1 << 30
+    """Largest number of elements of one tensor (product of its shape)."""
+    max_payload_bytes: int = 1 << 31
+    """Largest payload of one frame, in bytes."""
+    max_ndim: int = 8
+    """Largest number of dimensions of one tensor."""
+    max_name_bytes: int = 256
+    """Longest tensor name, in UTF-8 bytes."""
+    max_tensors: int = 1 << 16
+    """Most distinct tensors one `TensorStreamDecoder` accepts."""
+    max_total_elements: int = 1 << 32
+    """Most elements, summed over all tensors, one `TensorStreamDecoder` allocates."""
+    allow_nonfinite: bool = False
+    """Whether decoded NaN/Inf values are accepted (by default they are a `FrameError`)."""
+
+    def __post_init__(self) -> None:
+        for field in ("max_elements", "max_payload_bytes", "max_ndim", "max_name_bytes", "max_tensors"):
+            if getattr(self, field) < 1:
+                raise ValueError(f"DecodeLimits.{field} must be >= 1")
+        if self.max_total_elements < 0:
+            raise ValueError("DecodeLimits.max_total_elements must be >= 0")

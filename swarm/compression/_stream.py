@@ -1,0 +1,195 @@
+"""Streaming: named tensors -> bounded-size frames -> named tensors, one frame at a time.
+
+The sender never builds a message larger than `chunk_bytes`; the receiver allocates each tensor
+once (after its first header passed every check) and decodes each frame straight into it, so
+memory stays bounded by one frame plus the tensors themselves.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections.abc import Iterator, Mapping, Sequence
+
+import torch
+
+from swarm.compression._codecs import Codec, EncodedTensor
+from swarm.compression._errors import DecodeLimits, FrameError
+from swarm.compression._feedback import ErrorFeedback
+from swarm.compression._frames import Frame, decode_frame, encode_frame, header_size
+
+
+def _chunk_elements(codec: Codec, name: str, ndim: int, chunk_bytes: int) -> int:
+    head = header_size(name, ndim)
+    blocks = (chunk_bytes - head) // codec.block_nbytes()
+    if blocks < 1:
+        raise ValueError(
+            f"chunk_bytes={chunk_bytes} cannot hold a frame of {name!r}: "
+            f"{head} header bytes + {codec.block_nbytes()} bytes for one block"
+        )
+    return blocks * codec.granule
+
+
+def encode_tensors(
+    named: Sequence[tuple[str, torch.Tensor]],
+    codec: Codec,
+    chunk_bytes: int = 1 << 20,
+    error_feedback: ErrorFeedback | None = None,
+    commit_residuals: bool = False,
+) -> Iterator[bytes]:
+    """Frames (each <= `chunk_bytes`) for `named`, tensor by tensor, in order.
+
+    With `error_feedback`, each tensor is encoded through it with ``commit=commit_residuals``:
+    by default the new residuals stay pending until the caller, once the exchange succeeded,
+    calls ``error_feedback.commit_all()`` (or ``discard_pending()`` if it failed).
+
+    Sizes are checked before the first frame is produced: ValueError if `chunk_bytes` cannot hold
+    a header plus one block for some tensor, or if a name repeats.
+    """
+    plan = []
+    seen: set[str] = set()
+    for name, tensor in named:
+        if name in seen:
+            raise ValueError(f"tensor name {name!r} appears twice")
+        seen.add(name)
+        if error_feedback is not None and error_feedback.codec.name != codec.name:
+            raise ValueError("error_feedback uses a different codec than `codec`")
+        plan.append((name, tensor, _chunk_elements(codec, name, tensor.dim(), chunk_bytes)))
+    return _frames(plan, codec, error_feedback, commit_residuals)
+
+
+def _frames(
+    plan: list[tuple[str, torch.Tensor, int]],
+    codec: Codec,
+    feedback: ErrorFeedback | None,
+    commit: bool,
+) -> Iterator[bytes]:
+    for name, tensor, per_chunk in plan:
+        encoded: EncodedTensor = (
+            codec.encode(tensor) if feedback is None else feedback.encode(name, tensor, commit=commit)
+        )
+        encoded = encoded.cpu()
+        numel = encoded.numel
+        num_chunks = max(1, math.ceil(numel / per_chunk))
+        for index in range(num_chunks):
+            offset = index * per_chunk
+            count = min(per_chunk, numel - offset)
+            yield encode_frame(name, encoded, codec, offset, count, index, num_chunks)
+
+
+class _Pending:
+    """One tensor being assembled: its buffer and which element ranges arrived."""
+
+    def __init__(self, frame: Frame) -> None:
+        self.frame = frame
+        self.buffer = torch.empty(frame.numel, dtype=frame.dtype)
+        self.chunks: set[int] = set()
+        self.starts: list[int] = []
+        self.ends: list[int] = []
+        self.received = 0
+
+    def check_consistent(self, f: Frame) -> None:
+        first = self.frame
+        key = (f.codec.name, f.dtype, f.shape, f.block_size, f.num_chunks)
+        if key != (first.codec.name, first.dtype, first.shape, first.block_size, first.num_chunks):
+            raise FrameError(
+                f"header: codec/dtype/shape/block size/chunk count of a chunk of {f.name!r} "
+                "disagree with its earlier chunks"
+            )
+        if f.chunk_index in self.chunks:
+            raise FrameError(f"chunk index: duplicate chunk {f.chunk_index} of {f.name!r}")
+        end = f.offset + f.count
+        i = bisect.bisect_left(self.starts, f.offset)
+        overlaps_prev = i > 0 and self.ends[i - 1] > f.offset
+        overlaps_next = i < len(self.starts) and self.starts[i] < end
+        if overlaps_prev or overlaps_next or (i < len(self.starts) and self.starts[i] == f.offset):
+            raise FrameError(f"offset: chunk [{f.offset}, {end}) of {f.name!r} overlaps another chunk")
+
+    def add(self, f: Frame) -> None:
+        i = bisect.bisect_left(self.starts, f.offset)
+        self.starts.insert(i, f.offset)
+        self.ends.insert(i, f.offset + f.count)
+        self.chunks.add(f.chunk_index)
+        self.received += f.count
+
+
+class TensorStreamDecoder:
+    """Reassembles named tensors from frames fed one at a time (in any order).
+
+    With `expected` (name -> (shape, dtype)), a frame for an unknown name, or with another shape or
+    dtype, is rejected from its header, before anything is allocated. Any `FrameError` poisons the
+    decoder: later `feed`/`finish` calls raise too, so a half-received exchange is never used.
+    `finish` returns each tensor in the dtype it was sent with.
+    """
+
+    def __init__(
+        self,
+        expected: Mapping[str, tuple[tuple[int, ...], torch.dtype]] | None = None,
+        limits: DecodeLimits = DecodeLimits(),
+    ) -> None:
+        self.expected = None if expected is None else {k: (tuple(s), d) for k, (s, d) in expected.items()}
+        self.limits = limits
+        self._tensors: dict[str, _Pending] = {}
+        self._total_elements = 0
+        self._failed: str | None = None
+        self._finished = False
+
+    def feed(self, frame: bytes | bytearray | memoryview) -> None:
+        self._check_usable()
+        try:
+            self._feed(frame)
+        except FrameError as exc:
+            self._failed = str(exc)
+            raise
+
+    def _feed(self, data: bytes | bytearray | memoryview) -> None:
+        f = decode_frame(data, self.limits)
+        if self.expected is not None:
+            if f.name not in self.expected:
+                raise FrameError(f"name: unexpected tensor {f.name!r}")
+            shape, dtype = self.expected[f.name]
+            if f.shape != shape:
+                raise FrameError(f"shape: {f.name!r} has shape {f.shape}, expected {shape}")
+            if f.dtype != dtype:
+                raise FrameError(f"dtype: {f.name!r} has dtype {f.dtype}, expected {dtype}")
+        pending = self._tensors.get(f.name)
+        if pending is None:
+            if len(self._tensors) >= self.limits.max_tensors:
+                raise FrameError(f"name: more than {self.limits.max_tensors} tensors in one stream")
+            if self._total_elements + f.numel > self.limits.max_total_elements:
+                raise FrameError(f"shape: stream exceeds {self.limits.max_total_elements} elements in total")
+            pending = _Pending(f)
+            self._tensors[f.name] = pending
+            self._total_elements += f.numel
+        pending.check_consistent(f)
+        out = pending.buffer[f.offset : f.offset + f.count]
+        if out.dtype == torch.float32:
+            f.codec.decode_payload(f.payload, f.count, out, self.limits.allow_nonfinite)
+        else:
+            out.copy_(f.values(self.limits))
+        pending.add(f)
+
+    def finish(self) -> dict[str, torch.Tensor]:
+        """All tensors, complete; FrameError if any tensor or chunk is missing."""
+        self._check_usable()
+        self._finished = True
+        missing = set(self.expected or ()) - set(self._tensors)
+        if missing:
+            self._failed = f"name: missing tensors {sorted(missing)}"
+            raise FrameError(self._failed)
+        result = {}
+        for name, p in self._tensors.items():
+            if p.received != p.frame.numel or len(p.chunks) != p.frame.num_chunks:
+                self._failed = (
+                    f"chunk count: {name!r} got {len(p.chunks)}/{p.frame.num_chunks} chunks, "
+                    f"{p.received}/{p.frame.numel} elements"
+                )
+                raise FrameError(self._failed)
+            result[name] = p.buffer.reshape(p.frame.shape)
+        return result
+
+    def _check_usable(self) -> None:
+        if self._failed is not None:
+            raise FrameError(f"stream: decoder already failed ({self._failed})")
+        if self._finished:
+            raise FrameError("stream: decoder already finished")

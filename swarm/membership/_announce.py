@@ -1,0 +1,72 @@
+"""Periodic announcement of this peer's record under the run's DHT key."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+
+import hivemind
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.utils.timed_storage import get_dht_time
+
+from swarm.membership._record import PeerRecord, record_key
+
+logger = logging.getLogger(__name__)
+
+
+class Announcer:
+    """Stores a fresh signed record every ``interval_s`` with an expiration ``ttl_s`` ahead.
+
+    The record is built by ``snapshot`` at each announcement, so it always carries current metrics.
+    A record that is not refreshed disappears from :func:`list_members` once it expires; that is how a
+    crashed peer leaves the swarm.
+    """
+
+    def __init__(
+        self,
+        dht: hivemind.DHT,
+        run_id: str,
+        signer: RSASignatureValidator,
+        snapshot: Callable[[], PeerRecord],
+        *,
+        interval_s: float,
+        ttl_s: float,
+    ):
+        if ttl_s < interval_s:
+            raise ValueError(f"record ttl {ttl_s}s must not be shorter than the interval {interval_s}s")
+        self._dht, self._key, self._signer = dht, record_key(run_id), signer
+        self._snapshot, self._interval_s, self._ttl_s = snapshot, interval_s, ttl_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="swarm-announcer", daemon=True)
+
+    def start(self) -> None:
+        """Announce once synchronously (so the peer is visible on return), then keep announcing."""
+        self.announce_now()
+        self._thread.start()
+
+    def announce_now(self) -> bool:
+        """Store the current record; return whether at least one DHT node accepted it."""
+        record = self._snapshot()
+        stored = self._dht.store(
+            self._key,
+            subkey=self._signer.local_public_key,
+            value=record.dict(),
+            expiration_time=get_dht_time() + self._ttl_s,
+        )
+        if not stored:
+            logger.warning("no DHT node accepted our membership record (is the swarm reachable?)")
+        return bool(stored)
+
+    def stop(self) -> None:
+        """Stop announcing; the last record expires on its own."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=self._interval_s + 5)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval_s):
+            try:
+                self.announce_now()
+            except Exception:
+                logger.exception("failed to announce membership record")

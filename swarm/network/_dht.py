@@ -1,0 +1,160 @@
+"""Starting a hivemind DHT (and its p2p daemon) from validated network options."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import hivemind
+import psutil
+from hivemind.dht.validation import RecordValidatorBase
+
+from swarm.network._addresses import expand_listen_options, parse_maddrs
+from swarm.network._identity import ensure_identity, ephemeral_identity
+
+logger = logging.getLogger(__name__)
+
+
+class NetworkError(RuntimeError):
+    """The DHT or its p2p daemon could not start, or could not reach the initial peers."""
+
+
+@dataclass(frozen=True)
+class NetworkOptions:
+    """Everything needed to put one peer on the network.
+
+    Build it with :meth:`from_user_input` so that shortcuts are expanded and every address is validated.
+    """
+
+    initial_peers: list[str] = field(default_factory=list)
+    host_maddrs: list[str] = field(default_factory=lambda: ["/ip4/127.0.0.1/tcp/0"])
+    announce_maddrs: list[str] = field(default_factory=list)
+    identity_path: str | None = None
+    client_mode: bool = False
+    startup_timeout_s: float = 30.0
+
+    @classmethod
+    def from_user_input(
+        cls,
+        *,
+        initial_peers: Sequence[str],
+        host_maddrs: Sequence[str],
+        announce_maddrs: Sequence[str],
+        identity_path: str | None = None,
+        client_mode: bool = False,
+        startup_timeout_s: float = 30.0,
+        port: int | None = None,
+        public_ip: str | None = None,
+        host_maddrs_given: bool = False,
+        announce_maddrs_given: bool = False,
+    ) -> NetworkOptions:
+        """Validate every address (raising :class:`~swarm.network.AddressError`) and expand shortcuts."""
+        parse_maddrs(initial_peers, what="initial peer", require_peer_id=True)
+        listen = expand_listen_options(
+            host_maddrs=host_maddrs,
+            announce_maddrs=announce_maddrs,
+            port=port,
+            public_ip=public_ip,
+            host_maddrs_given=host_maddrs_given,
+            announce_maddrs_given=announce_maddrs_given,
+        )
+        return cls(
+            initial_peers=list(initial_peers),
+            host_maddrs=listen.host_maddrs,
+            announce_maddrs=listen.announce_maddrs,
+            identity_path=identity_path,
+            client_mode=client_mode,
+            startup_timeout_s=startup_timeout_s,
+        )
+
+    def resolved_identity_path(self) -> Path:
+        """The configured identity file, created (mode 0600) if missing.
+
+        Without a configured path a throwaway identity is made in a private temporary directory;
+        the caller removes it once the daemon has read it.
+        """
+        if self.identity_path is None:
+            return ephemeral_identity()
+        return ensure_identity(self.identity_path)
+
+
+class _OwnedDHT(hivemind.DHT):
+    """A hivemind DHT whose worker process never outlives its owner.
+
+    hivemind runs the DHT in a forked worker that starts ``p2pd``. If the owner dies without shutting
+    it down (SIGKILL, OOM killer), both would live on as orphans. Here the worker watches its parent
+    and, when the parent is gone or it receives SIGTERM, stops its daemon and exits.
+    """
+
+    def run(self) -> None:
+        owner_pid = os.getppid()
+        signal.signal(signal.SIGTERM, lambda signum, frame: _stop_worker(0))
+        threading.Thread(target=_watch_owner, args=(owner_pid,), name="dht-owner-watch", daemon=True).start()
+        super().run()
+
+
+def _watch_owner(owner_pid: int, period_s: float = 1.0) -> None:
+    while os.getppid() == owner_pid:
+        time.sleep(period_s)  # a parent's death has no event to wait on; poll
+    _stop_worker(1)
+
+
+def _stop_worker(status: int) -> None:
+    """Terminate this worker's children (the p2p daemon), then exit immediately."""
+    children = psutil.Process().children(recursive=True)
+    for child in children:
+        with contextlib.suppress(psutil.Error):
+            child.terminate()
+    psutil.wait_procs(children, timeout=3)
+    for child in children:
+        with contextlib.suppress(psutil.Error):
+            child.kill()
+    os._exit(status)
+
+
+def start_dht(
+    options: NetworkOptions,
+    identity_path: str | os.PathLike,
+    record_validators: Sequence[RecordValidatorBase] = (),
+) -> hivemind.DHT:
+    """Start a DHT node in a background process; raise :class:`NetworkError` with the cause if it fails."""
+    kwargs = dict(
+        host_maddrs=options.host_maddrs,
+        identity_path=str(identity_path),
+        client_mode=options.client_mode,
+        startup_timeout=options.startup_timeout_s,
+        # A fresh throwaway identity cannot be taken; skipping the check saves a network round trip.
+        check_if_identity_free=options.identity_path is not None,
+    )
+    if options.announce_maddrs:
+        kwargs["announce_maddrs"] = options.announce_maddrs
+    logger.debug("starting DHT with initial peers %s and %s", options.initial_peers, kwargs)
+    dht = _OwnedDHT(
+        initial_peers=options.initial_peers or None,
+        start=False,
+        record_validators=list(record_validators),
+        **kwargs,
+    )
+    try:
+        dht.run_in_background(await_ready=True, timeout=options.startup_timeout_s + 5)
+    except BaseException as exc:
+        dht.shutdown()
+        if isinstance(exc, KeyboardInterrupt):
+            raise
+        raise NetworkError(_explain_start_failure(options, exc)) from exc
+    return dht
+
+
+def _explain_start_failure(options: NetworkOptions, exc: BaseException) -> str:
+    text = str(exc) or type(exc).__name__
+    if options.initial_peers:
+        peers = ", ".join(options.initial_peers)
+        return f"could not join the swarm through {peers}: {text} (is that peer running and reachable?)"
+    return f"could not start the p2p network on {', '.join(options.host_maddrs)}: {text}"

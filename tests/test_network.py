@@ -1,0 +1,116 @@
+"""swarm.network: address validation, listen shortcuts, identity files, DHT start-up errors."""
+
+from __future__ import annotations
+
+import os
+import stat
+
+import pytest
+
+from swarm.network import (
+    IDENTITY_FILE_MODE,
+    AddressError,
+    IdentityError,
+    NetworkError,
+    NetworkOptions,
+    ensure_identity,
+    expand_listen_options,
+    parse_maddr,
+    peer_id_of_identity,
+    start_dht,
+)
+
+PEER = "QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N"
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "garbage",
+        "/ip4/999.1.1.1/tcp/1",
+        "/ip4/1.2.3.4/tcp/99999",
+        "/ip4/1.2.3.4/tcp/1/p2p/notapeer",
+        "",
+        "  ",
+    ],
+)
+def test_malformed_address_is_quoted(text: str) -> None:
+    with pytest.raises(AddressError) as info:
+        parse_maddr(text, what="initial peer")
+    assert repr(text) in str(info.value)
+
+
+def test_initial_peer_needs_peer_id() -> None:
+    with pytest.raises(AddressError, match="no /p2p/"):
+        parse_maddr("/ip4/1.2.3.4/tcp/31337", what="initial peer", require_peer_id=True)
+    maddr = parse_maddr(f"/ip4/1.2.3.4/tcp/31337/p2p/{PEER}", require_peer_id=True)
+    assert maddr.value_for_protocol("p2p") == PEER
+
+
+def test_port_and_public_ip_expand_like_petals() -> None:
+    options = expand_listen_options(host_maddrs=[], announce_maddrs=[], port=31337, public_ip="203.0.113.7")
+    assert options.host_maddrs == ["/ip4/0.0.0.0/tcp/31337", "/ip6/::/tcp/31337"]
+    assert options.announce_maddrs == ["/ip4/203.0.113.7/tcp/31337"]
+    v6 = expand_listen_options(host_maddrs=[], announce_maddrs=[], port=1, public_ip="2001:db8::1")
+    assert v6.announce_maddrs == ["/ip6/2001:db8::1/tcp/1"]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"port": 1, "host_maddrs_given": True}, "--port or --host-maddrs"),
+        ({"port": 1, "public_ip": "1.2.3.4", "announce_maddrs_given": True}, "--public-ip or --announce"),
+        ({"public_ip": "1.2.3.4"}, "needs --port"),
+        ({"port": 70000}, "out of range"),
+        ({"port": 1, "public_ip": "not-an-ip"}, "'not-an-ip'"),
+    ],
+)
+def test_shortcut_misuse_is_refused(kwargs: dict, message: str) -> None:
+    with pytest.raises(AddressError, match=message):
+        expand_listen_options(host_maddrs=["/ip4/127.0.0.1/tcp/0"], announce_maddrs=[], **kwargs)
+
+
+def test_bad_host_address_from_config_is_refused() -> None:
+    with pytest.raises(AddressError, match="'/ip4/localhost/tcp/1'"):
+        NetworkOptions.from_user_input(
+            initial_peers=[], host_maddrs=["/ip4/localhost/tcp/1"], announce_maddrs=[]
+        )
+
+
+def test_identity_created_private_and_reused(tmp_path) -> None:
+    path = tmp_path / "keys" / "peer.key"
+    os.umask(0o022)
+    ensure_identity(path)
+    assert stat.S_IMODE(path.stat().st_mode) == IDENTITY_FILE_MODE
+    first = peer_id_of_identity(path)
+    ensure_identity(path)
+    assert peer_id_of_identity(path) == first
+    other = tmp_path / "other.key"
+    ensure_identity(other)
+    assert peer_id_of_identity(other) != first
+
+
+def test_corrupt_identity_is_reported(tmp_path) -> None:
+    path = tmp_path / "bad.key"
+    path.write_bytes(b"\x00not a key")
+    with pytest.raises(IdentityError, match=r"bad\.key"):
+        ensure_identity(path)
+
+
+def test_same_identity_file_gives_same_peer_id_on_the_network(tmp_path) -> None:
+    path = ensure_identity(tmp_path / "id.key")
+    peer_ids = []
+    for _ in range(2):
+        dht = start_dht(NetworkOptions(identity_path=str(path)), path)
+        try:
+            peer_ids.append(dht.peer_id.to_base58())
+        finally:
+            dht.shutdown()
+    assert peer_ids == [peer_id_of_identity(path)] * 2
+
+
+def test_unreachable_initial_peer_is_a_clear_error(tmp_path) -> None:
+    path = ensure_identity(tmp_path / "id.key")
+    options = NetworkOptions(initial_peers=[f"/ip4/127.0.0.1/tcp/9/p2p/{PEER}"], startup_timeout_s=5)
+    with pytest.raises(NetworkError, match=r"could not join the swarm through /ip4/127\.0\.0\.1/tcp/9"):
+        start_dht(options, path)
