@@ -9,6 +9,7 @@ import typer
 
 from peers import _common as common
 from peers.config_cmd import config_app
+from peers.monitor import monitor_app
 
 app = typer.Typer(
     help="Decentralized training with quantized gossip. Start with `swarm local` or see README.md.",
@@ -16,6 +17,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 app.add_typer(config_app, name="config")
+app.add_typer(monitor_app, name="monitor")
 
 
 def _flags(initial_peers, host_maddrs, announce_maddrs, port, public_ip, identity_path, client_mode):
@@ -109,30 +111,6 @@ def local(
             stop=stop,
         )
     raise typer.Exit(status)
-
-
-@app.command()
-def monitor(
-    config: Path | None = common.CONFIG_OPTION,
-    set_: list[str] | None = common.SET_OPTION,
-    initial_peers: list[str] | None = common.INITIAL_PEERS_OPTION,
-    once: bool = typer.Option(False, "--once", help="Print the members once and exit."),
-    output_format: str = typer.Option("table", "--format", help="table or json."),
-    wait: float = typer.Option(10.0, "--wait", min=0.0, help="Seconds to wait for the first records."),
-) -> None:
-    """Show the live members of a run (joins in client mode; never counts as a member)."""
-    from peers.monitor import FORMATS, run_monitor_once
-
-    if output_format not in FORMATS:
-        common.fail(f"--format {output_format!r} is not one of {', '.join(FORMATS)}")
-    cfg = common.load_run_config(config, set_)
-    network = common.resolve_network(cfg, common.NetworkFlags(initial_peers=initial_peers, client_mode=True))
-    if not network.initial_peers:
-        common.fail("swarm monitor needs --initial-peers")
-    with common.shutdown_on_signals() as stop:
-        run_monitor_once(cfg, network, output_format=output_format, wait_s=wait, stop=stop)
-        while not once and not stop.wait(cfg.monitor.refresh_s):
-            run_monitor_once(cfg, network, output_format=output_format, wait_s=0.0, stop=stop)
 
 
 def _str(path: Path | None) -> str | None:

@@ -41,11 +41,15 @@ class PeerRecord(pydantic.BaseModel):
     samples_per_s: NonNegative = 0.0
     round: Count = 0
     step: Count = 0
+    samples_total: Count = 0
     loss: confloat(strict=True, ge=0.0, le=1e6, allow_inf_nan=False) | None = None
+    eval_loss: confloat(strict=True, ge=0.0, le=1e6, allow_inf_nan=False) | None = None
+    drift: NonNegative | None = None
     bytes_sent: Count = 0
     bytes_received: Count = 0
     exchanges_ok: Count = 0
     exchanges_failed: Count = 0
+    exchanges_rejected: Count = 0
     client_mode: StrictBool = False
     addresses: conlist(constr(strict=True, max_length=256), max_items=16) = []
     reachability: Literal["unknown", "direct", "relay", "client"] = "unknown"
