@@ -1,27 +1,29 @@
-"""`swarm monitor`: list the live members of a run (the full live view is its own issue).
+"""`swarm monitor`: a live view of a run (table, JSON, Prometheus, history) and `swarm monitor plot`.
 
-The monitor joins the DHT in client mode and never announces, so it never counts as a member.
+The monitor joins the DHT in client mode and never announces, so it never counts as a member. All
+numbers come from :func:`swarm.metrics.build_snapshot`; the modules here only render them. Heavy
+imports (hivemind, the network stack) happen inside functions so that ``swarm --help`` stays fast.
 """
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import typer
 
 from peers import _common as common
-from peers._common import open_node
 from swarm.config import RunConfig
+from swarm.metrics._policy import DEFAULT_MAX_DRIFT
 
 if TYPE_CHECKING:
-    from swarm import Member, NodeInfo
+    from swarm import Member, NodeInfo, SwarmNode
+    from swarm.metrics import SnapshotPolicy, SwarmSnapshot
     from swarm.network import NetworkOptions
 
-FORMATS = ("json", "table")
+FORMATS = ("table", "json", "jsonl")
 
 monitor_app = typer.Typer(help="Watch a run: who is in the swarm and how training goes.")
 
@@ -32,28 +34,61 @@ def monitor(
     config: Path | None = common.CONFIG_OPTION,
     set_: list[str] | None = common.SET_OPTION,
     initial_peers: list[str] | None = common.INITIAL_PEERS_OPTION,
-    once: bool = typer.Option(False, "--once", help="Print the members once and exit."),
-    output_format: str = typer.Option("table", "--format", help="table or json."),
+    run_id: str | None = typer.Option(
+        None, "--run-id", help="Watch this run (shortcut for --set run.run_id=ID)."
+    ),
+    once: bool = typer.Option(False, "--once", help="Print one snapshot and exit."),
+    output_format: str = typer.Option("table", "--format", help="table, json (one document) or jsonl."),
     wait: float = typer.Option(10.0, "--wait", min=0.0, help="Seconds to wait for the first records."),
+    prometheus_port: int | None = typer.Option(
+        None, "--prometheus-port", min=0, max=65535, help="Serve metrics here (0: any free port)."
+    ),
+    prometheus_host: str = typer.Option(
+        "127.0.0.1", "--prometheus-host", help="Address for --prometheus-port."
+    ),
+    history: Path | None = typer.Option(None, "--history", help="Append one JSON line per refresh to FILE."),
+    max_drift: float = typer.Option(
+        DEFAULT_MAX_DRIFT, "--max-drift", min=0.0, help="Warn about peers whose reported drift exceeds this."
+    ),
 ) -> None:
     """Show the live members of a run (joins in client mode; never counts as a member)."""
     if ctx.invoked_subcommand is not None:
         return
     if output_format not in FORMATS:
         common.fail(f"--format {output_format!r} is not one of {', '.join(FORMATS)}")
-    cfg = common.load_run_config(config, set_)
+    overrides = [*(set_ or []), *([f"run.run_id={run_id}"] if run_id else [])]
+    cfg = common.load_run_config(config, overrides)
     network = common.resolve_network(cfg, common.NetworkFlags(initial_peers=initial_peers, client_mode=True))
     if not network.initial_peers:
         common.fail("swarm monitor needs --initial-peers")
+    port = prometheus_port if prometheus_port is not None else cfg.monitor.prometheus_port
+    history_path = history or (Path(cfg.monitor.history_path) if cfg.monitor.history_path else None)
     with common.shutdown_on_signals() as stop:
-        run_monitor_once(cfg, network, output_format=output_format, wait_s=wait, stop=stop)
-        while not once and not stop.wait(cfg.monitor.refresh_s):
-            run_monitor_once(cfg, network, output_format=output_format, wait_s=0.0, stop=stop)
+        sinks = _open_sinks(output_format, once, prometheus_host, port, history_path)
+        try:
+            run_monitor(
+                cfg, network, sinks, policy=snapshot_policy(cfg, max_drift), once=once, wait_s=wait, stop=stop
+            )
+        finally:
+            sinks.close()
 
 
-def member_to_json(member: Member, now: float) -> dict[str, Any]:
-    """One member as a JSON object: its record fields plus ``expires_in_s`` (stable schema, see docs)."""
-    return {**member.record.dict(), "expires_in_s": round(member.expires_at - now, 3)}
+@monitor_app.command("plot")
+def plot(
+    history: Path = typer.Option(
+        ..., "--history", exists=True, dir_okay=False, help="History file (JSON lines)."
+    ),
+    output: Path = typer.Option(..., "--output", "-o", help="PNG file to write."),
+) -> None:
+    """Draw loss and throughput over time (one line per peer plus the swarm) from a history file."""
+    from peers._monitor_plot import plot_history
+    from swarm.metrics import read_history
+
+    snapshots = read_history(history)
+    if not snapshots:
+        common.fail(f"{history} holds no snapshots")
+    plot_history(snapshots, output)
+    typer.echo(f"wrote {output} ({len(snapshots)} snapshots)")
 
 
 def observer_info(config: RunConfig) -> NodeInfo:
@@ -63,46 +98,92 @@ def observer_info(config: RunConfig) -> NodeInfo:
     return NodeInfo(run_id=config.run.run_id, config_hash=config.config_hash(), role="trainer")
 
 
-def run_monitor_once(
-    config: RunConfig, network: NetworkOptions, *, output_format: str, wait_s: float, stop: threading.Event
-) -> list[Member]:
-    """Print the live members once and return them.
+def snapshot_policy(config: RunConfig, max_drift: float = DEFAULT_MAX_DRIFT) -> SnapshotPolicy:
+    """What this monitor compares peers against: its protocol, its config, its thresholds."""
+    from swarm import PROTOCOL_VERSION
+    from swarm.metrics import SnapshotPolicy
 
-    Waits up to ``wait_s`` for the first records to arrive (a freshly started monitor may ask before its
-    routing table is warm); an empty swarm prints an empty list.
-    """
+    return SnapshotPolicy(
+        protocol_version=PROTOCOL_VERSION,
+        config_hash=config.config_hash(),
+        run_id=config.run.run_id,
+        stale_after_s=config.monitor.stale_after_s,
+        record_ttl_s=config.network.record_ttl_s,
+        max_drift=max_drift,
+        target_samples=config.run.target_samples,
+    )
+
+
+def run_monitor(
+    config: RunConfig,
+    network: NetworkOptions,
+    sinks: _Sinks,
+    *,
+    policy: SnapshotPolicy,
+    once: bool,
+    wait_s: float,
+    stop: threading.Event,
+) -> SwarmSnapshot | None:
+    """Refresh every ``monitor.refresh_s`` until ``stop`` (or once); return the last snapshot."""
     from hivemind.utils.timed_storage import get_dht_time
 
-    with open_node(network, observer_info(config), config, announce=False) as node:
-        deadline = time.monotonic() + wait_s
-        members = node.members()
-        while not members and time.monotonic() < deadline and not stop.wait(0.25):
+    from swarm.metrics import build_snapshot
+
+    snapshot = None
+    with common.open_node(network, observer_info(config), config, announce=False) as node:
+        members = wait_for_members(node, wait_s, stop)
+        while True:
+            snapshot = build_snapshot(members, snapshot, get_dht_time(), policy)
+            sinks.emit(snapshot)
+            if once or stop.wait(config.monitor.refresh_s):
+                return snapshot
             members = node.members()
-    now = get_dht_time()
-    if output_format == "json":
-        typer.echo(json.dumps([member_to_json(m, now) for m in members], indent=2))
-    else:
-        _print_table(members, now)
+
+
+def wait_for_members(node: SwarmNode, wait_s: float, stop: threading.Event) -> list[Member]:
+    """A freshly started monitor may ask before its routing table is warm: retry for ``wait_s``."""
+    deadline = time.monotonic() + wait_s
+    members = node.members()
+    while not members and time.monotonic() < deadline and not stop.wait(0.25):
+        members = node.members()
     return members
 
 
-def _print_table(members: list[Member], now: float) -> None:
-    from rich.console import Console
-    from rich.table import Table
+class _Sinks:
+    """Where each snapshot goes: the terminal (table / json / jsonl), Prometheus, a history file."""
 
-    table = Table(title=f"{len(members)} live peers")
-    for column in ("peer", "name", "role", "state", "version", "device", "step", "expires in"):
-        table.add_column(column)
-    for m in members:
-        r = m.record
-        table.add_row(
-            m.peer_id[-8:],
-            r.public_name,
-            r.role,
-            r.state,
-            r.package_version,
-            r.device,
-            str(r.step),
-            f"{m.expires_at - now:.0f}s",
-        )
-    Console().print(table)
+    def __init__(self, output_format: str, once: bool, exporter=None, history=None):
+        from peers._monitor_output import TerminalOutput
+
+        self.terminal = TerminalOutput(output_format, live=not once)
+        self.exporter = exporter
+        self.history = history
+
+    def emit(self, snapshot: SwarmSnapshot) -> None:
+        if self.exporter is not None:
+            self.exporter.update(snapshot)
+        if self.history is not None:
+            self.history.append(snapshot)
+        self.terminal.show(snapshot)
+
+    def close(self) -> None:
+        self.terminal.close()
+        if self.exporter is not None:
+            self.exporter.close()
+
+
+def _open_sinks(output_format: str, once: bool, host: str, port: int | None, history: Path | None) -> _Sinks:
+    exporter = writer = None
+    if port is not None:
+        from peers._monitor_prometheus import PrometheusExporter
+
+        try:
+            exporter = PrometheusExporter(host, port)
+        except OSError as exc:
+            common.fail(f"cannot serve Prometheus metrics on {host}:{port}: {exc}")
+        typer.echo(f"prometheus metrics at http://{host}:{exporter.port}/metrics", err=True)
+    if history is not None:
+        from swarm.metrics import HistoryWriter
+
+        writer = HistoryWriter(history)
+    return _Sinks(output_format, once, exporter, writer)

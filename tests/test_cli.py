@@ -68,9 +68,11 @@ def test_join_without_initial_peers_is_refused() -> None:
     assert "--initial-peers" in result.output
 
 
-def _member_ids(monitor_output: str) -> set[str]:
-    start = monitor_output.index("[")
-    return {record["peer_id"] for record in json.loads(monitor_output[start:])}
+def _monitor_peers(output: str) -> list[dict]:
+    """The ``peers`` of the JSON snapshot printed by ``swarm monitor --once --format json``."""
+    start = output.index("\n{") + 1 if not output.startswith("{") else 0
+    snapshot, _ = json.JSONDecoder().raw_decode(output[start:])
+    return snapshot["peers"]
 
 
 @pytest.mark.multipeer
@@ -89,7 +91,7 @@ def test_bootstrap_line_contract_end_to_end(spawn, tmp_path) -> None:
 
     monitor = spawn(swarm_cli("monitor", "--initial-peers", maddr, "--once", "--format", "json"))
     assert monitor.wait(timeout=90) == 0, monitor.output()
-    records = json.loads(monitor.output()[monitor.output().index("[") :])
+    records = _monitor_peers(monitor.output())
     assert {r["peer_id"] for r in records} == {boot_id, joiner_id}
     assert {r["public_name"] for r in records} == {"entry", "volunteer"}
 

@@ -1,0 +1,139 @@
+"""Terminal rendering of a :class:`~swarm.metrics.SwarmSnapshot` (rich): header, peer table, warnings.
+
+Columns are chosen by priority so that the table fits the terminal: a 60-column terminal still shows
+who is there, their state, throughput, loss and when they were last seen.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from rich.console import Group, RenderableType
+from rich.table import Table
+from rich.text import Text
+
+from swarm.metrics import PeerView, SwarmSnapshot
+
+STATE_STYLES = {
+    "training": "green",
+    "syncing": "cyan",
+    "joining": "blue",
+    "stale": "yellow",
+    "incompatible": "red",
+}
+
+
+@dataclass(frozen=True)
+class Column:
+    title: str
+    width: int
+    cell: Callable[[PeerView, float], str]
+    justify: str = "left"
+
+
+def si(value: float | None, unit: str = "") -> str:
+    """1234567 -> '1.2M' (with ``unit`` appended); None -> '-'."""
+    if value is None:
+        return "-"
+    for threshold, suffix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(value) >= threshold:
+            return f"{value / threshold:.1f}{suffix}{unit}"
+    return f"{value:.3g}{unit}" if isinstance(value, float) else f"{value}{unit}"
+
+
+def duration(seconds: float | None) -> str:
+    """Compact duration: '45s', '12m03s', '5h07m', '3d04h'; None -> '-'."""
+    if seconds is None:
+        return "-"
+    s = int(max(0.0, seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    if s < 86400:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 86400}d{s % 86400 // 3600:02d}h"
+
+
+def _loss(value: float | None) -> str:
+    return "-" if value is None else f"{value:.4g}"
+
+
+# In priority order: the first columns survive the narrowest terminal.
+COLUMNS = (
+    Column("peer", 8, lambda p, now: p.short_id),
+    Column("state", 12, lambda p, now: p.state),
+    Column("name", 12, lambda p, now: p.public_name or "-"),
+    Column("samples/s", 9, lambda p, now: si(p.samples_per_s), "right"),
+    Column("loss", 7, lambda p, now: _loss(p.loss), "right"),
+    Column("seen", 6, lambda p, now: duration(now - p.last_seen), "right"),
+    Column("round/step", 10, lambda p, now: f"{p.round}/{p.step}", "right"),
+    Column("up", 9, lambda p, now: si(p.upload_bps, "B/s"), "right"),
+    Column("down", 9, lambda p, now: si(p.download_bps, "B/s"), "right"),
+    Column("role", 9, lambda p, now: p.role),
+    Column("conn", 6, lambda p, now: p.connectivity),
+    Column("version", 7, lambda p, now: p.package_version or "-"),
+    Column("device", 14, lambda p, now: p.device or "-"),
+)
+
+
+def columns_for(width: int, snapshot: SwarmSnapshot | None = None) -> list[Column]:
+    """The leading columns of :data:`COLUMNS` that fit ``width`` (measured on ``snapshot``'s cells)."""
+    chosen, used = [], 0
+    for column in COLUMNS:
+        used += _measure(column, snapshot) + 3
+        if used > width + 1 and len(chosen) >= 3:
+            break
+        chosen.append(column)
+    return chosen
+
+
+def _measure(column: Column, snapshot: SwarmSnapshot | None) -> int:
+    if snapshot is None or not snapshot.peers:
+        return column.width
+    cells = (len(column.cell(p, snapshot.time)) for p in snapshot.peers)
+    return max(len(column.title), *cells)
+
+
+def render(snapshot: SwarmSnapshot, width: int) -> RenderableType:
+    """Header with swarm totals, the peer table, then one line per warning."""
+    parts: list[RenderableType] = [*header_lines(snapshot), peer_table(snapshot, width)]
+    parts.extend(Text(f"! {w.kind}: {w.message}", style="yellow") for w in snapshot.warnings)
+    return Group(*parts)
+
+
+def header_lines(snapshot: SwarmSnapshot) -> list[Text]:
+    t = snapshot.totals
+    lines = [
+        Text(
+            f"run {snapshot.run_id or '?'}: {t.peers} peers, {t.trainers} active trainers, "
+            f"{t.stale} stale, {t.incompatible} incompatible",
+            style="bold",
+        ),
+        Text(
+            f"{si(t.samples_per_s)} samples/s, {si(t.samples_total)} samples trained, "
+            f"loss mean {_loss(t.loss_mean)} best {_loss(t.loss_best)}, "
+            f"{'-' if t.syncs_per_min is None else f'{t.syncs_per_min:.1f}'} syncs/min, "
+            f"up {si(t.upload_bps, 'B/s')} down {si(t.download_bps, 'B/s')}"
+        ),
+    ]
+    if t.target_samples:
+        lines.append(
+            Text(
+                f"progress {100 * (t.progress or 0):.1f}% of {si(t.target_samples)} samples, "
+                f"ETA {duration(t.eta_s)}"
+            )
+        )
+    return lines
+
+
+def peer_table(snapshot: SwarmSnapshot, width: int) -> Table:
+    chosen = columns_for(width, snapshot)
+    table = Table(expand=False, pad_edge=False, show_edge=False)
+    for column in chosen:
+        table.add_column(column.title, justify=column.justify, overflow="ellipsis", no_wrap=True)
+    for peer in snapshot.peers:
+        cells = [column.cell(peer, snapshot.time) for column in chosen]
+        table.add_row(*cells, style=STATE_STYLES.get(peer.state))
+    return table

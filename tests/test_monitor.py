@@ -1,0 +1,175 @@
+"""peers/monitor sinks without a network: table rendering, Prometheus exporter, plot, CLI input errors."""
+
+from __future__ import annotations
+
+import io
+import json
+import urllib.request
+
+import numpy as np
+import pytest
+from matplotlib import image as mpimg
+from rich.console import Console
+from typer.testing import CliRunner
+
+from peers._monitor_output import TerminalOutput
+from peers._monitor_plot import plot_history
+from peers._monitor_prometheus import PrometheusExporter
+from peers._monitor_table import columns_for, duration, render, si
+from peers.cli import app
+from swarm.metrics import HistoryWriter, SnapshotPolicy, build_snapshot
+from tests.test_metrics import HASH, POLICY, T0, member, pid
+
+runner = CliRunner()
+
+
+def sample_snapshots(count: int = 6):
+    policy = SnapshotPolicy(
+        protocol_version=POLICY.protocol_version, config_hash=HASH, run_id="r", target_samples=10**6
+    )
+    snaps, previous = [], None
+    for i in range(count):
+        members = [
+            member(
+                n,
+                T0 + 3 * i,
+                loss=3.0 / (1 + i * n),
+                samples_per_s=10.0 * n + i,
+                samples_total=1000 * i * n,
+                bytes_sent=10_000 * i * n,
+                round=i,
+                step=10 * i,
+            )
+            for n in (1, 2, 3)
+        ] + [member(4, T0 + 3 * i, role="bootstrap", state="idle", public_name="entry", drift=0.9)]
+        previous = build_snapshot(members, previous, T0 + 3 * i, policy)
+        snaps.append(previous)
+    return snaps
+
+
+def test_table_fits_a_60_column_terminal_without_colour() -> None:
+    console = Console(width=60, record=True, force_terminal=False, color_system=None)
+    console.print(render(sample_snapshots()[-1], console.width))
+    text = console.export_text()
+    assert all(len(line) <= 60 for line in text.splitlines()), text
+    for n in (1, 2, 3):
+        assert pid(n)[-8:] in text
+    assert "training" in text and "samples/s" in text and "! drift" in text
+    assert "\x1b[" not in text
+
+
+def test_wide_table_shows_every_column() -> None:
+    titles = [c.title for c in columns_for(200)]
+    assert {
+        "peer",
+        "name",
+        "role",
+        "state",
+        "version",
+        "device",
+        "samples/s",
+        "round/step",
+        "loss",
+        "up",
+        "down",
+        "seen",
+        "conn",
+    } <= set(titles)
+    assert len(columns_for(60)) < len(titles)
+
+
+def test_formatting_helpers() -> None:
+    assert si(None) == "-" and si(1234567.0, "B/s") == "1.2MB/s" and si(12) == "12"
+    assert duration(None) == "-" and duration(75) == "1m15s" and duration(3 * 86400 + 7200) == "3d02h"
+
+
+def test_json_and_jsonl_output_is_the_documented_schema(capsys) -> None:
+    last = sample_snapshots()[-1]
+    TerminalOutput("jsonl", live=False).show(last)
+    TerminalOutput("json", live=False).show(last)
+    out = capsys.readouterr().out
+    line, document = out.split("\n", 1)
+    assert json.loads(line) == json.loads(document) == last.to_dict()
+    doc = json.loads(line)
+    assert doc["schema_version"] == 1
+    assert set(doc) == {
+        "schema_version",
+        "time",
+        "run_id",
+        "reference_config_hash",
+        "totals",
+        "peers",
+        "warnings",
+        "retired_samples",
+    }
+
+
+def test_live_output_on_a_terminal_redraws_in_place() -> None:
+    console = Console(file=io.StringIO(), force_terminal=True, width=100)
+    output = TerminalOutput("table", live=True, console=console)
+    for snapshot in sample_snapshots(2):
+        output.show(snapshot)
+    output.close()
+    assert "samples/s" in console.file.getvalue()
+
+
+def test_prometheus_scrape_has_one_series_per_peer() -> None:
+    exporter = PrometheusExporter("127.0.0.1", 0)
+    try:
+        assert urllib.request.urlopen(f"http://127.0.0.1:{exporter.port}/metrics", timeout=10).read() == b""
+        exporter.update(sample_snapshots()[-1])
+        body = urllib.request.urlopen(f"http://127.0.0.1:{exporter.port}/metrics", timeout=10).read().decode()
+    finally:
+        exporter.close()
+    series = [line for line in body.splitlines() if line.startswith("swarm_peer_samples_per_second{")]
+    assert len(series) == 4
+    assert any(
+        f'peer_id="{pid(2)}"' in s and 'public_name="p2"' in s and 'role="trainer"' in s for s in series
+    )
+    assert "swarm_samples_per_second " in body and "swarm_eta_seconds " in body
+
+
+def test_plot_draws_more_than_a_blank_canvas(tmp_path) -> None:
+    history = tmp_path / "h.jsonl"
+    writer = HistoryWriter(history)
+    for snapshot in sample_snapshots():
+        writer.append(snapshot)
+    out = tmp_path / "plots" / "run.png"
+    result = runner.invoke(app, ["monitor", "plot", "--history", str(history), "--output", str(out)])
+    assert result.exit_code == 0, result.output
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    pixels = mpimg.imread(out)
+    assert pixels.shape[0] > 300 and float(np.var(pixels[..., :3])) > 1e-3
+
+
+def test_plot_of_history_without_losses_still_writes(tmp_path) -> None:
+    snaps = [s.to_dict() for s in sample_snapshots(2)]
+    for s in snaps:
+        for p in s["peers"]:
+            p["loss"] = None
+    plot_history(snaps, tmp_path / "x.png")
+    assert (tmp_path / "x.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["monitor", "--format", "xml", "--initial-peers", "/ip4/127.0.0.1/tcp/1/p2p/QmX"], "--format"),
+        (["monitor", "--once"], "--initial-peers"),
+        (["monitor", "--run-id", "bad id!", "--initial-peers", "/ip4/1.2.3.4/tcp/1"], "run.run_id"),
+        (["monitor", "plot", "--history", "/nonexistent.jsonl", "--output", "x.png"], "does not exist"),
+    ],
+)
+def test_bad_input_exits_2(args, needle) -> None:
+    result = runner.invoke(app, args)
+    assert result.exit_code == 2, result.output
+    assert needle in result.output
+
+
+def test_plot_of_empty_history_fails_cleanly(tmp_path) -> None:
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("garbage\n")
+    result = runner.invoke(
+        app, ["monitor", "plot", "--history", str(empty), "--output", str(tmp_path / "o.png")]
+    )
+    assert result.exit_code == 2 and "no snapshots" in result.output

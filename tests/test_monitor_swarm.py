@@ -1,0 +1,102 @@
+"""`swarm monitor` against a real swarm on loopback: a bootstrap and 3 `swarm join` trainers."""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import urllib.request
+
+import pytest
+
+from peers.bootstrap import JOIN_LINE_PREFIX
+from swarm.membership import PROTOCOL_VERSION
+from tests._processes import swarm_cli, wait_until
+
+PEER_FIELDS = {
+    "short_id", "peer_id", "public_name", "role", "state", "reported_state", "protocol_version",
+    "package_version", "config_hash", "device", "device_memory_gb", "samples_per_s", "round", "step",
+    "samples_total", "loss", "eval_loss", "drift", "bytes_sent", "bytes_received", "upload_bps",
+    "download_bps", "syncs_per_min", "exchanges_ok", "exchanges_failed", "exchanges_rejected",
+    "connectivity", "client_mode", "addresses", "started_at", "last_seen", "last_progress_at",
+    "expires_in_s", "present", "compatible", "last_seen_ago_s",
+}  # fmt: skip
+TOTAL_FIELDS = {
+    "peers", "trainers", "stale", "incompatible", "samples_per_s", "samples_total", "loss_mean", "loss_best",
+    "upload_bps", "download_bps", "syncs_per_min", "target_samples", "progress", "eta_s",
+}  # fmt: skip
+
+
+def _json_document(output: str) -> dict:
+    lines = output.splitlines()
+    start = lines.index("{")
+    return json.loads("\n".join(lines[start:]))
+
+
+def _snapshot_lines(process) -> list[dict]:
+    process.drain()
+    return [json.loads(line) for line in process.lines if line.startswith('{"schema_version"')]
+
+
+@pytest.mark.multipeer
+def test_monitor_against_a_local_swarm_of_three(spawn, tmp_path) -> None:
+    boot = spawn(swarm_cli("bootstrap", "--public-name", "local-bootstrap"))
+    maddr = boot.wait_for_line(lambda text: text.startswith(JOIN_LINE_PREFIX), timeout=120)[
+        len(JOIN_LINE_PREFIX) :
+    ]
+    joiners = [
+        spawn(swarm_cli("join", "--initial-peers", maddr, "--public-name", f"local-{n}")) for n in (1, 2, 3)
+    ]
+    for joiner in joiners:
+        joiner.wait_for_line(lambda text: "joined run" in text, timeout=120)
+
+    history = tmp_path / "history.jsonl"
+    live = spawn(
+        swarm_cli(
+            "monitor", "--initial-peers", maddr, "--format", "jsonl", "--prometheus-port", "0",
+            "--history", str(history), "--set", "monitor.refresh_s=1",
+        )
+    )  # fmt: skip
+    once = spawn(swarm_cli("monitor", "--initial-peers", maddr, "--once", "--format", "json"))
+    assert once.wait(timeout=120) == 0, once.output()
+    doc = _json_document(once.output())
+
+    assert doc["schema_version"] == 1 and set(doc["totals"]) == TOTAL_FIELDS
+    trainers = [p for p in doc["peers"] if p["role"] == "trainer"]
+    assert sorted(p["public_name"] for p in trainers) == ["local-1", "local-2", "local-3"]
+    assert [p["public_name"] for p in doc["peers"] if p["role"] == "bootstrap"] == ["local-bootstrap"]
+    assert len(doc["peers"]) == 4  # the monitor itself is not a member
+    for peer in doc["peers"]:
+        assert set(peer) == PEER_FIELDS
+        assert peer["protocol_version"] == PROTOCOL_VERSION and peer["compatible"] and peer["present"]
+        assert peer["state"] == "idle" and peer["connectivity"] == "direct"
+    assert doc["totals"]["peers"] == 4 and doc["totals"]["incompatible"] == 0
+
+    endpoint = live.wait_for_line(lambda text: "prometheus metrics at" in text, timeout=120)
+    url = re.search(r"http://\S+", endpoint).group(0)
+    wait_until(
+        lambda: any(len(s["peers"]) == 4 for s in _snapshot_lines(live)), 120, "4 peers in the live view"
+    )
+    body = urllib.request.urlopen(url, timeout=10).read().decode()
+    series = [s for s in body.splitlines() if s.startswith("swarm_peer_samples_per_second{")]
+    assert sum('role="trainer"' in s for s in series) == 3
+    assert {re.search(r'public_name="([^"]*)"', s).group(1) for s in series} >= {
+        "local-1",
+        "local-2",
+        "local-3",
+    }
+    wait_until(lambda: len(_snapshot_lines(live)) >= 2, 60, "a second refresh")
+
+    live.signal(signal.SIGINT)
+    assert live.wait(timeout=20) == 0, live.output()
+    assert len(history.read_text().splitlines()) >= 2
+
+    png = tmp_path / "run.png"
+    plot = spawn(swarm_cli("monitor", "plot", "--history", str(history), "--output", str(png)))
+    assert plot.wait(timeout=60) == 0, plot.output()
+    assert png.read_bytes()[:4] == b"\x89PNG"
+
+    for process in [*joiners, boot]:
+        process.signal(signal.SIGTERM)
+    for process in [*joiners, boot]:
+        assert process.wait(timeout=20) == 0, process.output()
