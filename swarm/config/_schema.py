@@ -172,11 +172,18 @@ class TrainSection(_Section):
         None, description="Directory for local checkpoints; None disables them."
     )
     checkpoint_every_s: float = Field(300.0, gt=0, description="Seconds between local checkpoints.")
+    eval_every_rounds: int = Field(1, ge=1, description="Evaluate held-out loss every this many syncs.")
+    eval_batches: int = Field(
+        4, ge=1, le=1000, description="Held-out batches (of 32 windows) per evaluation."
+    )
 
 
 class AveragingSection(_Section):
     """Gossip averaging: outer optimizer and exchange policy."""
 
+    backend: Literal["gossip", "none"] = Field(
+        "gossip", description="'gossip': quantized pairwise averaging; 'none': every peer trains alone."
+    )
     sync_every_steps: int = Field(20, ge=1, description="Inner steps between syncs (H of DiLoCo).")
     sync_every_seconds: Annotated[float, Field(gt=0)] | None = Field(
         None, description="Also sync when this many seconds passed since the last one."
@@ -196,6 +203,17 @@ class AveragingSection(_Section):
     )
     ban_max_s: float = Field(
         600.0, gt=0, validate_default=True, description="Longest ban; bans double up to it (per peer)."
+    )
+    param_sync_every: int = Field(
+        10, ge=1, description="Average full parameters with a partner every this many syncs (drift control)."
+    )
+    max_drift: float = Field(
+        0.02,
+        gt=0,
+        description="Bound on relative L2 distance to a partner; above it parameters sync every round.",
+    )
+    param_codec: Literal["fp32", "fp16", "bf16"] = Field(
+        "fp32", description="Codec for the occasional full-parameter exchange."
     )
 
     @field_validator("ban_max_s")

@@ -1,0 +1,141 @@
+"""Atomic, verified local checkpoints.
+
+A checkpoint file is a fixed header followed by a ``torch.save`` payload::
+
+    magic "SWARMCKP" (8 bytes) | format version (u32) | payload length (u64) | sha256 of payload (32 bytes)
+
+Saving writes a hidden temporary file in the checkpoint directory, fsyncs it, renames it over its
+final name and fsyncs the directory, so after a crash a checkpoint is either whole or absent (and a
+leftover temporary file never looks like a checkpoint). Loading trusts nothing: it checks the
+magic, version, length and checksum *before* handing the payload to ``torch.load(weights_only=True)``,
+which only rebuilds tensors and plain containers and never runs pickled code.
+
+The state is a plain dict; peers store ``model``, ``inner_optimizer``, ``outer_optimizer``,
+``progress`` and ``config_hash`` in it, and a checkpoint of another config hash is refused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import logging
+import os
+import re
+import struct
+from pathlib import Path
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+MAGIC = b"SWARMCKP"
+FORMAT_VERSION = 1
+_HEADER = struct.Struct("<8sIQ32s")
+HEADER_SIZE = _HEADER.size
+_NAME = re.compile(r"^ckpt-(\d{12})\.pt$")
+
+
+class CheckpointError(Exception):
+    """A checkpoint cannot be used: corrupt, or from a different run config."""
+
+
+def checkpoint_path(directory: str | os.PathLike[str], step: int) -> Path:
+    return Path(directory) / f"ckpt-{step:012d}.pt"
+
+
+def list_checkpoints(directory: str | os.PathLike[str]) -> list[tuple[int, Path]]:
+    """``(step, path)`` of the files named like checkpoints, newest first (temporary files excluded)."""
+    root = Path(directory)
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _NAME.match(p.name)) and p.is_file()]
+    return sorted(found, reverse=True)
+
+
+def _fsync_directory(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_checkpoint(
+    directory: str | os.PathLike[str], state: dict[str, Any], step: int, keep: int = 3
+) -> Path:
+    """Write ``state`` atomically as the checkpoint of ``step``; keep only the newest ``keep`` ones."""
+    if step < 0 or keep < 1:
+        raise ValueError(f"need step >= 0 and keep >= 1, got step={step}, keep={keep}")
+    root = Path(directory)
+    root.mkdir(parents=True, exist_ok=True)
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    payload = buffer.getvalue()
+    header = _HEADER.pack(MAGIC, FORMAT_VERSION, len(payload), hashlib.sha256(payload).digest())
+    final = checkpoint_path(root, step)
+    temporary = root / f".{final.name}.{os.getpid()}.tmp"
+    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(header)
+            handle.write(payload)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temporary, final)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
+    _fsync_directory(root)
+    logger.info("checkpoint of step %d saved to %s (%d bytes)", step, final, len(payload) + HEADER_SIZE)
+    for _, old in list_checkpoints(root)[keep:]:
+        old.unlink(missing_ok=True)
+    return final
+
+
+def read_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Verify and load one checkpoint file; :class:`CheckpointError` names what is wrong with it."""
+    data = Path(path).read_bytes()
+    if len(data) < HEADER_SIZE:
+        raise CheckpointError(f"{len(data)} bytes, shorter than the {HEADER_SIZE}-byte header")
+    magic, version, length, digest = _HEADER.unpack_from(data)
+    if magic != MAGIC:
+        raise CheckpointError(f"bad magic {magic!r}, not a swarm checkpoint")
+    if version != FORMAT_VERSION:
+        raise CheckpointError(f"format version {version}, this program reads {FORMAT_VERSION}")
+    payload = memoryview(data)[HEADER_SIZE:]
+    if len(payload) != length:
+        raise CheckpointError(f"payload is {len(payload)} bytes, header says {length} (truncated?)")
+    if hashlib.sha256(payload).digest() != digest:
+        raise CheckpointError("payload checksum mismatch (corrupted)")
+    try:
+        state = torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
+    except Exception as error:
+        raise CheckpointError(f"payload does not load: {error}") from error
+    if not isinstance(state, dict):
+        raise CheckpointError(f"payload is a {type(state).__name__}, not a dict")
+    return state
+
+
+def load_latest_checkpoint(
+    directory: str | os.PathLike[str], *, config_hash: str | None = None
+) -> tuple[dict[str, Any], Path] | None:
+    """The newest valid checkpoint in ``directory`` as ``(state, path)``, or None when there is none.
+
+    Invalid files are skipped with a warning naming the file and the reason. When ``config_hash`` is
+    given, a valid checkpoint whose ``state["config_hash"]`` differs raises :class:`CheckpointError`:
+    resuming another run's state would be silently wrong.
+    """
+    for _, path in list_checkpoints(directory):
+        try:
+            state = read_checkpoint(path)
+        except (CheckpointError, OSError) as error:
+            logger.warning("skipping checkpoint %s: %s", path, error)
+            continue
+        if config_hash is not None and state.get("config_hash") != config_hash:
+            raise CheckpointError(
+                f"checkpoint {path} belongs to config hash {state.get('config_hash')!r}, this run is "
+                f"{config_hash!r}; use another train.checkpoint_dir or the original config"
+            )
+        return state, path
+    return None

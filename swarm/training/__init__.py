@@ -1,0 +1,49 @@
+"""Training components: model, data, the inner loop and the outer (DiLoCo) step. See docs/training.md."""
+
+from swarm.training.data import (
+    Corpus,
+    EvalSet,
+    HFStreamSource,
+    TrainBatches,
+    evaluate,
+    make_eval_set,
+    open_source,
+    stdlib_files,
+    unigram_bits,
+)
+from swarm.training.inner import (
+    InnerTrainer,
+    StepStats,
+    auto_micro_batch_size,
+    lr_at,
+    make_inner_optimizer,
+    resolve_device,
+    total_samples_of,
+)
+from swarm.training.model import GPT, build_model, count_parameters, lm_loss
+from swarm.training.outer import OuterOptimizer, drift
+
+__all__ = [
+    "GPT",
+    "Corpus",
+    "EvalSet",
+    "HFStreamSource",
+    "InnerTrainer",
+    "OuterOptimizer",
+    "StepStats",
+    "TrainBatches",
+    "auto_micro_batch_size",
+    "build_model",
+    "count_parameters",
+    "drift",
+    "evaluate",
+    "lm_loss",
+    "lr_at",
+    "make_eval_set",
+    "make_inner_optimizer",
+    "open_source",
+    "resolve_device",
+    "stdlib_files",
+    "total_samples_of",
+    "unigram_bits",
+]

@@ -1,0 +1,365 @@
+"""Training text as byte-level tokens: where it comes from, how peers share it, and how it is scored.
+
+Sources (``data.source``):
+
+* ``stdlib``: the ``.py`` files of this Python's standard library (about 11 MB, no download);
+* ``files``: local text files, directories (read recursively) or glob patterns (``data.paths``);
+* ``hf``: a Hugging Face ``datasets`` dataset, streamed (needs the optional ``datasets`` package).
+
+Text is tokenized as raw bytes (token = byte value, 256 tokens), so losses are in bits per byte.
+
+Held-out split: text is cut into pieces (a whole file, or 64 KiB of a longer one; a whole document
+for streams) and a piece is held out when a hash of its *content* falls below ``eval_fraction``. The
+split is therefore the same on every machine, whatever the file names, and never depends on the seed.
+
+Peer shards: the training bytes are cut into windows of ``block_size + 1`` tokens, and the windows
+into ``S`` interleaved shards (window ``w`` is in shard ``w mod S``, so every shard spans the whole
+corpus). A peer walks the shards in order, starting from one chosen by a hash of its peer key and the
+run seed, and shuffles the windows inside each shard with the same key. Two peers that start on
+different shards therefore read disjoint windows until one has caught up with the other's starting
+shard, and every peer still sees the whole corpus once per epoch.
+"""
+
+from __future__ import annotations
+
+import functools
+import glob
+import hashlib
+import logging
+import math
+import sysconfig
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+from torch import nn
+
+from swarm.config import DataSection
+
+logger = logging.getLogger(__name__)
+
+SPLIT_PIECE_BYTES = 64 * 1024
+MAX_SHARDS = 1024
+_STDLIB_SKIPPED_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "__pycache__"})
+
+
+def _hash64(*parts: object) -> int:
+    text = "\x00".join(str(part) for part in parts).encode()
+    return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little")
+
+
+def is_held_out(piece: bytes, eval_fraction: float) -> bool:
+    """Whether a piece of text belongs to the evaluation split (decided by its content alone)."""
+    digest = hashlib.blake2b(piece, digest_size=8, person=b"swarm-eval").digest()
+    return int.from_bytes(digest, "little") < eval_fraction * 2**64
+
+
+class TokenSource(Protocol):
+    """What :class:`TrainBatches` and :func:`make_eval_set` need from a source of tokens."""
+
+    unit: str
+
+    @property
+    def eval(self) -> torch.Tensor: ...
+
+    def iter_windows(
+        self, block_size: int, peer_key: str, seed: int, skip: int = 0
+    ) -> Iterator[torch.Tensor]: ...
+
+
+@dataclass(frozen=True, eq=False)
+class Corpus:
+    """A whole corpus in memory: one uint8 tensor of training bytes and one of held-out bytes."""
+
+    name: str
+    train: torch.Tensor
+    eval: torch.Tensor
+    documents: int
+    unit: str = "byte"
+
+    def iter_windows(
+        self, block_size: int, peer_key: str, seed: int, skip: int = 0
+    ) -> Iterator[torch.Tensor]:
+        """Endless chunks of training windows ``(k, block_size + 1)`` in this peer's order.
+
+        ``skip`` windows are passed over first without reading them (to resume after a restart).
+        """
+        span = block_size + 1
+        peer = _hash64("peer", seed, peer_key)
+        epoch = 0
+        while True:
+            # All peers share the epoch's phase, so their windows line up and shards are disjoint.
+            phase = _hash64("phase", seed, epoch) % span
+            count = (len(self.train) - phase) // span
+            if count < 1:
+                raise ValueError(f"{self.name}: {len(self.train)} training bytes, fewer than one window")
+            shards = min(MAX_SHARDS, count)
+            for i in range(shards):
+                shard = (peer + i) % shards
+                size = len(range(shard, count, shards))
+                if skip >= size:
+                    skip -= size
+                    continue
+                windows = np.arange(shard, count, shards)
+                np.random.default_rng([peer, epoch, shard]).shuffle(windows)
+                starts = torch.from_numpy(phase + windows[skip:] * span)
+                skip = 0
+                yield self.train[starts[:, None] + torch.arange(span)]
+            epoch += 1
+
+
+class HFStreamSource:
+    """A streamed Hugging Face dataset of text documents, as byte-level tokens.
+
+    Each peer streams the documents in its own order (``shuffle`` with a seed from its peer key, over
+    a buffer of ``shuffle_buffer`` documents), skips held-out documents, and cuts the rest, joined
+    by newlines, into windows. The evaluation split is the first ``eval_bytes`` of held-out text.
+    """
+
+    unit = "byte"
+
+    def __init__(
+        self,
+        dataset: Any,
+        eval_fraction: float,
+        *,
+        name: str = "hf",
+        text_field: str = "text",
+        eval_bytes: int = 1 << 20,
+        shuffle_buffer: int = 10_000,
+    ) -> None:
+        self.name = name
+        self._dataset = dataset
+        self._eval_fraction = eval_fraction
+        self._text_field = text_field
+        self._eval_bytes = eval_bytes
+        self._shuffle_buffer = shuffle_buffer
+
+    @classmethod
+    def from_name(cls, dataset_name: str, eval_fraction: float, **options: Any) -> HFStreamSource:
+        """Open ``dataset_name``'s train split for streaming (downloads as it is read)."""
+        try:
+            import datasets
+        except ImportError as error:
+            raise ImportError(
+                "data.source 'hf' needs the 'datasets' package: pip install datasets"
+            ) from error
+        stream = datasets.load_dataset(dataset_name, split="train", streaming=True)
+        return cls(stream, eval_fraction, name=dataset_name, **options)
+
+    def _documents(self, stream: Iterable[dict[str, Any]], held_out: bool) -> Iterator[bytes]:
+        for record in stream:
+            text = record[self._text_field].encode("utf-8") + b"\n"
+            if is_held_out(text, self._eval_fraction) == held_out:
+                yield text
+
+    @functools.cached_property
+    def eval(self) -> torch.Tensor:
+        held_out = bytearray()
+        for text in self._documents(self._dataset, held_out=True):
+            held_out += text
+            if len(held_out) >= self._eval_bytes:
+                break
+        if not held_out:
+            raise ValueError(f"{self.name}: no held-out documents; raise data.eval_fraction")
+        return torch.frombuffer(held_out[: self._eval_bytes], dtype=torch.uint8)
+
+    def iter_windows(
+        self, block_size: int, peer_key: str, seed: int, skip: int = 0
+    ) -> Iterator[torch.Tensor]:
+        """Endless training windows ``(1, block_size + 1)`` in this peer's order."""
+        span = block_size + 1
+        stream = self._dataset.shuffle(
+            seed=_hash64("peer", seed, peer_key) % 2**32, buffer_size=self._shuffle_buffer
+        )
+        epoch = 0
+        while True:
+            stream.set_epoch(epoch)
+            pending = bytearray()
+            produced = False
+            for text in self._documents(stream, held_out=False):
+                pending += text
+                while len(pending) >= span:
+                    window, pending = bytes(pending[:span]), pending[span:]
+                    produced = True
+                    if skip:
+                        skip -= 1
+                        continue
+                    yield torch.frombuffer(bytearray(window), dtype=torch.uint8)[None]
+            if not produced:
+                raise ValueError(f"{self.name}: no training window of {span} bytes in the whole stream")
+            epoch += 1
+
+
+def stdlib_files() -> list[Path]:
+    """The standard library's ``.py`` files, sorted, without site-packages and test suites."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    return sorted(
+        path
+        for path in root.rglob("*.py")
+        if path.is_file() and not _STDLIB_SKIPPED_DIRS.intersection(path.relative_to(root).parts)
+    )
+
+
+def expand_paths(paths: Sequence[str]) -> list[Path]:
+    """Files named by ``data.paths``: files, directories (recursively, hidden ones skipped) or globs."""
+    found: list[Path] = []
+    for entry in paths:
+        matches = sorted(glob.glob(entry, recursive=True)) if glob.has_magic(entry) else [entry]
+        for match in map(Path, matches):
+            if match.is_dir():
+                found.extend(
+                    sorted(
+                        p
+                        for p in match.rglob("*")
+                        if p.is_file() and not any(s.startswith(".") for s in p.relative_to(match).parts)
+                    )
+                )
+            elif match.is_file():
+                found.append(match)
+        if not matches or not any(Path(m).exists() for m in matches):
+            raise FileNotFoundError(f"data.paths: nothing matches {entry!r}")
+    if not found:
+        raise FileNotFoundError(f"data.paths: no files in {list(paths)}")
+    return found
+
+
+def corpus_from_files(files: Sequence[Path], eval_fraction: float, name: str = "files") -> Corpus:
+    """Read ``files`` once into a training and a held-out byte buffer (see the module docstring)."""
+    train, held_out = bytearray(), bytearray()
+    for path in files:
+        text = path.read_bytes()
+        for start in range(0, len(text), SPLIT_PIECE_BYTES):
+            piece = text[start : start + SPLIT_PIECE_BYTES]
+            (held_out if is_held_out(piece, eval_fraction) else train).extend(piece)
+    if not train or not held_out:
+        # Too little text for a split by pieces (e.g. one short file): hold out its tail instead.
+        joined = train + held_out
+        cut = len(joined) - max(1, math.ceil(len(joined) * eval_fraction))
+        train, held_out = joined[:cut], joined[cut:]
+        logger.warning(
+            "%s: too few pieces to split by content; holding out the last %d bytes", name, len(held_out)
+        )
+    if not train:
+        raise ValueError(f"{name}: no text to train on")
+    corpus = Corpus(
+        name=name,
+        train=torch.frombuffer(train, dtype=torch.uint8),
+        eval=torch.frombuffer(held_out, dtype=torch.uint8),
+        documents=len(files),
+    )
+    logger.info(
+        "%s: %d files, %d training bytes, %d held-out bytes", name, len(files), len(train), len(held_out)
+    )
+    return corpus
+
+
+@functools.lru_cache(maxsize=4)
+def _cached_corpus(source: str, paths: tuple[str, ...], eval_fraction: float) -> Corpus:
+    if source == "stdlib":
+        return corpus_from_files(stdlib_files(), eval_fraction, name="stdlib")
+    return corpus_from_files(expand_paths(paths), eval_fraction, name="files")
+
+
+def open_source(data: DataSection) -> Corpus | HFStreamSource:
+    """The token source ``data`` describes; an in-memory corpus is read once per process."""
+    if data.source == "hf":
+        assert data.hf_dataset is not None  # the config validator guarantees it
+        return HFStreamSource.from_name(data.hf_dataset, data.eval_fraction)
+    return _cached_corpus(data.source, tuple(data.paths), data.eval_fraction)
+
+
+@dataclass
+class TrainBatches:
+    """Endless ``(x, y)`` int64 batches of shape ``(batch_size, block_size)`` in this peer's order.
+
+    ``y`` is ``x`` shifted by one token. ``start_sample`` resumes the order after that many samples;
+    ``samples_drawn`` counts samples handed out (including the skipped ones).
+    """
+
+    source: TokenSource
+    block_size: int
+    batch_size: int
+    peer_key: str
+    seed: int
+    start_sample: int = 0
+    samples_drawn: int = field(init=False)
+    _windows: Iterator[torch.Tensor] = field(init=False, repr=False)
+    _pending: list[torch.Tensor] = field(init=False, repr=False, default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.samples_drawn = self.start_sample
+        self._windows = self.source.iter_windows(self.block_size, self.peer_key, self.seed, self.start_sample)
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        return self
+
+    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = sum(len(chunk) for chunk in self._pending)
+        while rows < self.batch_size:
+            chunk = next(self._windows)
+            self._pending.append(chunk)
+            rows += len(chunk)
+        stacked = torch.cat(self._pending)
+        batch, rest = stacked[: self.batch_size], stacked[self.batch_size :]
+        self._pending = [rest] if len(rest) else []
+        self.samples_drawn += self.batch_size
+        batch = batch.long()
+        return batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
+
+
+@dataclass(frozen=True, eq=False)
+class EvalSet:
+    """Held-out tokens and how to cut them into evaluation windows."""
+
+    tokens: torch.Tensor
+    block_size: int
+    batch_size: int = 32
+    unit: str = "byte"
+
+    def batches(self, count: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """``count`` batches of windows spread evenly over the held-out text, the same on every peer."""
+        span = self.block_size + 1
+        last = len(self.tokens) - span
+        if last < 0:
+            raise ValueError(f"held-out text has {len(self.tokens)} tokens, fewer than one window of {span}")
+        starts = torch.linspace(0, last, count * self.batch_size).round().long()
+        for chunk in starts.split(self.batch_size):
+            rows = self.tokens[chunk[:, None] + torch.arange(span)].long()
+            yield rows[:, :-1], rows[:, 1:]
+
+
+def make_eval_set(source: TokenSource, block_size: int, batch_size: int = 32) -> EvalSet:
+    """The evaluation windows of ``source``'s held-out split."""
+    return EvalSet(source.eval, block_size, batch_size, source.unit)
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, eval_data: EvalSet, batches: int = 8) -> float:
+    """Mean next-token loss on the held-out split, in bits per token (bits per byte here)."""
+    from swarm.training.model import lm_loss
+
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    total = 0.0
+    try:
+        for x, y in eval_data.batches(batches):
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+                total += lm_loss(model, x.to(device), y.to(device)).item()
+    finally:
+        model.train(was_training)
+    return total / batches / math.log(2)
+
+
+def unigram_bits(train: torch.Tensor, held_out: torch.Tensor, vocab_size: int = 256) -> float:
+    """Bits per token of the best context-free model: training token frequencies scored on held-out text.
+
+    A trained model should end well below this baseline; add-one smoothing keeps it finite.
+    """
+    counts = torch.bincount(train.long(), minlength=vocab_size).double() + 1
+    log_probs = (counts / counts.sum()).log2()
+    return float(-log_probs[held_out.long()].mean())

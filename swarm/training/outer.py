@@ -1,0 +1,139 @@
+"""The outer step of DiLoCo, independent of how the pseudo-gradients are averaged.
+
+At the start of a round the outer optimizer keeps a float32 copy of the parameters, the *anchor*.
+The inner loop then moves the model; the *pseudo-gradient* is ``anchor - params``, the direction the
+inner steps went, with the sign of a gradient. After the swarm averaged the pseudo-gradients, the
+outer step starts again from the anchor and takes one SGD step with (Nesterov) momentum along the
+average. The result is the model for the next round and its new anchor.
+
+With ``lr = 1``, no momentum and an "average" equal to this peer's own pseudo-gradient, the outer
+step lands exactly where the inner steps ended: the peer trains as if alone.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from swarm.config import AveragingSection
+
+
+class OuterOptimizer:
+    """SGD with (Nesterov) momentum applied to averaged pseudo-gradients, anchored at round start.
+
+    The anchor and the momentum are float32 and live on ``state_device`` (default: next to each
+    parameter); putting them on the CPU saves accelerator memory at the price of a copy per round.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        lr: float,
+        momentum: float,
+        nesterov: bool = True,
+        *,
+        state_device: torch.device | str | None = None,
+    ) -> None:
+        if lr <= 0 or not 0 <= momentum < 1:
+            raise ValueError(f"need lr > 0 and 0 <= momentum < 1, got lr={lr}, momentum={momentum}")
+        self.lr = lr
+        self.momentum = momentum
+        self.nesterov = nesterov
+        self.rounds = 0
+        self._params = dict(model.named_parameters())
+        self._state_device = None if state_device is None else torch.device(state_device)
+        self.anchor: dict[str, torch.Tensor] = {}
+        self.momentum_buffers: dict[str, torch.Tensor] = {}
+        self.reset_anchor()
+
+    @classmethod
+    def from_config(cls, model: nn.Module, averaging: AveragingSection, **options: Any) -> OuterOptimizer:
+        return cls(model, averaging.outer_lr, averaging.outer_momentum, averaging.nesterov, **options)
+
+    def _device_of(self, param: torch.Tensor) -> torch.device:
+        return self._state_device or param.device
+
+    @torch.no_grad()
+    def reset_anchor(self) -> None:
+        """Take the model's current parameters as the anchor (at start, and after loading new state)."""
+        self.anchor = {
+            name: param.detach().to(self._device_of(param), torch.float32, copy=True)
+            for name, param in self._params.items()
+        }
+
+    @torch.no_grad()
+    def pseudo_gradient(self) -> dict[str, torch.Tensor]:
+        """``anchor - params`` per parameter name, float32, on the anchor's device."""
+        return {
+            name: self.anchor[name] - param.detach().to(self.anchor[name].device, torch.float32)
+            for name, param in self._params.items()
+        }
+
+    @torch.no_grad()
+    def apply(self, averaged: Mapping[str, torch.Tensor]) -> None:
+        """Outer step from the anchor along ``averaged``; write the result into the model and re-anchor."""
+        if set(averaged) != set(self._params):
+            missing = sorted(set(self._params) - set(averaged))
+            extra = sorted(set(averaged) - set(self._params))
+            raise ValueError(
+                f"pseudo-gradient names differ from the model's: missing {missing}, extra {extra}"
+            )
+        for name, param in self._params.items():
+            anchor = self.anchor[name]
+            grad = averaged[name].to(anchor.device, torch.float32)
+            if grad.shape != anchor.shape:
+                raise ValueError(
+                    f"pseudo-gradient {name!r} has shape {tuple(grad.shape)}, want {tuple(anchor.shape)}"
+                )
+            if self.momentum:
+                buffer = self.momentum_buffers.get(name)
+                if buffer is None:
+                    buffer = self.momentum_buffers[name] = grad.clone()
+                else:
+                    buffer.mul_(self.momentum).add_(grad)
+                grad = grad.add(buffer, alpha=self.momentum) if self.nesterov else buffer
+            anchor.sub_(grad, alpha=self.lr)
+            param.copy_(anchor)
+        self.rounds += 1
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to continue: hyper-parameters, rounds, anchor and momentum (CPU copies)."""
+        return {
+            "lr": self.lr,
+            "momentum": self.momentum,
+            "nesterov": self.nesterov,
+            "rounds": self.rounds,
+            "anchor": {name: t.to("cpu", copy=True) for name, t in self.anchor.items()},
+            "momentum_buffers": {name: t.to("cpu", copy=True) for name, t in self.momentum_buffers.items()},
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict`; the model's parameters are restored separately."""
+        anchor, buffers = state["anchor"], state["momentum_buffers"]
+        if set(anchor) != set(self._params) or not set(buffers) <= set(self._params):
+            raise ValueError("outer optimizer state does not match the model's parameters")
+        self.lr, self.momentum, self.nesterov = state["lr"], state["momentum"], state["nesterov"]
+        self.rounds = int(state["rounds"])
+        self.anchor = {
+            n: anchor[n].to(self._device_of(p), torch.float32, copy=True) for n, p in self._params.items()
+        }
+        self.momentum_buffers = {
+            n: buffers[n].to(self._device_of(self._params[n]), torch.float32, copy=True) for n in buffers
+        }
+
+
+def drift(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) -> float:
+    """Relative L2 distance ``||a - b|| / ||b||`` over all tensors of two same-named parameter sets."""
+    if set(a) != set(b):
+        raise ValueError(f"parameter names differ: {sorted(set(a) ^ set(b))}")
+    diff = norm = 0.0
+    for name, tb in b.items():
+        ta = a[name].detach().to(tb.device, torch.float32)
+        tb = tb.detach().float()
+        diff += float((ta - tb).pow(2).sum())
+        norm += float(tb.pow(2).sum())
+    return math.sqrt(diff) / max(math.sqrt(norm), 1e-12)
