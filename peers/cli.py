@@ -67,8 +67,10 @@ def join(
     identity_path: Path | None = common.IDENTITY_OPTION,
     client_mode: bool | None = common.CLIENT_MODE_OPTION,
     public_name: str = common.PUBLIC_NAME_OPTION,
+    resume: bool = typer.Option(False, "--resume", help="Continue from the newest valid checkpoint."),
+    summary: Path | None = typer.Option(None, "--summary", help="Write this peer's final numbers as JSON."),
 ) -> None:
-    """Join a swarm through an initial peer and announce this peer."""
+    """Join a swarm through an initial peer and train in it."""
     from peers.join import run_join
 
     cfg = common.load_run_config(config, set_)
@@ -77,7 +79,7 @@ def join(
     if not network.initial_peers:
         common.fail("swarm join needs --initial-peers (the line `swarm bootstrap` printed)")
     with common.shutdown_on_signals() as stop:
-        run_join(cfg, network, public_name=public_name, stop=stop)
+        run_join(cfg, network, public_name=public_name, resume=resume, summary_path=summary, stop=stop)
 
 
 @app.command()
@@ -88,14 +90,15 @@ def local(
         3, "--peers", "-n", min=1, max=64, help="Number of peers besides the bootstrap."
     ),
     duration: float | None = typer.Option(
-        60.0, "--duration", min=1.0, help="Stop after this many seconds (0 or less is refused)."
+        600.0, "--duration", min=1.0, help="Stop after this many seconds even if the trainers are not done."
     ),
     forever: bool = typer.Option(False, "--forever", help="Run until Ctrl+C instead of --duration."),
     log_dir: Path | None = typer.Option(
         None, "--log-dir", help="Where peer logs go (default runs/local-<time>)."
     ),
+    summary: Path | None = typer.Option(None, "--summary", help="Also write the final summary as JSON here."),
 ) -> None:
-    """Launch a bootstrap and N peers on loopback; stop them all at the end or on Ctrl+C."""
+    """Launch a bootstrap and N trainers on loopback; stop them all at the end or on Ctrl+C."""
     from peers.local import run_local
 
     cfg = common.load_run_config(config, set_)
@@ -108,6 +111,7 @@ def local(
             config_path=_str(config),
             overrides=list(set_ or ()),
             log_dir=log_dir,
+            summary_path=summary,
             stop=stop,
         )
     raise typer.Exit(status)

@@ -1,32 +1,96 @@
-"""`swarm join`: join a run through an initial peer and announce this peer's record."""
+"""`swarm join`: join a run through an initial peer and train, printing one line per sync."""
 
 from __future__ import annotations
 
+import json
 import threading
+from pathlib import Path
 
 import typer
 
-from peers._common import open_node
-from swarm import NodeInfo, describe_device
+from peers._common import fail
 from swarm.config import RunConfig
 from swarm.network import NetworkOptions
 
 
-def run_join(config: RunConfig, network: NetworkOptions, *, public_name: str, stop: threading.Event) -> None:
-    """Stay in the swarm, announcing this peer, until ``stop`` is set."""
-    device, memory = describe_device(config.train.device)
-    info = NodeInfo(
-        run_id=config.run.run_id,
-        config_hash=config.config_hash(),
-        role="trainer",
-        public_name=public_name,
-        device=device,
-        device_memory_gb=memory,
+def format_sync_line(report) -> str:
+    """The concise per-sync line: round, losses, throughput, partner, bytes, drift."""
+    partner = report.partner[-8:] if report.partner else "-"
+    eval_text = f"{report.eval_loss:.3f}" if report.eval_loss is not None else "-"
+    drift = f"{report.drift:.4f}" if report.drift is not None else "-"
+    loss = f"{report.loss:.3f}" if report.loss is not None else "-"
+    return (
+        f"round {report.round:4d} step {report.step:6d} loss {loss} eval {eval_text} "
+        f"{report.samples_per_s:7.1f} samples/s lr {report.lr:.2e} sync {report.outcome} with {partner} "
+        f"sent {report.bytes_sent / 1024:.1f} KiB recv {report.bytes_received / 1024:.1f} KiB drift {drift}"
     )
-    with open_node(network, info, config, status=lambda: {"state": "idle"}) as node:
-        typer.echo(
-            f"peer {node.peer_id} joined run {config.run.run_id!r} ({len(node.members())} members visible)"
+
+
+def run_join(
+    config: RunConfig,
+    network: NetworkOptions,
+    *,
+    public_name: str,
+    resume: bool,
+    summary_path: Path | None,
+    stop: threading.Event,
+) -> None:
+    """Train in the swarm until ``stop`` is set or the run's step/sample limit is reached."""
+    from swarm.network import NetworkError
+    from swarm.state import CheckpointError
+    from swarm.trainer import TrainingPeer
+
+    try:
+        peer = TrainingPeer(
+            config,
+            network,
+            public_name=public_name,
+            resume=resume,
+            on_sync=lambda report: typer.echo(format_sync_line(report)),
         )
-        while not stop.wait(timeout=1.0):
-            pass
+    except (CheckpointError, ValueError) as exc:
+        fail(str(exc))
+    except NetworkError as exc:
+        fail(str(exc), status=1)
+    try:
+        resumed = f", resumed from {peer.resumed_from}" if peer.resumed_from else ""
+        members = len(peer.node.members())
+        typer.echo(
+            f"peer {peer.node.peer_id} joined run {config.run.run_id!r} ({members} members visible, "
+            f"{peer.n_params:,} parameters on {peer.device}{resumed})"
+        )
+        peer.run(stop)
         typer.echo("join: shutting down")
+        if peer.save_checkpoint() is not None:
+            typer.echo(f"join: checkpoint saved in {config.train.checkpoint_dir}")
+        if summary_path is not None:
+            write_summary(peer, summary_path)
+    finally:
+        peer.close()
+
+
+def write_summary(peer, path: Path) -> None:
+    """Final numbers of this peer, for `swarm local`'s summary table."""
+    from swarm.training import evaluate
+
+    metrics = peer.gossip_metrics()
+    deltas = peer.deltas.metrics() if peer.deltas is not None else None
+    summary = {
+        "peer_id": peer.node.peer_id,
+        "steps": peer.progress.step,
+        "rounds": peer.progress.round,
+        "samples": peer.progress.samples_total,
+        "eval_loss": evaluate(peer.model, peer.eval_set, peer.config.train.eval_batches),
+        "eval_loss_unit": f"bits/{peer.eval_set.unit}",
+        "tokens_per_second": peer.progress.samples_per_s * peer.config.model.block_size,
+        # what one pseudo-gradient exchange costs on the wire, per parameter and direction
+        "wire_bytes_per_param_per_sync": (
+            deltas.bytes_sent / max(deltas.exchanges_ok, 1) / peer.n_params if deltas else 0.0
+        ),
+        "wire_bytes_total": metrics.bytes_sent + metrics.bytes_received,
+        "drift": peer.progress.drift,
+        "utilization": peer.progress.utilization(),
+        "exchanges_ok": metrics.exchanges_ok,
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(summary, indent=2))

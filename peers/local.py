@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import json
 import os
 import signal
 import subprocess
@@ -22,6 +23,7 @@ from pathlib import Path
 import typer
 
 from peers._common import SHUTDOWN_GRACE_S, open_node
+from peers._local_summary import collect, print_summary, swarm_summary
 from peers.bootstrap import JOIN_LINE_PREFIX
 from peers.monitor import observer_info
 from swarm.config import RunConfig
@@ -102,9 +104,10 @@ def run_local(
     config_path: str | None,
     overrides: list[str],
     log_dir: Path,
+    summary_path: Path | None = None,
     stop: threading.Event,
 ) -> int:
-    """Run a bootstrap and ``peers`` joiners until ``duration_s`` passes or ``stop`` is set."""
+    """Run a bootstrap and ``peers`` trainers until they finish, ``duration_s`` passes or ``stop`` is set."""
     log_dir.mkdir(parents=True, exist_ok=True)
     common = (["--config", config_path] if config_path else []) + [a for o in overrides for a in ("--set", o)]
     swarm = LocalSwarm(log_dir)
@@ -113,38 +116,81 @@ def run_local(
         maddr = wait_for_join_line(log_dir / "bootstrap.log", boot, timeout_s=60)
         typer.echo(f"[local] bootstrap up at {maddr}")
         for index in range(1, peers + 1):
-            args = ["join", *common, "--initial-peers", maddr, "--public-name", f"local-{index}"]
-            swarm.spawn(f"peer-{index}", args)
+            swarm.spawn(f"peer-{index}", _trainer_args(common, maddr, index, log_dir))
         typer.echo(f"[local] started {peers} peers; logs in {log_dir}")
-        with open_node(
-            NetworkOptions(initial_peers=[maddr], client_mode=True),
-            observer_info(config),
-            config,
-            announce=False,
-        ) as observer:
-            return _supervise(swarm, duration_s, stop, lambda: len(observer.members()))
+        observer_network = NetworkOptions(initial_peers=[maddr], client_mode=True)
+        with open_node(observer_network, observer_info(config), config, announce=False) as observer:
+            status = _supervise(swarm, duration_s, stop, observer.members)
     finally:
         typer.echo("[local] stopping all peers")
         swarm.stop()
         typer.echo("[local] all peers stopped")
+    _finish(config, log_dir, peers, summary_path)
+    return status
 
 
-def _supervise(
-    swarm: LocalSwarm, duration_s: float | None, stop: threading.Event, count_members: Callable[[], int]
-) -> int:
+def _trainer_args(common: list[str], maddr: str, index: int, log_dir: Path) -> list[str]:
+    name = f"peer-{index}"
+    return [
+        "join",
+        *common,
+        "--initial-peers",
+        maddr,
+        "--public-name",
+        f"local-{index}",
+        "--summary",
+        str(log_dir / f"{name}.summary.json"),
+        "--set",
+        f"train.checkpoint_dir={log_dir / name / 'checkpoints'}",
+    ]
+
+
+def _supervise(swarm: LocalSwarm, duration_s: float | None, stop: threading.Event, members: Callable) -> int:
+    """Print progress until the trainers finish, the duration passes or ``stop``; 1 if a peer failed."""
     started = time.monotonic()
-    expected = len(swarm.processes)
+    trainers = [(name, proc) for name, proc in swarm.processes if name != "bootstrap"]
     while not stop.wait(timeout=_next_tick(started, duration_s)):
-        elapsed = time.monotonic() - started
-        alive = swarm.alive()
-        typer.echo(f"[local] t={elapsed:4.0f}s processes {len(alive)}/{expected}, members {count_members()}")
-        if len(alive) < expected:
-            dead = sorted({name for name, _ in swarm.processes} - set(alive))
-            typer.echo(f"[local] process(es) exited early: {', '.join(dead)}; see their logs", err=True)
+        typer.echo(f"[local] t={time.monotonic() - started:4.0f}s {_progress_line(members())}")
+        failed = [name for name, proc in swarm.processes if proc.poll() not in (None, 0)]
+        if failed:
+            typer.echo(f"[local] peer(s) failed: {', '.join(failed)}; see their logs", err=True)
             return 1
-        if duration_s is not None and elapsed >= duration_s:
+        if all(proc.poll() == 0 for _, proc in trainers):
+            typer.echo("[local] all trainers finished")
+            return 0
+        if duration_s is not None and time.monotonic() - started >= duration_s:
             return 0
     return 0
+
+
+def _progress_line(members: list) -> str:
+    trainers = sorted((m for m in members if m.record.role == "trainer"), key=lambda m: m.record.public_name)
+    if not trainers:
+        return "waiting for trainers"
+    parts = []
+    for m in trainers:
+        r = m.record
+        evaluation = f"{r.eval_loss:.2f}" if r.eval_loss is not None else "-"
+        parts.append(f"{r.public_name or m.peer_id[-6:]}: step {r.step} eval {evaluation}")
+    return f"{len(trainers)} trainers | " + " | ".join(parts)
+
+
+def _finish(config: RunConfig, log_dir: Path, peers: int, summary_path: Path | None) -> None:
+    """Collect the peers' summaries, print the table and write the JSON summary."""
+    from swarm.training import open_source, unigram_bits
+
+    rows = collect([log_dir / f"peer-{i}.summary.json" for i in range(1, peers + 1)])
+    if not rows:
+        typer.echo("[local] no peer wrote a summary", err=True)
+        return
+    source = open_source(config.data)
+    baseline = unigram_bits(source.train, source.eval) if hasattr(source, "train") else None
+    summary = swarm_summary(rows, baseline)
+    print_summary(summary)
+    if summary_path is not None:
+        summary_path.parent.mkdir(parents=True, exist_ok=True)
+        summary_path.write_text(json.dumps(summary, indent=2))
+        typer.echo(f"[local] summary written to {summary_path}")
 
 
 def _next_tick(started: float, duration_s: float | None, every_s: float = 5.0) -> float:

@@ -1,8 +1,9 @@
 """Membership: signed peer records in the DHT, announced periodically, read back as live members."""
 
+from swarm._protocol import PROTOCOL_VERSION
 from swarm.membership._announce import Announcer
 from swarm.membership._members import Member, list_members
-from swarm.membership._record import PROTOCOL_VERSION, PeerRecord, membership_validators, record_key
+from swarm.membership._record import PeerRecord, membership_validators, record_key
 
 __all__ = [
     "PROTOCOL_VERSION",

@@ -14,9 +14,6 @@ from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.schema import BytesWithPublicKey, SchemaValidator
 from pydantic.v1 import StrictBool, confloat, conint, conlist, constr
 
-PROTOCOL_VERSION = 1
-"""Version of the swarm wire protocols; peers with another version are never chosen as partners."""
-
 RECORD_KEY_SUFFIX = "members"
 
 Count = conint(strict=True, ge=0, le=2**63 - 1)

@@ -1,0 +1,7 @@
+"""The one protocol version of swarm's wire formats (membership records, gossip exchanges).
+
+Peers announce it in their records; a peer with another version is never chosen as a partner and the
+monitor flags it. Bump it on any incompatible change to what crosses the network.
+"""
+
+PROTOCOL_VERSION = 1

@@ -1,0 +1,20 @@
+"""Gossip averaging: quantized, weighted, atomic pairwise exchanges with random live partners.
+
+See docs/gossip.md for the protocol, the commit rule and the averaging semantics.
+"""
+
+from swarm.gossip._averager import GossipAverager
+from swarm.gossip._metrics import GossipMetrics, SyncOutcome, SyncResult
+from swarm.gossip._partners import PartnerInfo, PartnerSource
+from swarm.gossip._protocol import PROTOCOL_VERSION, handler_name
+
+__all__ = [
+    "PROTOCOL_VERSION",
+    "GossipAverager",
+    "GossipMetrics",
+    "PartnerInfo",
+    "PartnerSource",
+    "SyncOutcome",
+    "SyncResult",
+    "handler_name",
+]

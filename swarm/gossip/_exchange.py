@@ -1,0 +1,226 @@
+"""The data phase of one exchange, identical for both sides: stream, validate, mix, ACK.
+
+Mixing rule (mass-conserving quantized push-sum, see docs/gossip.md). A side holds ``x`` with
+weight ``w``; it sends ``q`` (what its frames decode to: ``x`` plus quantization error, with error
+feedback) and receives the partner's ``p`` with weight ``v``. Both sides take the weight
+``(w + v) / 2`` and the side computes::
+
+    x' = (w * (2x - q) + v * p) / (w + v)
+
+With a lossless codec (``q = x``) this is the weighted pairwise mean. With a lossy one the two
+sides' ``weight * tensor`` still add up to exactly what they were before (``w*x + v*y``), because
+each side subtracts its own quantized value ``q`` exactly as the partner adds it: quantization
+adds noise to the individual peers but never moves the swarm's weighted mean.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import torch
+
+from swarm.compression import ErrorFeedback, FrameError, TensorStreamDecoder, encode_tensors
+from swarm.gossip._protocol import Channel, MsgKind, ProtocolError, parse_json
+from swarm.gossip._validation import NormPolicy, Schema, ValidationError, validate_received
+
+T = TypeVar("T")
+NamedTensors = list[tuple[str, torch.Tensor]]
+
+
+class PartnerRejected(Exception):
+    """The partner answered NACK: it refused our data (or our part of the exchange)."""
+
+
+@dataclass
+class ExchangeHooks:
+    """Test-only knobs: an adversarial sender and a deterministic mid-exchange stall.
+
+    ``tamper`` rewrites the outgoing (name, tensor) list before encoding, ``codec`` replaces the
+    codec used to encode it (e.g. one that does not refuse NaN); ``stall_after_frames`` makes the
+    sender stop forever after that many DATA frames, calling ``on_stall`` once first.
+    """
+
+    tamper: Callable[[NamedTensors], NamedTensors] | None = None
+    codec: Any = None
+    stall_after_frames: int | None = None
+    on_stall: Callable[[], None] | None = None
+
+
+@dataclass(frozen=True)
+class ExchangeSpec:
+    """Everything about an exchange that is fixed for the averager's lifetime."""
+
+    codec: Any
+    chunk_bytes: int
+    policy: NormPolicy
+    hooks: ExchangeHooks | None = None
+
+
+@dataclass(frozen=True)
+class Mixed:
+    """The validated, mixed result, ready to be committed."""
+
+    tensors: dict[str, torch.Tensor]
+    weight: float
+
+
+async def in_thread(fn: Callable[..., T], *args: Any) -> T:
+    """Run CPU work in a worker thread; if cancelled, still wait for it so no work outlives us."""
+    future = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+    try:
+        return await asyncio.shield(future)
+    except asyncio.CancelledError:
+        with contextlib.suppress(BaseException):
+            await future
+        raise
+
+
+async def run_exchange(
+    channel: Channel,
+    local: Mapping[str, torch.Tensor],
+    weights: tuple[float, float],
+    spec: ExchangeSpec,
+    error_feedback: ErrorFeedback | None,
+) -> Mixed:
+    """Send ours and receive theirs concurrently, validate, mix, then swap ACKs.
+
+    Returns only when both sides have ACKed; raises ValidationError (we rejected their data, NACK
+    already sent), PartnerRejected, ProtocolError, or a connection/timeout error otherwise.
+    """
+    schema: Schema = {name: (tuple(t.shape), t.dtype) for name, t in local.items()}
+    own = None if _codec(spec).lossless else TensorStreamDecoder(expected=schema)
+    sender = asyncio.create_task(_send_all(channel, list(local.items()), spec, error_feedback, own))
+    try:
+        received = await _receive_all(channel, schema)
+        await sender
+        sent = dict(local) if own is None else await in_thread(_own_values, own)
+        await in_thread(validate_received, received, local, spec.policy)
+    except ValidationError as exc:
+        await _cancel(sender)
+        with contextlib.suppress(Exception):
+            await channel.send_json(MsgKind.NACK, {"reason": str(exc)[:500]})
+        raise
+    except BaseException:
+        await _cancel(sender)
+        raise
+    mixed = await in_thread(mix, local, sent, weights[0], received, weights[1])
+    await channel.send(MsgKind.ACK)
+    kind, payload = await channel.recv_expect(MsgKind.ACK, MsgKind.NACK)
+    if kind is MsgKind.NACK:
+        raise PartnerRejected(str(parse_json(payload).get("reason", "no reason given")))
+    return mixed
+
+
+async def _cancel(task: asyncio.Task[Any]) -> None:
+    task.cancel()
+    with contextlib.suppress(BaseException):
+        await task
+
+
+def _codec(spec: ExchangeSpec) -> Any:
+    hooks = spec.hooks
+    return hooks.codec if hooks is not None and hooks.codec is not None else spec.codec
+
+
+def _own_values(own: TensorStreamDecoder) -> dict[str, torch.Tensor]:
+    try:
+        return own.finish()
+    except FrameError as exc:  # only a tampering test hook makes our own frames disagree with our schema
+        raise ProtocolError(f"our own frames do not decode to our schema: {exc}") from exc
+
+
+def _next_frame(frames: Iterator[bytes], own: TensorStreamDecoder | None) -> bytes | None:
+    """The next frame to send; also decoded into ``own``, so we know exactly what the partner gets."""
+    frame = next(frames, None)
+    if frame is not None and own is not None:
+        with contextlib.suppress(FrameError):  # surfaces again, as ProtocolError, in _own_values
+            own.feed(frame)
+    return frame
+
+
+async def _send_all(
+    channel: Channel,
+    named: NamedTensors,
+    spec: ExchangeSpec,
+    error_feedback: ErrorFeedback | None,
+    own: TensorStreamDecoder | None,
+) -> None:
+    hooks, codec = spec.hooks, _codec(spec)
+    if hooks is not None and hooks.tamper is not None:
+        named = hooks.tamper(named)
+    frames = encode_tensors(named, codec, chunk_bytes=spec.chunk_bytes, error_feedback=error_feedback)
+    count = 0
+    while (frame := await in_thread(_next_frame, frames, own)) is not None:
+        await channel.send(MsgKind.DATA, frame)
+        count += 1
+        if hooks is not None and hooks.stall_after_frames == count:
+            await _stall(hooks.on_stall)
+    await channel.send_json(MsgKind.END, {"frames": count})
+
+
+async def _stall(on_stall: Callable[[], None] | None) -> None:
+    if on_stall is not None:
+        on_stall()
+    await asyncio.Event().wait()
+    raise AssertionError("unreachable")
+
+
+async def _receive_all(channel: Channel, schema: Schema) -> dict[str, torch.Tensor]:
+    """Feed DATA frames to a schema-checking decoder until END; FrameError becomes ValidationError."""
+    decoder = TensorStreamDecoder(expected=schema)
+    count = 0
+    try:
+        while True:
+            kind, payload = await channel.recv_expect(MsgKind.DATA, MsgKind.END, MsgKind.NACK)
+            if kind is MsgKind.NACK:
+                raise PartnerRejected(str(parse_json(payload).get("reason", "no reason given")))
+            if kind is MsgKind.END:
+                break
+            await in_thread(decoder.feed, payload)
+            count += 1
+        announced = parse_json(payload).get("frames")
+        if announced != count:
+            raise ProtocolError(f"END announced {announced} frames, received {count}")
+        return await in_thread(decoder.finish)
+    except FrameError as exc:
+        raise ValidationError(f"bad frame: {exc}") from exc
+
+
+def mix(
+    local: Mapping[str, torch.Tensor],
+    sent: Mapping[str, torch.Tensor],
+    local_weight: float,
+    remote: Mapping[str, torch.Tensor],
+    remote_weight: float,
+) -> Mixed:
+    """``x' = (w * (2x - q) + v * p) / (w + v)`` in float64, rounded once to the local dtype."""
+    total = local_weight + remote_weight
+    out = {}
+    for name, mine in local.items():
+        x = mine.detach().double()
+        if sent[name] is not mine:  # lossy codec: x + (x - q) keeps the pair's mass exact
+            x = 2.0 * x - sent[name].to(device=mine.device, dtype=torch.float64)
+        p = remote[name].to(device=mine.device, dtype=torch.float64)
+        mixed = x.mul_(local_weight / total).add_(p, alpha=remote_weight / total)
+        out[name] = mixed.to(mine.dtype)
+    return Mixed(tensors=out, weight=total / 2)
+
+
+def commit(local: Mapping[str, torch.Tensor], mixed: Mixed) -> None:
+    """Write the mixed values into the caller's tensors, in place."""
+    with torch.no_grad():
+        for name, tensor in local.items():
+            tensor.copy_(mixed.tensors[name])
+
+
+def as_named(tensors: Mapping[str, torch.Tensor] | Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Accept a mapping or a plain sequence (named "0", "1", ...); reject non-dense or duplicate input."""
+    named = dict(tensors) if isinstance(tensors, Mapping) else {str(i): t for i, t in enumerate(tensors)}
+    for name, t in named.items():
+        if not isinstance(t, torch.Tensor) or t.is_sparse or not t.is_floating_point():
+            raise TypeError(f"tensor {name!r} must be a dense floating-point torch.Tensor")
+    return named

@@ -1,0 +1,98 @@
+"""Outcome of one sync, and the averager's running counters.
+
+Counters are per peer and cover both roles (exchanges this peer initiated and ones it served):
+
+- ``exchanges_ok``: committed exchanges;
+- ``exchanges_failed``: exchanges that died (connection lost, protocol error, timeout, the partner
+  rejected our data or refused the handshake, dial failure);
+- ``exchanges_busy``: BUSY answers received while looking for a partner;
+- ``exchanges_rejected``: exchanges where *we* rejected the partner's data (schema, NaN/Inf, norm);
+- ``no_partner``: sync calls that found nobody eligible to dial.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+from dataclasses import dataclass
+
+
+class SyncOutcome(enum.Enum):
+    OK = "ok"
+    NO_PARTNER = "no_partner"
+    BUSY = "busy"
+    FAILED = "failed"
+    REJECTED = "rejected"
+    TIMEOUT = "timeout"
+
+
+@dataclass(frozen=True)
+class SyncResult:
+    """What one :meth:`GossipAverager.sync` call did. ``weight`` is the local weight after it."""
+
+    outcome: SyncOutcome
+    partner: str | None
+    bytes_sent: int
+    bytes_received: int
+    latency_s: float
+    weight: float
+    reason: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.outcome is SyncOutcome.OK
+
+
+@dataclass(frozen=True)
+class GossipMetrics:
+    exchanges_ok: int = 0
+    exchanges_failed: int = 0
+    exchanges_busy: int = 0
+    exchanges_rejected: int = 0
+    no_partner: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    last_latency_s: float = 0.0
+    mean_latency_s: float = 0.0
+
+
+class MetricsRecorder:
+    """Thread-safe accumulation of :class:`GossipMetrics`."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counts = {"ok": 0, "failed": 0, "busy": 0, "rejected": 0, "no_partner": 0}
+        self._sent = 0
+        self._received = 0
+        self._last_latency = 0.0
+        self._latency_sum = 0.0
+
+    def count(self, what: str) -> None:
+        with self._lock:
+            self._counts[what] += 1
+
+    def add_bytes(self, sent: int, received: int) -> None:
+        with self._lock:
+            self._sent += sent
+            self._received += received
+
+    def record_ok(self, latency_s: float) -> None:
+        with self._lock:
+            self._counts["ok"] += 1
+            self._last_latency = latency_s
+            self._latency_sum += latency_s
+
+    def snapshot(self) -> GossipMetrics:
+        with self._lock:
+            ok = self._counts["ok"]
+            return GossipMetrics(
+                exchanges_ok=ok,
+                exchanges_failed=self._counts["failed"],
+                exchanges_busy=self._counts["busy"],
+                exchanges_rejected=self._counts["rejected"],
+                no_partner=self._counts["no_partner"],
+                bytes_sent=self._sent,
+                bytes_received=self._received,
+                last_latency_s=self._last_latency,
+                mean_latency_s=self._latency_sum / ok if ok else 0.0,
+            )

@@ -1,0 +1,97 @@
+"""Partner choice: which live peers may be dialled, in which order, and who is banned for how long."""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PartnerInfo:
+    """What the averager needs to know about a potential partner (the lead adapts membership records)."""
+
+    peer_id: str
+    protocol_version: int
+    config_hash: str
+    client_mode: bool = False
+
+
+PartnerSource = Callable[[], Sequence[PartnerInfo]]
+
+
+class BanList:
+    """Temporary bans with exponential backoff: the n-th consecutive strike bans for base * 2**(n-1).
+
+    A successful exchange with a peer forgives its strikes. Thread-safe: the serving side (event loop
+    thread) and the initiating side (caller's thread) both consult it.
+    """
+
+    def __init__(self, base_s: float, max_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        if base_s < 0 or max_s < base_s:
+            raise ValueError(f"need 0 <= ban_base_s <= ban_max_s, got {base_s} and {max_s}")
+        self._base = base_s
+        self._max = max_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._strikes: dict[str, int] = {}
+        self._until: dict[str, float] = {}
+
+    def ban(self, peer_id: str, reason: str) -> float:
+        """Ban ``peer_id``; return the ban duration in seconds."""
+        with self._lock:
+            strikes = self._strikes.get(peer_id, 0) + 1
+            self._strikes[peer_id] = strikes
+            duration = min(self._max, self._base * 2 ** min(strikes - 1, 62))
+            self._until[peer_id] = self._clock() + duration
+        logger.warning("banning peer %s for %.1f s (strike %d): %s", peer_id, duration, strikes, reason)
+        return duration
+
+    def forgive(self, peer_id: str) -> None:
+        with self._lock:
+            self._strikes.pop(peer_id, None)
+            self._until.pop(peer_id, None)
+
+    def is_banned(self, peer_id: str) -> bool:
+        with self._lock:
+            until = self._until.get(peer_id)
+            return until is not None and self._clock() < until
+
+    def banned(self) -> dict[str, float]:
+        """Currently banned peers and the seconds left on each ban."""
+        now = self._clock()
+        with self._lock:
+            return {peer: until - now for peer, until in self._until.items() if until > now}
+
+
+def eligible_partners(
+    candidates: Sequence[PartnerInfo],
+    *,
+    self_id: str,
+    protocol_version: int,
+    config_hash: str,
+    bans: BanList,
+) -> list[PartnerInfo]:
+    """Candidates we may dial: not ourselves, dialable, compatible, not banned; duplicates dropped."""
+    seen: set[str] = set()
+    result = []
+    for info in candidates:
+        if info.peer_id in seen or info.peer_id == self_id or info.client_mode:
+            continue
+        if info.protocol_version != protocol_version or info.config_hash != config_hash:
+            continue
+        if bans.is_banned(info.peer_id):
+            continue
+        seen.add(info.peer_id)
+        result.append(info)
+    return result
+
+
+def pick_order(partners: Sequence[PartnerInfo], rng: random.Random, max_attempts: int) -> list[PartnerInfo]:
+    """A uniformly random order of at most ``max_attempts`` distinct partners to try."""
+    return rng.sample(list(partners), k=min(max_attempts, len(partners)))

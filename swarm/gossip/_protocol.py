@@ -1,0 +1,167 @@
+"""Message framing and handshake for one gossip exchange over a hivemind binary stream.
+
+Every message on the stream is ``kind (1 byte) | length (4 bytes, big endian) | payload``.
+Control messages carry a small JSON object (never pickle); ``DATA`` messages carry one codec frame
+from :mod:`swarm.compression`, which is self-describing and validated by its own decoder.
+
+Sequence (both sides run the data phase concurrently, in both directions at once)::
+
+    initiator                      responder
+    HELLO  ───────────────────────▶
+           ◀─────────────────────── ACCEPT | BUSY | REJECT
+    DATA* , END  ─────────────────▶   (concurrently)
+           ◀─────────────────────── DATA* , END
+    ACK | NACK ───────────────────▶   (concurrently)
+           ◀─────────────────────── ACK | NACK
+
+A side commits only after it validated everything it received, sent its ACK, and received the
+partner's ACK (see docs/gossip.md, "Commit rule").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import json
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from swarm._protocol import PROTOCOL_VERSION
+
+_HEADER_LEN = 5
+CONTROL_MAX_BYTES = 64 * 1024
+
+
+class ProtocolError(Exception):
+    """The partner broke the protocol: unexpected message, malformed header or payload."""
+
+
+class MsgKind(enum.IntEnum):
+    HELLO = 1
+    ACCEPT = 2
+    BUSY = 3
+    REJECT = 4
+    DATA = 5
+    END = 6
+    ACK = 7
+    NACK = 8
+
+
+def handler_name(run_id: str) -> str:
+    """The libp2p protocol id of the gossip handler: namespaced by protocol version and run."""
+    return f"swarm.gossip.v{PROTOCOL_VERSION}.{run_id}"
+
+
+class Channel:
+    """A framed, byte-counted, timeout-guarded view of one bidirectional p2p stream."""
+
+    def __init__(
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        *,
+        chunk_timeout_s: float,
+        max_data_bytes: int,
+    ) -> None:
+        self._reader = reader
+        self._writer = writer
+        self._timeout = chunk_timeout_s
+        self._max_data_bytes = max_data_bytes
+        self.bytes_sent = 0
+        self.bytes_received = 0
+
+    async def send(self, kind: MsgKind, payload: bytes | memoryview = b"") -> None:
+        header = bytes([kind]) + len(payload).to_bytes(4, "big")
+        self._writer.write(header)
+        if payload:
+            self._writer.write(payload)
+        await asyncio.wait_for(self._writer.drain(), self._timeout)
+        self.bytes_sent += _HEADER_LEN + len(payload)
+
+    async def send_json(self, kind: MsgKind, obj: dict[str, Any]) -> None:
+        await self.send(kind, json.dumps(obj, separators=(",", ":")).encode())
+
+    async def recv(self) -> tuple[MsgKind, bytes]:
+        """Read one message; raises ProtocolError on an unknown kind or an oversized length."""
+        header = await asyncio.wait_for(self._reader.readexactly(_HEADER_LEN), self._timeout)
+        try:
+            kind = MsgKind(header[0])
+        except ValueError:
+            raise ProtocolError(f"unknown message kind {header[0]}") from None
+        length = int.from_bytes(header[1:], "big")
+        limit = self._max_data_bytes if kind is MsgKind.DATA else CONTROL_MAX_BYTES
+        if length > limit:
+            raise ProtocolError(f"{kind.name} message of {length} bytes exceeds the limit of {limit}")
+        payload = await asyncio.wait_for(self._reader.readexactly(length), self._timeout) if length else b""
+        self.bytes_received += _HEADER_LEN + length
+        return kind, payload
+
+    async def recv_expect(self, *kinds: MsgKind) -> tuple[MsgKind, bytes]:
+        kind, payload = await self.recv()
+        if kind not in kinds:
+            expected = "/".join(k.name for k in kinds)
+            raise ProtocolError(f"expected {expected}, got {kind.name}")
+        return kind, payload
+
+    def close(self) -> None:
+        self._writer.close()
+
+
+def parse_json(payload: bytes) -> dict[str, Any]:
+    try:
+        obj = json.loads(payload.decode())
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ProtocolError(f"malformed control message: {exc}") from None
+    if not isinstance(obj, dict):
+        raise ProtocolError("control message is not a JSON object")
+    return obj
+
+
+@dataclass(frozen=True)
+class Hello:
+    """What each side states about itself before any tensor data moves (HELLO and ACCEPT)."""
+
+    version: int
+    run_id: str
+    config_hash: str
+    schema_hash: str
+    codec: str
+    block_size: int
+    weight: float
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, obj: dict[str, Any]) -> Hello:
+        try:
+            hello = cls(
+                version=_typed(obj, "version", int),
+                run_id=_typed(obj, "run_id", str),
+                config_hash=_typed(obj, "config_hash", str),
+                schema_hash=_typed(obj, "schema_hash", str),
+                codec=_typed(obj, "codec", str),
+                block_size=_typed(obj, "block_size", int),
+                weight=float(_typed(obj, "weight", (int, float))),
+            )
+        except KeyError as exc:
+            raise ProtocolError(f"handshake lacks field {exc}") from None
+        if not (math.isfinite(hello.weight) and 0.0 < hello.weight < 1e30):
+            raise ProtocolError(f"handshake weight {hello.weight!r} is not a finite positive number")
+        return hello
+
+    def mismatch(self, other: Hello) -> str | None:
+        """Why ``other`` cannot exchange with us, or None if it can."""
+        for name in ("version", "run_id", "config_hash", "schema_hash", "codec", "block_size"):
+            mine, theirs = getattr(self, name), getattr(other, name)
+            if mine != theirs:
+                return f"{name} differs (ours {mine!r}, theirs {theirs!r})"
+        return None
+
+
+def _typed(obj: dict[str, Any], key: str, types: type | tuple[type, ...]) -> Any:
+    value = obj[key]
+    if isinstance(value, bool) or not isinstance(value, types):
+        raise ProtocolError(f"handshake field {key!r} has the wrong type")
+    return value

@@ -1,0 +1,83 @@
+"""The local tensor schema, its hash for the handshake, and the checks every received tensor must pass.
+
+Norm check (per tensor ``t``)::
+
+    ||remote_t|| <= max_norm_ratio * max(||local_t||, floor_t)
+    floor_t = max(local_rms * sqrt(numel_t), norm_floor * sqrt(numel_t / numel_total))
+
+``local_rms`` is the RMS over all local tensors. The floor exists because a local norm of (nearly)
+zero is legitimate: a zero-initialised bias, or a peer that has done no work yet and averages a zero
+pseudo-gradient. Without it such a peer would reject every honest partner. The first term lets a
+tensor that is zero locally accept what is typical for the model as a whole; the second, with the
+absolute ``norm_floor`` (L2 over the whole model), covers an all-zero local state.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+Schema = dict[str, tuple[tuple[int, ...], torch.dtype]]
+
+
+class ValidationError(ValueError):
+    """Received tensors that must not be applied; the message names the tensor and the reason."""
+
+
+def schema_of(tensors: Mapping[str, torch.Tensor]) -> Schema:
+    return {name: (tuple(t.shape), t.dtype) for name, t in tensors.items()}
+
+
+def schema_hash(schema: Schema) -> str:
+    """Order-sensitive digest of names, shapes and dtypes: both sides must stream the same layout."""
+    layout = [[name, list(shape), str(dtype)] for name, (shape, dtype) in schema.items()]
+    return hashlib.sha256(json.dumps(layout, separators=(",", ":")).encode()).hexdigest()[:32]
+
+
+@dataclass(frozen=True)
+class NormPolicy:
+    max_norm_ratio: float = 100.0
+    norm_floor: float = 1.0
+
+
+def validate_received(
+    received: Mapping[str, torch.Tensor],
+    local: Mapping[str, torch.Tensor],
+    policy: NormPolicy,
+) -> None:
+    """Raise ValidationError unless ``received`` matches ``local``'s schema, is finite and plausible."""
+    _check_schema(received, local)
+    total_numel = sum(t.numel() for t in local.values()) or 1
+    local_sq = sum(float(torch.linalg.vector_norm(t.double())) ** 2 for t in local.values())
+    local_rms = math.sqrt(local_sq / total_numel)
+    for name, theirs in received.items():
+        mine = local[name]
+        if not bool(torch.isfinite(theirs).all()):
+            raise ValidationError(f"tensor {name!r} contains NaN or Inf")
+        their_norm = float(torch.linalg.vector_norm(theirs.double()))
+        scale = math.sqrt(mine.numel())
+        floor = max(local_rms * scale, policy.norm_floor * scale / math.sqrt(total_numel))
+        limit = policy.max_norm_ratio * max(float(torch.linalg.vector_norm(mine.double())), floor)
+        if their_norm > limit:
+            raise ValidationError(
+                f"tensor {name!r} norm {their_norm:.4g} exceeds {policy.max_norm_ratio:g}x the local "
+                f"reference ({limit / policy.max_norm_ratio:.4g})"
+            )
+
+
+def _check_schema(received: Mapping[str, torch.Tensor], local: Mapping[str, torch.Tensor]) -> None:
+    if set(received) != set(local):
+        missing = sorted(set(local) - set(received))
+        extra = sorted(set(received) - set(local))
+        raise ValidationError(f"tensor names differ (missing {missing[:5]}, unexpected {extra[:5]})")
+    for name, theirs in received.items():
+        mine = local[name]
+        if theirs.shape != mine.shape:
+            raise ValidationError(f"tensor {name!r} shape {tuple(theirs.shape)} != {tuple(mine.shape)}")
+        if theirs.dtype != mine.dtype:
+            raise ValidationError(f"tensor {name!r} dtype {theirs.dtype} != {mine.dtype}")

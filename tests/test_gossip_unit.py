@@ -1,0 +1,321 @@
+"""Unit tests of swarm.gossip's parts: handshake, framing, bans, partner choice, validation, mixing,
+and one exchange over an in-memory stream (no p2p daemon). The lone-peer test starts one daemon."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+import socket
+import time
+
+import pytest
+import torch
+
+from swarm.compression import ErrorFeedback, get_codec
+from swarm.gossip import PROTOCOL_VERSION, GossipAverager, PartnerInfo, SyncOutcome
+from swarm.gossip._exchange import (
+    ExchangeHooks,
+    ExchangeSpec,
+    PartnerRejected,
+    commit,
+    mix,
+    run_exchange,
+)
+from swarm.gossip._partners import BanList, eligible_partners, pick_order
+from swarm.gossip._protocol import Channel, Hello, MsgKind, ProtocolError, handler_name
+from swarm.gossip._validation import NormPolicy, ValidationError, schema_hash, schema_of, validate_received
+from tests.gossip_helpers import p2pd_pids, wait_no_leak
+
+
+def _hello(**overrides: object) -> Hello:
+    fields = dict(
+        version=PROTOCOL_VERSION,
+        run_id="r",
+        config_hash="c",
+        schema_hash="s",
+        codec="int8",
+        block_size=64,
+        weight=1.0,
+    )
+    fields.update(overrides)
+    return Hello(**fields)
+
+
+def test_handler_name_is_namespaced() -> None:
+    assert handler_name("demo") == f"swarm.gossip.v{PROTOCOL_VERSION}.demo"
+
+
+def test_hello_roundtrip_and_mismatch() -> None:
+    hello = _hello(weight=2.5)
+    assert Hello.from_json(hello.to_json()) == hello
+    assert hello.mismatch(_hello(weight=7.0)) is None  # weights may differ
+    assert "config_hash" in hello.mismatch(_hello(config_hash="other"))
+    assert "schema_hash" in hello.mismatch(_hello(schema_hash="x"))
+    assert "version" in hello.mismatch(_hello(version=PROTOCOL_VERSION + 1))
+
+
+@pytest.mark.parametrize(
+    "patch",
+    [{"weight": float("nan")}, {"weight": -1.0}, {"weight": 0.0}, {"block_size": "64"}, {"version": True}],
+)
+def test_hello_rejects_bad_fields(patch: dict) -> None:
+    obj = _hello().to_json() | patch
+    with pytest.raises(ProtocolError):
+        Hello.from_json(obj)
+    obj = _hello().to_json()
+    del obj["schema_hash"]
+    with pytest.raises(ProtocolError, match="schema_hash"):
+        Hello.from_json(obj)
+
+
+async def _channel_pair(max_data: int = 1 << 20) -> tuple[Channel, Channel]:
+    left, right = socket.socketpair()
+    a = Channel(*await asyncio.open_connection(sock=left), chunk_timeout_s=2.0, max_data_bytes=max_data)
+    b = Channel(*await asyncio.open_connection(sock=right), chunk_timeout_s=2.0, max_data_bytes=max_data)
+    return a, b
+
+
+def test_channel_framing_counts_bytes_and_enforces_limits() -> None:
+    async def scenario() -> None:
+        a, b = await _channel_pair(max_data=100)
+        await a.send_json(MsgKind.HELLO, {"x": 1})
+        await a.send(MsgKind.DATA, b"z" * 100)
+        kind, payload = await b.recv()
+        assert kind is MsgKind.HELLO and payload == b'{"x":1}'
+        assert (await b.recv_expect(MsgKind.DATA))[1] == b"z" * 100
+        assert a.bytes_sent == b.bytes_received == 5 + 7 + 5 + 100
+        await a.send(MsgKind.DATA, b"z" * 101)
+        with pytest.raises(ProtocolError, match="exceeds"):
+            await b.recv()
+        a2, b2 = await _channel_pair()
+        await a2.send(MsgKind.ACK)
+        with pytest.raises(ProtocolError, match="expected END"):
+            await b2.recv_expect(MsgKind.END)
+        a2._writer.write(b"\x63\x00\x00\x00\x00")
+        with pytest.raises(ProtocolError, match="unknown"):
+            await b2.recv()
+        with pytest.raises(TimeoutError):
+            await b2.recv()  # nothing more arrives: the chunk timeout fires
+        for ch in (a, b, a2, b2):
+            ch.close()
+
+    asyncio.run(scenario())
+
+
+def test_ban_list_exponential_backoff_and_forgive() -> None:
+    now = [0.0]
+    bans = BanList(base_s=10, max_s=35, clock=lambda: now[0])
+    assert [bans.ban("p", "x") for _ in range(4)] == [10, 20, 35, 35]
+    assert bans.is_banned("p") and not bans.is_banned("q")
+    now[0] = 34.9
+    assert bans.is_banned("p")
+    now[0] = 35.1
+    assert not bans.is_banned("p")
+    assert bans.ban("p", "again") == 35  # strikes persist until a success forgives them
+    bans.forgive("p")
+    assert not bans.is_banned("p") and bans.ban("p", "fresh") == 10
+    with pytest.raises(ValueError):
+        BanList(base_s=5, max_s=1)
+
+
+def test_eligible_partners_filters_and_random_order() -> None:
+    bans = BanList(10, 100)
+    bans.ban("banned", "test")
+    candidates = [
+        PartnerInfo("me", PROTOCOL_VERSION, "cfg"),
+        PartnerInfo("good1", PROTOCOL_VERSION, "cfg"),
+        PartnerInfo("good1", PROTOCOL_VERSION, "cfg"),
+        PartnerInfo("good2", PROTOCOL_VERSION, "cfg"),
+        PartnerInfo("client", PROTOCOL_VERSION, "cfg", client_mode=True),
+        PartnerInfo("old", PROTOCOL_VERSION + 1, "cfg"),
+        PartnerInfo("othercfg", PROTOCOL_VERSION, "zzz"),
+        PartnerInfo("banned", PROTOCOL_VERSION, "cfg"),
+    ]
+    eligible = eligible_partners(
+        candidates, self_id="me", protocol_version=PROTOCOL_VERSION, config_hash="cfg", bans=bans
+    )
+    assert [p.peer_id for p in eligible] == ["good1", "good2"]
+    import random
+
+    orders = {tuple(p.peer_id for p in pick_order(eligible, random.Random(s), 4)) for s in range(20)}
+    assert orders == {("good1", "good2"), ("good2", "good1")}
+    assert len(pick_order(eligible, random.Random(0), 1)) == 1
+
+
+def test_schema_hash_is_order_and_layout_sensitive() -> None:
+    a = {"w": torch.zeros(2, 3), "b": torch.zeros(3)}
+    b = {"b": torch.zeros(3), "w": torch.zeros(2, 3)}
+    assert schema_hash(schema_of(a)) != schema_hash(schema_of(b))
+    assert schema_hash(schema_of(a)) == schema_hash(schema_of({"w": torch.ones(2, 3), "b": torch.ones(3)}))
+    assert schema_hash(schema_of(a)) != schema_hash(schema_of({"w": torch.zeros(3, 2), "b": torch.zeros(3)}))
+
+
+def test_validate_received() -> None:
+    policy = NormPolicy(max_norm_ratio=100.0, norm_floor=1.0)
+    local = {"w": torch.randn(100, 10), "b": torch.zeros(10)}
+    validate_received({"w": torch.randn(100, 10), "b": torch.randn(10)}, local, policy)
+    cases = {
+        "NaN": {"w": torch.full((100, 10), float("nan")), "b": torch.zeros(10)},
+        "Inf": {"w": torch.randn(100, 10), "b": torch.full((10,), float("inf"))},
+        "shape": {"w": torch.randn(10, 100), "b": torch.zeros(10)},
+        "dtype": {"w": torch.randn(100, 10).double(), "b": torch.zeros(10)},
+        "names": {"w": torch.randn(100, 10)},
+        "norm": {"w": torch.randn(100, 10) * 1000, "b": torch.zeros(10)},
+    }
+    for why, received in cases.items():
+        with pytest.raises(ValidationError) as info:
+            validate_received(received, local, policy)
+        assert why.lower() in str(info.value).lower() or why in ("Inf", "names"), (why, info.value)
+    # the all-zero bias borrows the model's RMS as its floor: a typical-size bias passes, a huge one not
+    validate_received({"w": local["w"].clone(), "b": torch.randn(10) * 50}, local, policy)
+    with pytest.raises(ValidationError, match="'b' norm"):
+        validate_received({"w": local["w"].clone(), "b": torch.randn(10) * 500}, local, policy)
+
+
+def test_validate_received_all_zero_local_uses_absolute_floor() -> None:
+    policy = NormPolicy(max_norm_ratio=100.0, norm_floor=1.0)
+    local = {"x": torch.zeros(10_000)}
+    validate_received({"x": torch.full((10_000,), 0.5)}, local, policy)  # L2 = 50 <= 100 * 1.0
+    with pytest.raises(ValidationError):
+        validate_received({"x": torch.full((10_000,), 2.0)}, local, policy)  # L2 = 200
+
+
+def test_mix_is_weighted_and_conserves_mass() -> None:
+    x, y = torch.randn(1000), torch.randn(1000)
+    out = mix({"t": x}, {"t": x}, 1.0, {"t": y}, 3.0)
+    assert out.weight == 2.0
+    torch.testing.assert_close(out.tensors["t"], (x + 3 * y) / 4)
+    back = mix({"t": y}, {"t": y}, 3.0, {"t": x}, 1.0)
+    mass_before = 1.0 * x.double() + 3.0 * y.double()
+    mass_after = out.weight * out.tensors["t"].double() + back.weight * back.tensors["t"].double()
+    assert float((mass_after - mass_before).norm() / mass_before.norm()) < 1e-7
+
+
+def test_mix_conserves_mass_exactly_with_quantized_values() -> None:
+    codec = get_codec("int8")
+    x, y = torch.randn(4096), torch.randn(4096) * 3
+    qx, qy = codec.roundtrip(x), codec.roundtrip(y)  # what each side's frames decode to
+    a = mix({"t": x}, {"t": qx}, 1.0, {"t": qy}, 4.0)
+    b = mix({"t": y}, {"t": qy}, 4.0, {"t": qx}, 1.0)
+    mass_before = 1.0 * x.double() + 4.0 * y.double()
+    mass_after = a.weight * a.tensors["t"].double() + b.weight * b.tensors["t"].double()
+    assert float((mass_after - mass_before).norm() / mass_before.norm()) < 1e-7
+    target = mass_before / 5.0
+    assert float((a.tensors["t"].double() - target).norm() / target.norm()) < 0.02  # noise, not bias
+
+
+CHUNK = 16384
+
+
+async def _exchange_pair(
+    codec: str, left: dict, right: dict, weights: tuple[float, float], hooks: ExchangeHooks | None = None
+) -> tuple[object, object, ErrorFeedback | None]:
+    a, b = await _channel_pair()
+    c = get_codec(codec)
+    policy = NormPolicy()
+    ef = ErrorFeedback(c) if codec != "fp32" else None
+    spec_a = ExchangeSpec(codec=c, chunk_bytes=CHUNK, policy=policy, hooks=hooks)
+    spec_b = ExchangeSpec(codec=c, chunk_bytes=CHUNK, policy=policy)
+    results = await asyncio.gather(
+        run_exchange(a, left, weights, spec_a, ef),
+        run_exchange(b, right, weights[::-1], spec_b, None),
+        return_exceptions=True,
+    )
+    a.close()
+    b.close()
+    return results[0], results[1], ef
+
+
+@pytest.mark.parametrize("codec", ["fp32", "int8"])
+def test_exchange_over_memory_stream(codec: str) -> None:
+    left = {"w": torch.randn(64, 100), "b": torch.randn(7)}
+    right = {"w": torch.randn(64, 100), "b": torch.randn(7)}
+    before = {k: v.clone() for k, v in left.items()}
+    mixed_a, mixed_b, ef = asyncio.run(_exchange_pair(codec, left, right, (1.0, 3.0)))
+    assert mixed_a.weight == mixed_b.weight == 2.0
+    tol = 0 if codec == "fp32" else 0.05
+    for name in left:
+        assert torch.equal(left[name], before[name])  # run_exchange never touches the caller's tensors
+        expected = (left[name] + 3 * right[name]) / 4
+        assert float((mixed_a.tensors[name] - expected).abs().max()) <= tol + 1e-6
+        mass_before = 1.0 * left[name].double() + 3.0 * right[name].double()
+        mass_after = 2.0 * (mixed_a.tensors[name].double() + mixed_b.tensors[name].double())
+        assert float((mass_after - mass_before).norm() / mass_before.norm()) < 1e-7
+    commit(left, mixed_a)
+    assert torch.equal(left["w"], mixed_a.tensors["w"])
+    if ef is not None:
+        ef.commit_all()
+
+
+def test_exchange_rejects_tampered_data_on_both_sides() -> None:
+    left = {"w": torch.randn(64, 100)}
+    right = {"w": torch.randn(64, 100)}
+    hooks = ExchangeHooks(tamper=lambda named: [(n, t * 1000) for n, t in named])
+    res_a, res_b, _ = asyncio.run(_exchange_pair("fp32", left, right, (1.0, 1.0), hooks))
+    assert isinstance(res_b, ValidationError) and "norm" in str(res_b)
+    assert isinstance(res_a, PartnerRejected)
+
+
+def test_averager_parameter_checks() -> None:
+    with pytest.raises(ValueError, match="run_id"):
+        GossipAverager(run_id="bad id!", partner_source=list, p2p_factory=lambda: None)
+    with pytest.raises(ValueError, match="exactly one"):
+        GossipAverager(run_id="ok", partner_source=list)
+
+
+def test_lone_peer_returns_no_partner_immediately() -> None:
+    from hivemind.p2p import P2P
+
+    before = p2pd_pids()
+    with GossipAverager(run_id="lone", partner_source=list, p2p_factory=P2P.create, codec="fp32") as averager:
+        me = PartnerInfo(averager.peer_id, PROTOCOL_VERSION, "")
+        averager._partner_source = lambda: [me]  # only ourselves: still nobody to dial
+        x = torch.randn(1000)
+        snapshot = x.clone()
+        started = time.monotonic()
+        result = averager.sync([x], weight=2.0)
+        assert time.monotonic() - started < 0.5
+        assert result.outcome is SyncOutcome.NO_PARTNER and result.partner is None
+        assert result.weight == 2.0 and torch.equal(x, snapshot)
+        assert averager.metrics().no_partner == 1
+        assert not math.isnan(averager.metrics().mean_latency_s)
+    assert not wait_no_leak(before, pgids=[], parent=os.getpid())
+
+
+def test_background_mode_and_serving_in_process() -> None:
+    """Two averagers in this process (each with its own daemon): A syncs in the background, B serves."""
+    from hivemind.p2p import P2P
+
+    before = p2pd_pids()
+    first = GossipAverager(run_id="bg", partner_source=list, p2p_factory=P2P.create, codec="int8")
+    try:
+        maddrs = first._loop.run(first._p2p.get_visible_maddrs(), timeout=10)
+
+        async def connected() -> P2P:
+            return await P2P.create(initial_peers=maddrs)
+
+        with GossipAverager(run_id="bg", partner_source=list, p2p_factory=connected, codec="int8") as second:
+            x, y = torch.randn(5000), torch.randn(5000)
+            target = (x + y) / 2
+            second.set_tensors({"v": y})
+            first._partner_source = lambda: [PartnerInfo(second.peer_id, PROTOCOL_VERSION, "")]
+            results = []
+            first.start_background(lambda: {"v": x}, interval_s=0.05, on_result=results.append)
+            deadline = time.monotonic() + 20
+            while first.metrics().exchanges_ok < 3 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            first.stop()
+            assert first.metrics().exchanges_ok >= 3, results
+            assert second.metrics().exchanges_ok == first.metrics().exchanges_ok
+            assert any(r.ok and r.partner == second.peer_id for r in results)
+            with first.paused(), second.paused():
+                assert float((x - target).norm() / target.norm()) < 0.05
+                assert float((y - target).norm() / target.norm()) < 0.05
+                assert abs(first.weight - 1.0) < 1e-12 and abs(second.weight - 1.0) < 1e-12
+    finally:
+        first.close()
+        first.close()  # idempotent
+    with pytest.raises(RuntimeError, match="closed"):
+        first.sync([torch.zeros(3)])
+    assert not wait_no_leak(before, pgids=[], parent=os.getpid())
