@@ -18,9 +18,18 @@ if [ ! -x "$venv/bin/python" ]; then
     echo "[setup] creating $venv"
     python3 -m venv "$venv"
 fi
-echo "[setup] installing $torch_spec and the project (dev extra)"
-"$venv/bin/python" -m pip install --quiet --upgrade pip
-"$venv/bin/python" -m pip install --quiet "$torch_spec"
-"$venv/bin/python" -m pip install --quiet -e ".[dev]"
+log="$venv/setup.log"
+echo "[setup] installing $torch_spec and the project with its dev extra (log: $log)"
+install() {
+    if ! "$venv/bin/python" -m pip install --quiet "$@" >>"$log" 2>&1; then
+        echo "[setup] pip install $* failed; the end of $log:" >&2
+        tail -n 40 "$log" >&2
+        exit 1
+    fi
+}
+: >"$log"
+install --upgrade pip
+install "$torch_spec"
+install -e ".[dev]"
 echo "$want" > "$stamp"
 echo "[setup] done"

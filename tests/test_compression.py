@@ -163,3 +163,19 @@ def test_decode_rejects_foreign_encoding() -> None:
     e = get_codec("int8").encode(torch.randn(10))
     with pytest.raises(ValueError, match="int8"):
         get_codec("int4").decode(e)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none present)")
+@pytest.mark.parametrize("name", ["int8", "int4", "fp16", "bf16"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_path_matches_the_cpu_reference(name: str, dtype: torch.dtype) -> None:
+    """On CUDA, "auto" picks the GPU kernels; the result agrees with the CPU torch path on the same input."""
+    x = torch.randn(65536 + 7, generator=torch.Generator().manual_seed(3)).to(dtype)
+    gpu, cpu = get_codec(name, 64, "auto"), get_codec(name, 64, "torch")
+    encoded = gpu.encode(x.cuda())
+    on_gpu = gpu.decode(encoded).cpu()
+    on_cpu = cpu.roundtrip(x)
+    step = {"int8": 0.02, "int4": 0.35, "fp16": 1e-3, "bf16": 1e-2}[name] * float(x.abs().max())
+    assert float((on_gpu - on_cpu).abs().max()) <= step
+    assert rel_err(on_gpu, x.float()) < {"int8": 0.01, "int4": 0.12, "fp16": 1e-3, "bf16": 5e-3}[name]
+    assert torch.allclose(cpu.decode(encoded.cpu()), on_gpu, atol=1e-6)  # the wire form is device-free

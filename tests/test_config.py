@@ -501,3 +501,17 @@ def test_load_config_or_exit(monkeypatch, tmp_path, capsys):
         load_config_or_exit(tmp_path / "nope.yaml", [])
     assert info.value.exit_code == 2
     assert capsys.readouterr().err.startswith("error: ")
+
+
+def test_every_key_is_documented() -> None:
+    """docs/configuration.md has a table row for every key of every section."""
+    from pathlib import Path
+
+    from swarm.config import RunConfig
+
+    text = (Path(__file__).resolve().parent.parent / "docs" / "configuration.md").read_text()
+    for section, model in RunConfig.model_fields.items():
+        for key in model.annotation.model_fields:
+            assert f"| `{key}` |" in text.split(f"### `{section}`", 1)[1], (
+                f"{section}.{key} is not documented"
+            )

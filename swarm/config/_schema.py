@@ -181,8 +181,10 @@ class TrainSection(_Section):
 class AveragingSection(_Section):
     """Gossip averaging: outer optimizer and exchange policy."""
 
-    backend: Literal["gossip", "none"] = Field(
-        "gossip", description="'gossip': quantized pairwise averaging; 'none': every peer trains alone."
+    backend: Literal["gossip", "hivemind", "none"] = Field(
+        "gossip",
+        description="'gossip': quantized pairwise averaging; 'hivemind': hivemind.Optimizer (baseline); "
+        "'none': every peer trains alone.",
     )
     sync_every_steps: int = Field(20, ge=1, description="Inner steps between syncs (H of DiLoCo).")
     sync_every_seconds: Annotated[float, Field(gt=0)] | None = Field(

@@ -25,6 +25,9 @@ PER_PEER_KEYS: frozenset[str] = frozenset(
         "train.slowdown",
         "train.checkpoint_dir",
         "train.checkpoint_every_s",
+        # how often and how much this peer evaluates; does not change what it trains
+        "train.eval_every_rounds",
+        "train.eval_batches",
         # local file locations differ between machines; the source kind is still shared
         "data.paths",
         # link-quality and local ban policy: a peer on a slow link may wait longer
