@@ -69,6 +69,9 @@ def join(
     public_name: str = common.PUBLIC_NAME_OPTION,
     resume: bool = typer.Option(False, "--resume", help="Continue from the newest valid checkpoint."),
     summary: Path | None = typer.Option(None, "--summary", help="Write this peer's final numbers as JSON."),
+    history: Path | None = typer.Option(
+        None, "--history", help="Append this peer's snapshot (monitor schema) per sync; plot it later."
+    ),
 ) -> None:
     """Join a swarm through an initial peer and train in it."""
     from peers.join import run_join
@@ -79,7 +82,15 @@ def join(
     if not network.initial_peers:
         common.fail("swarm join needs --initial-peers (the line `swarm bootstrap` printed)")
     with common.shutdown_on_signals() as stop:
-        run_join(cfg, network, public_name=public_name, resume=resume, summary_path=summary, stop=stop)
+        run_join(
+            cfg,
+            network,
+            public_name=public_name,
+            resume=resume,
+            summary_path=summary,
+            history_path=history,
+            stop=stop,
+        )
 
 
 @app.command()

@@ -9,21 +9,9 @@ from pathlib import Path
 import typer
 
 from peers._common import fail
+from peers._trainer_output import TrainerOutput
 from swarm.config import RunConfig
 from swarm.network import NetworkOptions
-
-
-def format_sync_line(report) -> str:
-    """The concise per-sync line: round, losses, throughput, partner, bytes, drift."""
-    partner = report.partner[-8:] if report.partner else "-"
-    eval_text = f"{report.eval_loss:.3f}" if report.eval_loss is not None else "-"
-    drift = f"{report.drift:.4f}" if report.drift is not None else "-"
-    loss = f"{report.loss:.3f}" if report.loss is not None else "-"
-    return (
-        f"round {report.round:4d} step {report.step:6d} loss {loss} eval {eval_text} "
-        f"{report.samples_per_s:7.1f} samples/s lr {report.lr:.2e} sync {report.outcome} with {partner} "
-        f"sent {report.bytes_sent / 1024:.1f} KiB recv {report.bytes_received / 1024:.1f} KiB drift {drift}"
-    )
 
 
 def run_join(
@@ -33,6 +21,7 @@ def run_join(
     public_name: str,
     resume: bool,
     summary_path: Path | None,
+    history_path: Path | None = None,
     stop: threading.Event,
 ) -> None:
     """Train in the swarm until ``stop`` is set or the run's step/sample limit is reached."""
@@ -40,13 +29,14 @@ def run_join(
     from swarm.state import CheckpointError
     from swarm.trainer import TrainingPeer
 
+    output = TrainerOutput(config, history_path)
     try:
         peer = TrainingPeer(
             config,
             network,
             public_name=public_name,
             resume=resume,
-            on_sync=lambda report: typer.echo(format_sync_line(report)),
+            on_sync=lambda report: output.on_sync(report, peer.node.record()),
         )
     except (CheckpointError, ValueError) as exc:
         fail(str(exc))
@@ -59,7 +49,8 @@ def run_join(
             f"peer {peer.node.peer_id} joined run {config.run.run_id!r} ({members} members visible, "
             f"{peer.n_params:,} parameters on {peer.device}{resumed})"
         )
-        peer.run(stop)
+        with output:
+            peer.run(stop)
         typer.echo("join: shutting down")
         if peer.save_checkpoint() is not None:
             typer.echo(f"join: checkpoint saved in {config.train.checkpoint_dir}")

@@ -1,0 +1,85 @@
+"""What a trainer shows: one concise line per sync, a progress bar on a terminal, an optional history."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from swarm.config import RunConfig
+
+if TYPE_CHECKING:
+    from swarm.trainer import SyncReport
+
+
+def format_sync_line(report: SyncReport) -> str:
+    """The per-sync line: round, losses, throughput, learning rate, partner, bytes, drift."""
+    partner = report.partner[-8:] if report.partner else "-"
+    loss = f"{report.loss:.3f}" if report.loss is not None else "-"
+    eval_text = f"{report.eval_loss:.3f}" if report.eval_loss is not None else "-"
+    drift = f"{report.drift:.4f}" if report.drift is not None else "-"
+    return (
+        f"round {report.round:4d} step {report.step:6d} loss {loss} eval {eval_text} "
+        f"{report.samples_per_s:7.1f} samples/s lr {report.lr:.2e} sync {report.outcome} with {partner} "
+        f"sent {report.bytes_sent / 1024:.1f} KiB recv {report.bytes_received / 1024:.1f} KiB drift {drift}"
+    )
+
+
+class TrainerOutput:
+    """Prints sync lines; on a terminal also keeps a progress bar of steps below them.
+
+    When stdout is not a terminal (logs, pipes, `swarm local`), only the plain lines are printed, so
+    they stay greppable.
+    """
+
+    def __init__(self, config: RunConfig, history: Path | None = None):
+        self.console = Console(highlight=False)
+        self._progress: Progress | None = None
+        self._task = None
+        if sys.stdout.isatty():
+            self._progress = Progress(
+                TextColumn("[bold]training"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TimeElapsedColumn(),
+                TextColumn("{task.fields[status]}"),
+                console=self.console,
+            )
+            self._task = self._progress.add_task("train", total=config.train.max_steps, status="")
+        self._history = None
+        if history is not None:
+            from peers.monitor import snapshot_policy
+            from swarm.metrics import HistoryWriter
+
+            self._history = HistoryWriter(history, snapshot_policy(config))
+
+    def __enter__(self) -> TrainerOutput:
+        if self._progress is not None:
+            self._progress.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+
+    def echo(self, text: str) -> None:
+        if self._progress is not None:
+            self._progress.console.print(text, soft_wrap=True)
+        else:
+            print(text, flush=True)
+
+    def on_sync(self, report: SyncReport, record=None) -> None:
+        """Print the sync line, advance the bar, append the peer's own snapshot to the history."""
+        self.echo(format_sync_line(report))
+        if self._progress is not None:
+            eval_text = f"eval {report.eval_loss:.3f}" if report.eval_loss is not None else ""
+            self._progress.update(
+                self._task, completed=report.step, status=f"round {report.round} {eval_text}"
+            )
+        if self._history is not None and record is not None:
+            from hivemind.utils.timed_storage import get_dht_time
+
+            self._history.append_record(record, get_dht_time())
