@@ -160,7 +160,8 @@ def test_unequal_weights_converge_to_the_weighted_mean(pool: PeerPool) -> None:
     _setup(pool, indices, numel=numel, codec="fp32", **FAST)
     vectors = [make_vector(i, numel).double() for i in indices]
     weighted = sum(w * v for w, v in zip(weights, vectors, strict=True)) / sum(weights)
-    for round_weights, count in [(weights, 15), (None, 5), (None, 5), (None, 5)]:
+    # more rounds only run while not yet converged (a loaded machine times out and bans more often)
+    for round_weights, count in [(weights, 15)] + [(None, 10)] * 5:
         _sync_all(pool, indices, count, weights=round_weights)
         states = pool.call_many(indices, "get")
         if _spread(states, weighted) < 1e-3:

@@ -50,6 +50,7 @@ class PeerRecord(pydantic.BaseModel):
     client_mode: StrictBool = False
     addresses: conlist(constr(strict=True, max_length=256), max_items=16) = []
     reachability: Literal["unknown", "direct", "relay", "client"] = "unknown"
+    state_hash: constr(strict=True, regex=r"^[0-9a-f]{0,64}$") = ""
     started_at: NonNegative = 0.0
 
     class Config:

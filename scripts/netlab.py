@@ -1,0 +1,449 @@
+"""An emulated internet on one machine: hosts in network namespaces on one bridge, links shaped by tc.
+
+Library and CLI (``demo``, ``cleanup``) in one file; docs/testbed.md describes both. Code under the
+repository root imports ``from scripts.netlab import NetLab``; a script run as ``python scripts/x.py``
+has ``scripts/`` on its path and writes ``import netlab``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import contextlib
+import functools
+import ipaddress
+import json
+import os
+import re
+import secrets
+import select
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+PREFIX = "swt-"
+SUBNET = "10.77.0.0/24"
+CMD_TIMEOUT_S = 10.0
+SERVER_PORT = 5201
+_UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "bps": 8, "kbps": 8e3, "mbps": 8e6}
+_BRIDGE = "br0"
+_BRIDGE_MAC = "02:77:00:00:00:01"  # fixed, locally administered: partitions send frames here to drop them
+_HOST_IF = "eth0"
+_QUEUE = ("latency", "50ms")  # tbf's queue holds at most 50 ms of traffic at the link's rate; more is dropped
+
+Rate = str | int | float
+
+
+class NetLabError(RuntimeError):
+    """A lab command failed; the message names the command and what it printed."""
+
+
+def parse_rate(rate: Rate) -> int:
+    """Bits per second from ``20mbit``-style strings (tc's units) or a number of bits per second."""
+    if isinstance(rate, int | float):
+        return int(rate)
+    match = re.fullmatch(r"\s*([\d.]+)\s*([a-z]*)\s*", rate.lower())
+    if not match or match.group(2) not in {*_UNITS, ""}:
+        raise ValueError(f"bad rate {rate!r}: use e.g. 500kbit, 20mbit, 1gbit")
+    return int(float(match.group(1)) * _UNITS.get(match.group(2), 1))
+
+
+def sh(args: Sequence[str], timeout: float = CMD_TIMEOUT_S, check: bool = True) -> str:
+    """Run a command with a timeout; return stdout, or raise NetLabError with its stderr."""
+    try:
+        done = subprocess.run(list(args), capture_output=True, text=True, timeout=timeout)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise NetLabError(f"{' '.join(args)}: {exc}") from exc
+    if check and done.returncode != 0:
+        raise NetLabError(f"{' '.join(args)} exited {done.returncode}: {done.stderr.strip()}")
+    return done.stdout
+
+
+@functools.cache
+def unavailable_reason() -> str | None:
+    """None if labs can be built here, else why not (for ``pytest.skip``). Probes once per process."""
+    what = "requires root and iproute2 (ip, tc) with network-namespace support"
+    if os.geteuid() != 0:
+        return f"{what}: not running as root"
+    missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
+    if missing:
+        return f"{what}: {', '.join(missing)} not found on PATH"
+    probe = f"{PREFIX}{os.getpid()}-probe"
+    try:
+        sh(["ip", "netns", "add", probe])
+        _ip(probe, "link", "add", "name", "pa", "type", "veth", "peer", "name", "pb")
+        _set_tbf(probe, "pa", "1mbit", None)
+    except NetLabError as exc:
+        return f"{what}: {exc}"
+    finally:
+        sh(["ip", "netns", "del", probe], check=False)
+    return None
+
+
+def root_available() -> bool:
+    return unavailable_reason() is None
+
+
+def _ip(netns: str, *args: str, check: bool = True) -> str:
+    return sh(["ip", "-n", netns, *args], check=check)
+
+
+def _tc(netns: str, *args: str, check: bool = True) -> str:
+    return sh(["tc", "-n", netns, *args], check=check)
+
+
+def _sysctl(netns: str, setting: str) -> None:
+    sh(["ip", "netns", "exec", netns, "sysctl", "-q", "-w", setting])
+
+
+def _helper(*args: str) -> list[str]:
+    """argv running this file's socket helpers (``_serve``/``_client``) with this interpreter."""
+    return [sys.executable, "-I", str(Path(__file__).resolve()), *args]
+
+
+@dataclass
+class Host:
+    """One emulated machine: a network namespace with ``lo`` and ``eth0`` (``ip``) on the lab bridge."""
+
+    index: int
+    netns: str
+    ip: str
+    processes: list[subprocess.Popen] = field(default_factory=list, repr=False)
+
+    def maddr(self, port: int = 0) -> str:
+        """The multiaddr to listen on in this host (``--host-maddrs``); port 0 picks a free one."""
+        return f"/ip4/{self.ip}/tcp/{port}"
+
+    def command(self, argv: Sequence[str]) -> list[str]:
+        """``argv`` wrapped to run inside this host (for callers that spawn processes themselves)."""
+        return ["ip", "netns", "exec", self.netns, *argv]
+
+    def run(self, argv: Sequence[str], timeout: float = 60.0, check: bool = True) -> str:
+        """Run to completion inside this host; return stdout."""
+        return sh(self.command(argv), timeout=timeout, check=check)
+
+    def popen(self, argv: Sequence[str], **kwargs) -> subprocess.Popen:
+        """Start a long-running process inside this host, in its own session; the lab kills it on close."""
+        proc = subprocess.Popen(self.command(argv), start_new_session=True, **kwargs)
+        self.processes.append(proc)
+        return proc
+
+    def stop_processes(self, grace_s: float = 5.0) -> None:
+        """SIGTERM every process group started by :meth:`popen`, SIGKILL after ``grace_s``."""
+        for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+            alive = [p for p in self.processes if p.poll() is None]
+            for proc in alive:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, sig)
+            for proc in alive:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(timeout=wait_s)
+
+
+class NetLab:
+    """N hosts, each a namespace with a veth into one bridge (in its own namespace), shaped with ``tbf``.
+
+    ``rate`` limits both directions of every host's link (upload: tbf on the host's ``eth0``;
+    download: tbf on the bridge's port towards the host). ``None`` leaves links unshaped.
+    """
+
+    def __init__(
+        self,
+        hosts: int = 3,
+        rate: Rate | None = None,
+        burst: int | None = None,
+        prefix: str | None = None,
+        subnet: str = SUBNET,
+    ) -> None:
+        network = ipaddress.ip_network(subnet)
+        if not 1 <= hosts <= min(64, network.num_addresses - 2):
+            raise ValueError(f"hosts must be 1..64 and fit in {subnet}, got {hosts}")
+        self.prefix = prefix or f"{PREFIX}{os.getpid()}-{secrets.token_hex(2)}"
+        self.bridge_netns = f"{self.prefix}-br"
+        addresses = list(network.hosts())
+        self.prefixlen = network.prefixlen
+        self.hosts = [Host(i, f"{self.prefix}-h{i}", str(addresses[i])) for i in range(hosts)]
+        self.rate, self.burst = rate, burst
+        self._servers: dict[int, subprocess.Popen] = {}
+        self._servers_lock = threading.Lock()
+        self._closed = True
+
+    def __enter__(self) -> NetLab:
+        self.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def start(self) -> None:
+        """Build the lab; on any failure (or Ctrl+C) tear down what was built, then re-raise."""
+        self._closed = False
+        atexit.register(self.close)
+        try:
+            self._build()
+        except BaseException:
+            self.close()
+            raise
+
+    def _build(self) -> None:
+        br = self.bridge_netns
+        sh(["ip", "netns", "add", br])
+        _sysctl(br, "net.ipv4.ip_forward=0")
+        _sysctl(br, "net.ipv6.conf.default.disable_ipv6=1")
+        _ip(br, "link", "add", "name", _BRIDGE, "address", _BRIDGE_MAC, "type", "bridge")
+        _ip(br, "link", "set", _BRIDGE, "up")
+        for host in self.hosts:
+            self._add_host(host)
+            self.shape(host.index, self.rate, burst=self.burst)
+
+    def _add_host(self, host: Host) -> None:
+        br, ns, port = self.bridge_netns, host.netns, f"p{host.index}"
+        sh(["ip", "netns", "add", ns])
+        _ip(br, "link", "add", "name", port, "type", "veth", "peer", "name", _HOST_IF, "netns", ns)
+        _ip(br, "link", "set", port, "master", _BRIDGE, "up")
+        _sysctl(ns, f"net.ipv6.conf.{_HOST_IF}.disable_ipv6=1")
+        _ip(ns, "addr", "add", f"{host.ip}/{self.prefixlen}", "dev", _HOST_IF)
+        _ip(ns, "link", "set", _HOST_IF, "up")
+        _ip(ns, "link", "set", "lo", "up")
+
+    def close(self) -> None:
+        """Kill every process in the lab's namespaces and delete them (idempotent, never raises)."""
+        if self._closed:
+            return
+        self._closed = True
+        atexit.unregister(self.close)
+        for host in self.hosts:
+            host.stop_processes()
+        for proc in self._servers.values():
+            proc.stdout.close()
+        remove_labs(f"{self.prefix}-", owner_alive_ok=True)
+
+    def shape(
+        self,
+        host: int,
+        rate: Rate | None = None,
+        *,
+        up: Rate | None = None,
+        down: Rate | None = None,
+        burst: int | None = None,
+    ) -> None:
+        """Set host ``host``'s link: ``up``/``down`` default to ``rate``; None in a direction = unshaped."""
+        up, down = up or rate, down or rate
+        _set_tbf(self.hosts[host].netns, _HOST_IF, up, burst)
+        _set_tbf(self.bridge_netns, f"p{host}", down, burst)
+
+    def partition(self, group_a: Sequence[int], group_b: Sequence[int]) -> None:
+        """Silently drop all IPv4 traffic between the two groups (each direction), until :meth:`heal`.
+
+        Each host gets a permanent neighbour entry sending the other group's addresses to the
+        bridge's own MAC; the bridge namespace has no address and no forwarding, so it drops them
+        without an ICMP answer, like a broken path on the internet. Hosts outside both groups keep
+        talking to everyone.
+        """
+        for mine, theirs in ((group_a, group_b), (group_b, group_a)):
+            for i in mine:
+                for j in theirs:
+                    neigh = (self.hosts[j].ip, "lladdr", _BRIDGE_MAC, "dev", _HOST_IF, "nud", "permanent")
+                    _ip(self.hosts[i].netns, "neigh", "replace", *neigh)
+
+    def heal(self) -> None:
+        """Undo every :meth:`partition`."""
+        for host in self.hosts:
+            _ip(host.netns, "neigh", "flush", "dev", _HOST_IF, "nud", "permanent")
+
+    def server(self, host: int) -> int:
+        """Start (once) this file's echo/sink server in ``host``; return its port."""
+        with self._servers_lock:
+            if host not in self._servers:
+                self._servers[host] = self._start_server(host)
+        return SERVER_PORT
+
+    def _start_server(self, host: int) -> subprocess.Popen:
+        argv = _helper("_serve", "--port", str(SERVER_PORT))
+        proc = self.hosts[host].popen(argv, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
+        if not select.select([proc.stdout], [], [], 15.0)[0] or proc.stdout.readline().strip() != "ready":
+            raise NetLabError(f"test server in host {host} did not start")
+        return proc
+
+    def probe(
+        self, src: int, dst: int, mode: str, nbytes: int = 64, timeout: float = 30.0, check: bool = True
+    ) -> dict:
+        """Run this file's client in ``src`` against the server in ``dst``; return its JSON result."""
+        port = self.server(dst)
+        argv = _helper("_client", self.hosts[dst].ip, str(port), mode, str(nbytes), str(timeout))
+        result = json.loads(self.hosts[src].run(argv, timeout=timeout + 10))
+        if check and not result["ok"]:
+            raise NetLabError(f"{mode} from host {src} to host {dst} failed: {result['error']}")
+        return result
+
+    def reachable(self, src: int, dst: int, timeout: float = 2.0) -> bool:
+        """Whether a TCP echo from ``src`` to ``dst`` completes within ``timeout``."""
+        return bool(self.probe(src, dst, "echo", timeout=timeout, check=False)["ok"])
+
+    def rtt_ms(self, src: int, dst: int) -> float:
+        """Median round-trip time of small TCP echoes, in milliseconds."""
+        return float(self.probe(src, dst, "echo", timeout=10.0)["rtt_ms"])
+
+    def throughput(self, src: int, dst: int, nbytes: int = 4_000_000, timeout: float = 60.0) -> float:
+        """Bits per second from ``src`` to ``dst``, timed by the receiver from first to last byte."""
+        result = self.probe(src, dst, "sink", nbytes=nbytes, timeout=timeout)
+        if result["seconds"] <= 0:
+            raise NetLabError(f"{nbytes} bytes arrived in one chunk, too few to time; send more")
+        return result["bytes"] * 8 / result["seconds"]
+
+
+def _set_tbf(netns: str, dev: str, rate: Rate | None, burst: int | None) -> None:
+    _tc(netns, "qdisc", "del", "dev", dev, "root", check=False)
+    if rate is None:
+        return
+    bits = parse_rate(rate)
+    burst = burst or max(16 * 1024, bits // 8 // 250)  # 4 ms of traffic, never under ~10 MTUs
+    _tc(netns, "qdisc", "add", "dev", dev, "root", "tbf", "rate", f"{bits}bit", "burst", str(burst), *_QUEUE)
+
+
+def list_labs(prefix: str = PREFIX) -> list[str]:
+    """Namespaces whose name starts with ``prefix``."""
+    listing = sh(["ip", "netns", "list"], check=False)
+    names = [line.split()[0] for line in listing.splitlines() if line.strip()]
+    return sorted(name for name in names if name.startswith(prefix))
+
+
+def _owner_alive(netns: str) -> bool:
+    match = re.match(rf"{re.escape(PREFIX)}(\d+)-", netns)
+    return bool(match) and Path(f"/proc/{match.group(1)}").exists()
+
+
+def remove_labs(prefix: str = PREFIX, owner_alive_ok: bool = False) -> list[str]:
+    """SIGKILL the processes in matching namespaces and delete them; return their names.
+
+    Unless ``owner_alive_ok``, namespaces whose creating process still runs are left alone, so one
+    run's cleanup never breaks a lab another run is using.
+    """
+    removed = []
+    for netns in list_labs(prefix):
+        if not owner_alive_ok and _owner_alive(netns):
+            continue
+        for pid in sh(["ip", "netns", "pids", netns], check=False).split():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pid), signal.SIGKILL)
+        sh(["ip", "netns", "del", netns], check=False)
+        removed.append(netns)
+    return removed
+
+
+def _serve(port: int) -> None:
+    """Accept connections forever; first byte ``e``: echo until EOF, ``s``: count bytes, reply JSON."""
+    listener = socket.create_server(("0.0.0.0", port), backlog=16)
+    print("ready", flush=True)
+    while True:
+        conn, _ = listener.accept()
+        threading.Thread(target=_handle, args=(conn,), daemon=True).start()
+
+
+def _handle(conn: socket.socket) -> None:
+    with conn:
+        mode, first, total = conn.recv(1), None, 0
+        while chunk := conn.recv(1 << 16):
+            if mode == b"e":
+                conn.sendall(chunk)
+            elif first is None:  # the clock starts at the first chunk, so its bytes are not counted
+                first = time.monotonic()
+            else:
+                total += len(chunk)
+        if mode == b"s":
+            seconds = time.monotonic() - first if first else 0.0
+            conn.sendall(json.dumps({"bytes": total, "seconds": seconds}).encode())
+
+
+def _client(ip: str, port: int, mode: str, nbytes: int, timeout: float) -> dict:
+    try:
+        with socket.create_connection((ip, port), timeout=timeout) as conn:
+            conn.sendall(mode[0].encode())
+            return {"ok": True, **(_echo(conn) if mode == "echo" else _sink(conn, nbytes))}
+    except OSError as exc:
+        return {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+
+
+def _echo(conn: socket.socket, rounds: int = 5) -> dict:
+    rtts = []
+    for _ in range(rounds):
+        start = time.monotonic()
+        conn.sendall(b"x" * 64)
+        got = 0
+        while got < 64:
+            chunk = conn.recv(64 - got)
+            if not chunk:
+                raise ConnectionError("echo server closed the connection")
+            got += len(chunk)
+        rtts.append((time.monotonic() - start) * 1000)
+    return {"rtt_ms": sorted(rtts)[rounds // 2]}
+
+
+def _sink(conn: socket.socket, nbytes: int) -> dict:
+    block = b"\0" * (1 << 16)
+    for offset in range(0, nbytes, len(block)):
+        conn.sendall(block[: nbytes - offset])
+    conn.shutdown(socket.SHUT_WR)
+    reply = b"".join(iter(lambda: conn.recv(4096), b""))
+    return json.loads(reply)
+
+
+def _demo(hosts: int, rate: str, mbytes: float) -> None:
+    expected = parse_rate(rate)
+    with NetLab(hosts=hosts, rate=rate) as lab:
+        print(f"lab {lab.prefix}: {hosts} hosts on {SUBNET}, every link {rate} each way (tbf)")
+        for src in range(hosts):
+            dst = (src + 1) % hosts
+            rtt = lab.rtt_ms(src, dst)
+            nbytes = int(mbytes * 1e6)
+            bits = lab.throughput(src, dst, nbytes=nbytes, timeout=30 + 3 * nbytes * 8 / expected)
+            link = f"h{src} {lab.hosts[src].ip} -> h{dst} {lab.hosts[dst].ip}"
+            print(f"{link}: rtt {rtt:.2f} ms, {bits / 1e6:.2f} Mbit/s ({bits / expected:.2f}x of {rate})")
+    print(f"torn down; namespaces left with prefix {lab.prefix}: {list_labs(lab.prefix) or 'none'}")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    demo = sub.add_parser("demo", help="build a lab, measure every link, tear it down")
+    demo.add_argument("--hosts", type=int, default=3)
+    demo.add_argument("--rate", default="50mbit")
+    demo.add_argument("--mbytes", type=float, default=4.0, help="payload per throughput measurement")
+    clean = sub.add_parser("cleanup", help="remove leftover lab namespaces and the processes in them")
+    clean.add_argument("--prefix", default=PREFIX)
+    clean.add_argument("--force", action="store_true", help="also labs whose creating process still runs")
+    serve = sub.add_parser("_serve")
+    serve.add_argument("--port", type=int, default=SERVER_PORT)
+    client = sub.add_parser("_client")
+    for name, kind in (("ip", str), ("port", int), ("mode", str), ("nbytes", int), ("timeout", float)):
+        client.add_argument(name, type=kind)
+    args = parser.parse_args(argv)
+    if args.cmd == "_serve":
+        _serve(args.port)
+    elif args.cmd == "_client":
+        print(json.dumps(_client(args.ip, args.port, args.mode, args.nbytes, args.timeout)))
+    elif reason := unavailable_reason():
+        print(f"netlab: {reason}", file=sys.stderr)
+        return 2
+    elif args.cmd == "demo":
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+        try:
+            _demo(args.hosts, args.rate, args.mbytes)
+        except KeyboardInterrupt:
+            print("interrupted; lab torn down", file=sys.stderr)
+            return 130
+    else:
+        removed = remove_labs(args.prefix, owner_alive_ok=args.force)
+        print(f"removed {len(removed)} namespaces" + "".join(f"\n  {name}" for name in removed))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
