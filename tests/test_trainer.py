@@ -103,6 +103,7 @@ def test_joiner_adopts_live_parameters_and_slow_fast_peers_both_contribute(tmp_p
         runners.append(slow)
         fresh_loss = 8.0  # an untrained byte model is near log2(256) bits per byte
         slow.peer.join_swarm()
+        assert slow.peer.joined_from == [fast.peer.node.peer_id]  # verified download, not the fallback
         adopted = evaluate(slow.peer.model, slow.peer.eval_set, 2)
         assert adopted < fresh_loss - 1.0, "the joiner did not take the live peer's parameters"
         assert abs(adopted - evaluate(fast.peer.model, fast.peer.eval_set, 2)) < 0.5

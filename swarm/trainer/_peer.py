@@ -24,7 +24,14 @@ from swarm._node import NodeInfo, SwarmNode
 from swarm.config import RunConfig
 from swarm.gossip import GossipMetrics, PartnerInfo, SyncResult
 from swarm.network import NetworkOptions
-from swarm.state import load_latest_checkpoint, save_checkpoint
+from swarm.state import (
+    StateServer,
+    StateTransferError,
+    download_state,
+    load_latest_checkpoint,
+    save_checkpoint,
+)
+from swarm.trainer._joining import adopt, snapshot_of
 from swarm.trainer._progress import Progress
 from swarm.trainer._sync import OuterSync, make_averager
 from swarm.training import (
@@ -87,9 +94,11 @@ class TrainingPeer:
         self._state = "joining"
         self._last_checkpoint = time.monotonic()
         self._joined = False
+        self.joined_from: list[str] = []
         self.resumed_from = self._resume() if resume else None
 
-        self.deltas = self.params = None
+        self.deltas = self.params = self.state_server = None
+        self._state_hash = ""
         device_name, memory = describe_device(str(self.device))
         info = NodeInfo(config.run.run_id, config.config_hash(), "trainer", public_name, device_name, memory)
         self.node = SwarmNode(
@@ -109,6 +118,7 @@ class TrainingPeer:
                     suffix=".params",
                     codec=config.averaging.param_codec,
                 )
+                self.state_server = StateServer(self.node.dht, config.run.run_id)
         except BaseException:
             self.close()
             raise
@@ -130,6 +140,7 @@ class TrainingPeer:
         if not self._joined:
             self.join_swarm()
         self.sync.serve_anchor()
+        self._publish_state()
         self._state = "training"
         last_sync = time.monotonic()
         while not stop.is_set() and not self._finished(max_steps):
@@ -176,6 +187,7 @@ class TrainingPeer:
         if self.progress.round % self.config.train.eval_every_rounds == 0:
             self.progress.eval_loss = evaluate(self.model, self.eval_set, self.config.train.eval_batches)
         self.progress.swarm_samples = self._swarm_samples()
+        self._publish_state()
         self._state = "training"
         self._report(result, weight)
 
@@ -190,9 +202,11 @@ class TrainingPeer:
             self.progress.drift = exchanged.drift
 
     def join_swarm(self) -> None:
-        """Before the first step, a fresh peer in a running swarm takes a live partner's parameters.
+        """Before the first step, a fresh peer in a running swarm takes over the live trainers' state.
 
-        A resumed peer keeps its checkpoint's parameters; :meth:`run` calls this once by itself.
+        It downloads the state several donors announce (verified frame by frame; the mean of their
+        states when they differ), and falls back to a full-parameter exchange with one partner. A
+        resumed peer keeps its checkpoint's state; :meth:`run` calls this once by itself.
         """
         self._joined = True
         if self.resumed_from is not None or self.progress.step > 0:
@@ -203,14 +217,35 @@ class TrainingPeer:
         if not others or self.params is None:
             logger.info("no other trainers: starting from the config seed")
             return
+        donors = [(m.peer_id, m.record.state_hash) for m in others if m.record.state_hash]
+        if donors and self._download_state(donors):
+            return
         exchanged = self.sync.exchange_parameters(adopt_partner=True)
         if exchanged is None or exchanged.drift is None:
-            logger.warning("could not fetch parameters from a live peer; starting from the config seed")
+            logger.warning("could not fetch state from a live peer; starting from the config seed")
             return
         self.progress.swarm_samples = self._swarm_samples()
         logger.info(
             "adopted parameters of %s (distance before: %.3g)", exchanged.result.partner, exchanged.drift
         )
+
+    def _download_state(self, donors: list[tuple[str, str]]) -> bool:
+        try:
+            snapshot = download_state(self.node.dht, donors, run_id=self.config.run.run_id)
+            adopt(self.model, self.outer, snapshot)
+        except (StateTransferError, ValueError) as exc:
+            logger.warning("state download failed (%s); trying a parameter exchange instead", exc)
+            return False
+        self.progress.swarm_samples = max(int(snapshot.meta.get("samples_total", 0)), self._swarm_samples())
+        self.joined_from = [peer for peer, _ in donors]
+        logger.info("took over the state of %d donor(s), digest %s", len(donors), snapshot.digest[:12])
+        return True
+
+    def _publish_state(self) -> None:
+        if self.state_server is not None:
+            snapshot = snapshot_of(self.outer, self.progress)
+            self.state_server.publish(snapshot)
+            self._state_hash = snapshot.digest
 
     def _finished(self, max_steps: int | None) -> bool:
         if max_steps is not None and self.progress.step >= max_steps:
@@ -254,6 +289,7 @@ class TrainingPeer:
             "exchanges_ok": metrics.exchanges_ok,
             "exchanges_failed": metrics.exchanges_failed,
             "exchanges_rejected": metrics.exchanges_rejected,
+            "state_hash": self._state_hash,
         }
 
     def _report(self, result: SyncResult | None, weight: float) -> None:
@@ -317,9 +353,9 @@ class TrainingPeer:
 
     def close(self) -> None:
         """Stop exchanging, leave the swarm (the record expires), stop the DHT and its daemon."""
-        for averager in (getattr(self, "params", None), getattr(self, "deltas", None)):
-            if averager is not None:
-                averager.close()
+        for service in (self.state_server, self.params, self.deltas):
+            if service is not None:
+                service.close()
         self.node.close()
 
 

@@ -1,0 +1,336 @@
+"""Wire protocol of state transfer: framed messages, the request, the verified header, the digest.
+
+One raw hivemind binary stream per request. Every message is
+``kind (1 byte) | length (4 bytes, big endian) | payload``::
+
+    client                                            donor
+    REQUEST {"digest", "part", "parts"}   ──────────▶
+                                          ◀────────── HEADER {"digest", "frames", "meta",
+                                                              "chunk_bytes", "hashes", "sending"}
+                                          ◀────────── FRAME * sending   (indices part, part+parts, ...)
+                                       or ◀────────── ERROR {"error": "digest mismatch", ...}
+
+The digest commits to the canonical JSON of the meta and to the sha256 of every frame, in order.
+The client checks the header against the digest it expected, then every frame against its hash, so
+a bad frame is pinned on the donor that sent it and no frame is used before it is verified.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import hashlib
+import json
+import threading
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from hivemind.p2p import P2P, PeerID
+
+from swarm._protocol import PROTOCOL_VERSION
+from swarm.compression import (
+    DecodeLimits,
+    FrameError,
+    TensorStreamDecoder,
+    decode_frame,
+    encode_frame,
+    encode_tensors,
+    get_codec,
+)
+
+REQUEST_MAX_BYTES = 4096
+HEADER_MAX_BYTES = 16 << 20
+MAX_CHUNK_BYTES = 64 << 20
+MAX_PARTS = 256
+MAX_FRAMES = (HEADER_MAX_BYTES - (1 << 20)) // 67  # one hex hash and its JSON punctuation each
+_DOMAIN = f"swarm.state.v{PROTOCOL_VERSION}\n".encode()
+IO_TIMEOUT_S = 20.0
+"""Bound on dialling, on each message read and on each write drain, both sides."""
+_HEADER_LEN = 5
+_FP32 = get_codec("fp32")
+
+
+class ProtocolError(Exception):
+    """The other side broke the protocol or sent data that does not match what it announced."""
+
+
+class Kind(enum.IntEnum):
+    REQUEST = 1
+    HEADER = 2
+    FRAME = 3
+    ERROR = 4
+
+
+def handler_name(run_id: str) -> str:
+    return f"swarm.state.v{PROTOCOL_VERSION}.{run_id}"
+
+
+def canonical_meta(meta: Mapping[str, Any]) -> bytes:
+    """The one byte string a meta dict hashes as (ValueError/TypeError if it is not plain JSON)."""
+    return json.dumps(meta, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
+
+
+def state_digest(meta_json: bytes, chunk_bytes: int, frame_hashes: Iterable[bytes]) -> str:
+    """sha256 over a domain tag, the canonical meta, the chunk size and the sha256 of each frame.
+
+    A hash of frame hashes (rather than of the concatenated frames) lets a client check every frame
+    the moment it arrives, from whichever donor, and blame exactly the donor that sent a bad one.
+    """
+    hashes = list(frame_hashes)
+    h = hashlib.sha256(_DOMAIN)
+    h.update(len(meta_json).to_bytes(8, "big") + meta_json)
+    h.update(chunk_bytes.to_bytes(8, "big"))
+    h.update(len(hashes).to_bytes(8, "big"))
+    for frame_hash in hashes:
+        h.update(frame_hash)
+    return h.hexdigest()
+
+
+async def send(writer: asyncio.StreamWriter, kind: Kind, payload: bytes, timeout: float) -> None:
+    writer.write(bytes([kind]) + len(payload).to_bytes(4, "big"))
+    writer.write(payload)
+    await asyncio.wait_for(writer.drain(), timeout)
+
+
+async def send_json(writer: asyncio.StreamWriter, kind: Kind, obj: dict[str, Any], timeout: float) -> None:
+    await send(writer, kind, json.dumps(obj, separators=(",", ":")).encode(), timeout)
+
+
+async def recv(reader: asyncio.StreamReader, max_bytes: int, timeout: float) -> tuple[Kind, bytes]:
+    """One message of at most ``max_bytes`` payload bytes; ProtocolError otherwise."""
+    head = await asyncio.wait_for(reader.readexactly(_HEADER_LEN), timeout)
+    try:
+        kind = Kind(head[0])
+    except ValueError:
+        raise ProtocolError(f"unknown message kind {head[0]}") from None
+    length = int.from_bytes(head[1:], "big")
+    if length > max_bytes:
+        raise ProtocolError(f"{kind.name} message of {length} bytes exceeds the limit of {max_bytes}")
+    payload = await asyncio.wait_for(reader.readexactly(length), timeout) if length else b""
+    return kind, payload
+
+
+def parse_json(payload: bytes) -> dict[str, Any]:
+    try:
+        obj = json.loads(payload.decode())
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ProtocolError(f"malformed message: {exc}") from None
+    if not isinstance(obj, dict):
+        raise ProtocolError("message is not a JSON object")
+    return obj
+
+
+def _field(obj: dict[str, Any], key: str, kind: type) -> Any:
+    value = obj.get(key)
+    if isinstance(value, bool) or not isinstance(value, kind):
+        raise ProtocolError(f"field {key!r} is missing or has the wrong type")
+    return value
+
+
+def is_digest(value: object) -> bool:
+    return isinstance(value, str) and len(value) == 64 and all(c in "0123456789abcdef" for c in value)
+
+
+@dataclass(frozen=True)
+class Request:
+    digest: str
+    part: int
+    parts: int
+
+    def encode(self) -> bytes:
+        return json.dumps({"digest": self.digest, "part": self.part, "parts": self.parts}).encode()
+
+    @classmethod
+    def parse(cls, payload: bytes) -> Request:
+        obj = parse_json(payload)
+        request = cls(_field(obj, "digest", str), _field(obj, "part", int), _field(obj, "parts", int))
+        if not is_digest(request.digest):
+            raise ProtocolError("field 'digest' is not a sha256 hex digest")
+        if not (1 <= request.parts <= MAX_PARTS and 0 <= request.part < request.parts):
+            raise ProtocolError(f"part {request.part} of {request.parts} is out of range")
+        return request
+
+    def indices(self, frames: int) -> range:
+        return range(self.part, frames, self.parts)
+
+
+@dataclass(frozen=True)
+class Header:
+    """A donor's description of the state it holds, verified against the digest the client expects."""
+
+    digest: str
+    meta: dict[str, Any]
+    chunk_bytes: int
+    hashes: tuple[bytes, ...]
+    sending: int
+
+    @classmethod
+    def parse(cls, payload: bytes, expected_digest: str) -> Header:
+        obj = parse_json(payload)
+        hashes_hex = _field(obj, "hashes", list)
+        if len(hashes_hex) > MAX_FRAMES or _field(obj, "frames", int) != len(hashes_hex):
+            raise ProtocolError("field 'frames' does not match the hash list (or is too large)")
+        if not all(is_digest(h) for h in hashes_hex):
+            raise ProtocolError("field 'hashes' holds something that is not a sha256 hex digest")
+        header = cls(
+            digest=_field(obj, "digest", str),
+            meta=_field(obj, "meta", dict),
+            chunk_bytes=_field(obj, "chunk_bytes", int),
+            hashes=tuple(bytes.fromhex(h) for h in hashes_hex),
+            sending=_field(obj, "sending", int),
+        )
+        if not 0 < header.chunk_bytes <= MAX_CHUNK_BYTES:
+            raise ProtocolError(f"chunk_bytes {header.chunk_bytes} is out of range")
+        actual = state_digest(canonical_meta(header.meta), header.chunk_bytes, header.hashes)
+        if header.digest != expected_digest or actual != expected_digest:
+            raise ProtocolError(
+                f"header hashes to {actual[:12]}..., not the announced {expected_digest[:12]}..."
+            )
+        return header
+
+
+def header_json(snapshot: StateSnapshot, hashes_hex: list[str], sending: int) -> dict[str, Any]:
+    return {
+        "digest": snapshot.digest,
+        "frames": len(hashes_hex),
+        "meta": snapshot.meta,
+        "chunk_bytes": snapshot.chunk_bytes,
+        "hashes": hashes_hex,
+        "sending": sending,
+    }
+
+
+class StateTransferError(Exception):
+    """A state download failed; the message names the donors involved and why."""
+
+
+@dataclass(frozen=True)
+class FrameInfo:
+    """Where one canonical frame comes from, and its sha256 (what the digest commits to)."""
+
+    name: str
+    chunk_index: int
+    num_chunks: int
+    offset: int
+    count: int
+    sha256: bytes
+
+
+@dataclass(frozen=True)
+class StateSnapshot:
+    """Immutable CPU fp32 tensors plus JSON meta, identified by ``digest``; build with make_snapshot."""
+
+    tensors: dict[str, torch.Tensor]
+    meta: dict[str, Any]
+    digest: str
+    chunk_bytes: int = 1 << 20
+    frames: tuple[FrameInfo, ...] = field(default=(), repr=False, compare=False)
+
+    def frame(self, index: int) -> bytes:
+        """Canonical frame ``index`` (re-encoded on demand: fp32 frames are deterministic)."""
+        info = self.frames[index]
+        encoded = _FP32.encode(self.tensors[info.name])
+        return encode_frame(
+            info.name, encoded, _FP32, info.offset, info.count, info.chunk_index, info.num_chunks
+        )
+
+
+def make_snapshot(
+    tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any], chunk_bytes: int = 1 << 20
+) -> StateSnapshot:
+    """Copy ``tensors`` to CPU fp32 and compute the digest over their canonical frames and ``meta``."""
+    copies = {
+        name: t.detach().to("cpu", torch.float32, copy=True).contiguous() for name, t in tensors.items()
+    }
+    return build_snapshot(copies, meta, chunk_bytes)
+
+
+def build_snapshot(
+    tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any], chunk_bytes: int
+) -> StateSnapshot:
+    meta_json = canonical_meta(meta)
+    ordered = sorted(tensors.items())
+    frames = []
+    for data in encode_tensors(ordered, _FP32, chunk_bytes):
+        f = decode_frame(data)
+        frames.append(
+            FrameInfo(f.name, f.chunk_index, f.num_chunks, f.offset, f.count, hashlib.sha256(data).digest())
+        )
+    digest = state_digest(meta_json, chunk_bytes, (f.sha256 for f in frames))
+    return StateSnapshot(dict(ordered), json.loads(meta_json), digest, chunk_bytes, tuple(frames))
+
+
+async def fetch_part(p2p: P2P, handler: str, donor: str, assembly: Assembly, part: int, parts: int) -> None:
+    """One stream: request part ``part`` of ``parts``, verify the header, verify and decode each frame."""
+    _, reader, writer = await asyncio.wait_for(
+        p2p.call_binary_stream_handler(PeerID.from_base58(donor), handler), IO_TIMEOUT_S
+    )
+    try:
+        await send(writer, Kind.REQUEST, Request(assembly.digest, part, parts).encode(), IO_TIMEOUT_S)
+        kind, payload = await recv(reader, HEADER_MAX_BYTES, IO_TIMEOUT_S)
+        if kind is Kind.ERROR:
+            raise ProtocolError(f"donor refused: {str(parse_json(payload).get('error'))[:200]}")
+        if kind is not Kind.HEADER:
+            raise ProtocolError(f"expected HEADER, got {kind.name}")
+        header = await asyncio.to_thread(Header.parse, payload, assembly.digest)
+        assembly.accept(header)
+        indices = range(part, len(header.hashes), parts)
+        if header.sending != len(indices):
+            raise ProtocolError(
+                f"header announces {header.sending} frames, part {part}/{parts} has {len(indices)}"
+            )
+        for index in indices:
+            kind, data = await recv(reader, header.chunk_bytes, IO_TIMEOUT_S)
+            if kind is not Kind.FRAME:
+                raise ProtocolError(f"expected FRAME, got {kind.name}")
+            await asyncio.to_thread(assembly.add, index, data, donor)
+    finally:
+        writer.close()
+
+
+class Assembly:
+    """One announced state being received: every frame is checked against the verified hash list
+    before it reaches the decoder, so the decoder only ever sees frames the digest commits to."""
+
+    def __init__(self, digest: str, limits: DecodeLimits) -> None:
+        self.digest = digest
+        self.header: Header | None = None
+        self._decoder = TensorStreamDecoder(limits=limits)
+        self._received: set[int] = set()
+        self._lock = threading.Lock()
+
+    def accept(self, header: Header) -> None:
+        if self.header is None:  # all headers verified against the same digest are identical
+            self.header = header
+
+    def add(self, index: int, data: bytes, donor: str) -> None:
+        assert self.header is not None
+        if hashlib.sha256(data).digest() != self.header.hashes[index]:
+            raise ProtocolError(f"frame {index} does not match its announced hash")
+        with self._lock:
+            if index in self._received:  # a reassigned part re-sends what an earlier donor delivered
+                return
+            try:
+                self._decoder.feed(data)
+            except FrameError as exc:
+                raise StateTransferError(
+                    f"state {self.digest[:12]} (from {donor}) is unusable: {exc}"
+                ) from exc
+            self._received.add(index)
+
+    def finish(self) -> StateSnapshot:
+        assert self.header is not None
+        try:
+            tensors = self._decoder.finish()
+        except FrameError as exc:
+            raise StateTransferError(f"state {self.digest[:12]} is incomplete: {exc}") from exc
+        if any(t.dtype != torch.float32 for t in tensors.values()):
+            raise StateTransferError(f"state {self.digest[:12]} holds non-fp32 tensors")
+        snapshot = build_snapshot(tensors, self.header.meta, self.header.chunk_bytes)
+        if snapshot.digest != self.digest:
+            raise StateTransferError(
+                f"state {self.digest[:12]} re-encodes to another digest {snapshot.digest[:12]}"
+            )
+        return snapshot

@@ -1,0 +1,224 @@
+"""State transfer (swarm.state.transfer): snapshot digests, parallel verified downloads, the mean of
+donors, corrupt and wrong donors, and publish during a download."""
+
+from __future__ import annotations
+
+import re
+import signal
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from swarm.state.transfer import (
+    ServerHooks,
+    StateServer,
+    StateTransferError,
+    download_state,
+    make_snapshot,
+)
+from tests._processes import PeerProcess
+from tests.state_transfer_worker import make_state
+
+RUN = "st-test"
+LOOPBACK = "/ip4/127.0.0.1/tcp/0"
+WORKER = [sys.executable, "-m", "tests.state_transfer_worker", "--run-id", RUN]
+
+
+# ---------------------------------------------------------------------------- helpers
+
+
+Donor = tuple[PeerProcess, str, str, str]
+
+
+@pytest.fixture
+def start_donors(spawn: Callable[..., PeerProcess]) -> Iterator[Callable[..., list[Donor]]]:
+    """Start donor processes (all at once) and wait for each READY: (process, peer id, maddr, digest).
+    At the end each is stopped with SIGTERM and waited for, so its DHT and p2pd shut down cleanly."""
+    processes: list[PeerProcess] = []
+
+    def start(*argvs: list[str]) -> list[Donor]:
+        started = [spawn([*WORKER, *argv]) for argv in argvs]
+        processes.extend(started)
+        donors = []
+        for process in started:
+            _, peer, maddr, digest = process.wait_for_line(lambda line: line.startswith("READY"), 60).split()
+            donors.append((process, peer, maddr, digest))
+        return donors
+
+    yield start
+    for process in processes:
+        process.signal(signal.SIGTERM)
+    codes = [process.wait(30) for process in processes]
+    assert codes == [0] * len(processes), [process.output()[-2000:] for process in processes]
+
+
+@pytest.fixture
+def client_dht() -> Iterator[Callable[[list[str]], object]]:
+    """A hivemind DHT in this process, connected to the given maddrs; shut down at the end."""
+    import hivemind
+
+    made = []
+
+    def make(initial_peers: list[str]) -> object:
+        dht = hivemind.DHT(initial_peers=initial_peers or None, host_maddrs=[LOOPBACK], start=True)
+        made.append(dht)
+        return dht
+
+    yield make
+    for dht in made:
+        dht.shutdown()
+
+
+@pytest.fixture
+def client_p2p() -> Iterator[Callable[[list[str]], object]]:
+    """A bare hivemind P2P (own p2pd, no DHT) on a private loop, connected to the given maddrs."""
+    from hivemind.p2p import P2P
+
+    from swarm.gossip._loop import LoopThread
+
+    loop = LoopThread("test-client")
+    made = []
+
+    def make(initial_peers: list[str]) -> object:
+        made.append(loop.run(P2P.create(initial_peers=initial_peers, host_maddrs=[LOOPBACK]), 60))
+        return made[-1]
+
+    yield make
+    for p2p in made:
+        loop.run(p2p.shutdown(), 30)
+    loop.stop()
+
+
+def frames_served(process: PeerProcess, parts: int = 1) -> int:
+    """Frames this donor reports having sent once it reports ``parts`` complete parts served."""
+    line = process.wait_for_line(lambda line: f" parts={parts} " in line, 30)
+    return int(re.search(r"frames=(\d+)", line).group(1))
+
+
+def assert_same_state(snapshot: object, tensors: dict[str, torch.Tensor], meta: dict) -> None:
+    assert snapshot.meta == meta
+    assert sorted(snapshot.tensors) == sorted(tensors)
+    for name, tensor in tensors.items():
+        assert torch.equal(snapshot.tensors[name], tensor), name
+
+
+# ---------------------------------------------------------------------------- in process
+
+
+def test_snapshot_digest_is_deterministic_and_sensitive() -> None:
+    tensors, meta = make_state(1)
+    first = make_snapshot(tensors, meta, chunk_bytes=16384)
+    assert first.digest == make_snapshot(tensors, dict(meta), chunk_bytes=16384).digest
+    assert len(first.frames) > len(tensors)  # several chunks per tensor
+    for name in tensors:
+        changed = {**tensors, name: tensors[name].clone()}
+        changed[name].view(-1)[-1] += 1e-6
+        assert make_snapshot(changed, meta, chunk_bytes=16384).digest != first.digest, name
+    assert (
+        make_snapshot(tensors, {**meta, "step": meta["step"] + 1}, chunk_bytes=16384).digest != first.digest
+    )
+    renamed = {("param/v" if k == "param/w" else k): v for k, v in tensors.items()}
+    assert make_snapshot(renamed, meta, chunk_bytes=16384).digest != first.digest
+    assert make_snapshot(tensors, meta, chunk_bytes=32768).digest != first.digest
+    tensors["param/b"].add_(1.0)  # snapshots hold copies
+    assert torch.equal(first.tensors["param/b"] + 1.0, tensors["param/b"])
+    with pytest.raises(ValueError):
+        make_snapshot(tensors, {"loss": float("nan")})
+
+
+def test_publish_during_download_never_mixes_states(client_dht: Callable[[list[str]], object]) -> None:
+    """The server pins the snapshot a request started on; a later request for it is refused."""
+    reached, release = threading.Event(), threading.Event()
+
+    def gate(index: int) -> None:
+        if not reached.is_set():
+            reached.set()
+            assert release.wait(30)
+
+    server_dht = client_dht([])
+    old = make_snapshot(*make_state(1), chunk_bytes=16384)
+    new = make_snapshot(*make_state(2, step=20), chunk_bytes=16384)
+    with StateServer(server_dht, RUN, _hooks=ServerHooks(before_frame=gate)) as server:
+        assert server.digest is None
+        server.publish(old)
+        assert server.digest == old.digest
+        client = client_dht([str(m) for m in server_dht.get_visible_maddrs()])
+        donors = [(server.peer_id, old.digest)]
+        with ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(download_state, client, donors, run_id=RUN, timeout_s=30)
+            assert reached.wait(30)
+            server.publish(new)  # mid-stream: the stream in flight keeps serving the old snapshot
+            release.set()
+            result = pending.result(60)
+        assert result.digest == old.digest
+        assert_same_state(result, old.tensors, old.meta)
+        with pytest.raises(StateTransferError, match=f"{server.peer_id}.*digest mismatch"):
+            download_state(client, donors, run_id=RUN, timeout_s=30)
+        fresh = download_state(client, [(server.peer_id, new.digest)], run_id=RUN, timeout_s=30)
+        assert fresh.digest == new.digest
+        assert server.stats().refused == 1
+
+
+def test_argument_checks() -> None:
+    with pytest.raises(ValueError, match="run_id"):
+        StateServer(object(), "bad id!")
+    with pytest.raises(ValueError, match="exactly one"):
+        StateServer(None, RUN)
+    with pytest.raises(StateTransferError, match="no donor"):
+        download_state(object(), [("peer", "not-a-digest")], run_id=RUN)
+
+
+# ---------------------------------------------------------------------------- donor processes
+
+
+@pytest.mark.multipeer
+def test_parallel_download_from_three_donors(start_donors, client_p2p) -> None:
+    donors = start_donors(["--seed", "1"], ["--seed", "1"], ["--seed", "1"])
+    tensors, meta = make_state(1)
+    expected = make_snapshot(tensors, meta, chunk_bytes=16384)
+    assert {digest for *_, digest in donors} == {expected.digest}
+    client = client_p2p([maddr for _, _, maddr, _ in donors])
+    result = download_state(
+        client, [(peer, digest) for _, peer, _, digest in donors], run_id=RUN, timeout_s=60
+    )
+    assert result.digest == expected.digest
+    assert_same_state(result, tensors, meta)
+    served = [frames_served(process) for process, *_ in donors]
+    assert all(count > 0 for count in served), served
+    assert sum(served) == len(expected.frames)  # disjoint shares: every frame exactly once
+
+
+@pytest.mark.multipeer
+def test_corrupt_donor_part_is_reassigned_and_wrong_digest_is_named(start_donors, client_p2p) -> None:
+    bad, good = start_donors(["--seed", "1", "--corrupt"], ["--seed", "1"])
+    tensors, meta = make_state(1)
+    client = client_p2p([bad[2], good[2]])
+    donors = [(bad[1], bad[3]), (good[1], good[3])]
+    result = download_state(client, donors, run_id=RUN, timeout_s=60)
+    assert_same_state(result, tensors, meta)
+    assert frames_served(good[0], parts=2) == len(result.frames)  # its own part, then the corrupt donor's
+    with pytest.raises(StateTransferError, match=f"{bad[1]}.*does not match its announced hash"):
+        download_state(client, [(bad[1], bad[3])], run_id=RUN, timeout_s=60)
+    wrong = make_snapshot(*make_state(7), chunk_bytes=16384).digest
+    with pytest.raises(StateTransferError, match=f"{good[1]}.*digest mismatch"):
+        download_state(client, [(good[1], wrong)], run_id=RUN, timeout_s=60)
+
+
+@pytest.mark.multipeer
+def test_different_donors_give_their_verified_mean(start_donors, client_p2p) -> None:
+    donors = start_donors(["--seed", "1", "--step", "10"], ["--seed", "2", "--step", "30"])
+    states = [make_state(1, 10), make_state(2, 30)]
+    assert donors[0][3] != donors[1][3]
+    client = client_p2p([maddr for _, _, maddr, _ in donors])
+    result = download_state(
+        client, [(peer, digest) for _, peer, _, digest in donors], run_id=RUN, timeout_s=60
+    )
+    for name in states[0][0]:
+        torch.testing.assert_close(result.tensors[name], (states[0][0][name] + states[1][0][name]) / 2)
+    assert result.meta == {"round": 3, "step": 30, "samples_total": 960}
+    assert result.digest == make_snapshot(result.tensors, result.meta, chunk_bytes=16384).digest
+    assert all(frames_served(process) == len(result.frames) for process, *_ in donors)
