@@ -1,9 +1,15 @@
-"""`swarm config show|check`: print or validate a run config, and the loader other commands share."""
+"""`swarm config show|check|pull`: print, validate or fetch a run config; the loader other commands share.
+
+This module is imported by every command, so it stays cheap: torch and hivemind are imported inside
+the commands that need them.
+"""
 
 from __future__ import annotations
 
 import os
+import tempfile
 from collections.abc import Sequence
+from pathlib import Path
 
 import typer
 from rich.console import Console
@@ -51,7 +57,67 @@ def show(file: str = FILE_ARGUMENT, set_: list[str] | None = SET_OPTION) -> None
 
 
 @config_app.command("check")
-def check(file: str = FILE_ARGUMENT, set_: list[str] | None = SET_OPTION) -> None:
-    """Validate a config: print OK and its hash (exit 0), or every error to stderr (exit 2)."""
+def check(
+    file: str = FILE_ARGUMENT,
+    set_: list[str] | None = SET_OPTION,
+    estimate: bool = typer.Option(
+        True, "--estimate/--no-estimate", help="Also print memory per peer and wire bytes per sync."
+    ),
+) -> None:
+    """Validate a config: print OK and its hash (exit 0), or every error to stderr (exit 2).
+
+    Then estimate what one peer needs: GPU memory (CPU memory when run on the CPU) and bytes on the
+    wire per sync, see docs/hosting.md.
+    """
     config = load_config_or_exit(file, set_ or ())
     typer.echo(f"OK: {file} (config hash {config.config_hash()})")
+    if estimate:
+        from swarm.training.estimate import describe_estimate, estimate_peer
+
+        device = "cpu" if config.train.device == "cpu" else "cuda"
+        for line in describe_estimate(estimate_peer(config, device)):
+            typer.echo(line)
+
+
+@config_app.command("pull")
+def pull(
+    initial_peers: list[str] = typer.Option(
+        ...,
+        "--initial-peers",
+        help="A peer of the swarm (the address `swarm bootstrap` printed).",
+        show_default=False,
+    ),
+    output: Path = typer.Option(..., "--output", "-o", help="Where to write the config YAML."),
+    run_id: str | None = typer.Option(
+        None, "--run-id", help="The run to fetch (default: the one the initial peer publishes)."
+    ),
+) -> None:
+    """Fetch the swarm's published run config, verify its hash, write it (exit 2 if none is published)."""
+    from peers import _common as common
+    from peers._compat_check import look_at_swarm, open_probe
+
+    defaults = RunConfig()
+    network = common.resolve_network(defaults, common.NetworkFlags(initial_peers=initial_peers))
+    with open_probe(network, defaults) as node:
+        view = look_at_swarm(node, network, run_id)
+    if not view.run_id:
+        common.fail("no run is published through these initial peers; name it with --run-id")
+    if view.published_yaml is None:
+        common.fail(f"no valid config is published for run {view.run_id!r} (is its bootstrap up to date?)")
+    write_atomically(output, view.published_yaml)
+    typer.echo(f"wrote {output}: run {view.run_id!r}, config hash {view.published_hash}")
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """Write ``text`` to a temporary file next to ``path``, then rename it over ``path``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, temporary = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as file:
+            file.write(text)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise

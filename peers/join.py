@@ -25,13 +25,15 @@ def run_join(
     stop: threading.Event,
 ) -> None:
     """Train in the swarm until ``stop`` is set or the run's step/sample limit is reached."""
+    from peers._compat_check import check_swarm_config
     from swarm.network import NetworkError
     from swarm.state import CheckpointError
-    from swarm.trainer import TrainingPeer
+    from swarm.trainer import make_training_peer
 
+    check_swarm_config(config, network)
     output = TrainerOutput(config, history_path)
     try:
-        peer = TrainingPeer(
+        peer = make_training_peer(
             config,
             network,
             public_name=public_name,
@@ -65,7 +67,8 @@ def write_summary(peer, path: Path) -> None:
     from swarm.training import evaluate
 
     metrics = peer.gossip_metrics()
-    deltas = peer.deltas.metrics() if peer.deltas is not None else None
+    # pseudo-gradient exchanges only for gossip; every averaging round for the hivemind baseline
+    exchanges = peer.deltas.metrics() if peer.deltas is not None else metrics
     summary = {
         "peer_id": peer.node.peer_id,
         "steps": peer.progress.step,
@@ -76,7 +79,7 @@ def write_summary(peer, path: Path) -> None:
         "tokens_per_second": peer.progress.samples_per_s * peer.config.model.block_size,
         # what one pseudo-gradient exchange costs on the wire, per parameter and direction
         "wire_bytes_per_param_per_sync": (
-            deltas.bytes_sent / max(deltas.exchanges_ok, 1) / peer.n_params if deltas else 0.0
+            exchanges.bytes_sent / max(exchanges.exchanges_ok, 1) / peer.n_params
         ),
         "wire_bytes_total": metrics.bytes_sent + metrics.bytes_received,
         "drift": peer.progress.drift,

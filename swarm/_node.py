@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.utils.crypto import RSAPrivateKey
 
 from swarm import __version__
 from swarm.membership import (
@@ -61,7 +62,8 @@ class SwarmNode:
     ):
         self.info, self.network = info, network
         identity_path = network.resolved_identity_path()
-        self._signer = RSASignatureValidator(load_identity(identity_path))
+        self._identity_key = load_identity(identity_path)
+        self._signer = RSASignatureValidator(self._identity_key)
         self._status = status or (lambda: {})
         self._started_at = time.time()
         try:
@@ -85,6 +87,16 @@ class SwarmNode:
             except BaseException:
                 self.close()
                 raise
+
+    @property
+    def signer(self) -> RSASignatureValidator:
+        """The validator holding this peer's identity key; it signs everything the peer stores in the DHT."""
+        return self._signer
+
+    @property
+    def identity_key(self) -> RSAPrivateKey:
+        """This peer's identity key (fixes its peer id; signs its DHT records)."""
+        return self._identity_key
 
     def visible_maddrs(self) -> list[str]:
         """Full multiaddrs (with ``/p2p/<peer id>``) at which other peers can reach this one."""

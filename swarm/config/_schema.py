@@ -172,6 +172,9 @@ class TrainSection(_Section):
         None, description="Directory for local checkpoints; None disables them."
     )
     checkpoint_every_s: float = Field(300.0, gt=0, description="Seconds between local checkpoints.")
+    activation_checkpointing: bool = Field(
+        False, description="Recompute activations in the backward pass to save GPU memory (CUDA only)."
+    )
     eval_every_rounds: int = Field(1, ge=1, description="Evaluate held-out loss every this many syncs.")
     eval_batches: int = Field(
         4, ge=1, le=1000, description="Held-out batches (of 32 windows) per evaluation."

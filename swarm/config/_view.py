@@ -28,6 +28,7 @@ PER_PEER_KEYS: frozenset[str] = frozenset(
         # how often and how much this peer evaluates; does not change what it trains
         "train.eval_every_rounds",
         "train.eval_batches",
+        "train.activation_checkpointing",
         # local file locations differ between machines; the source kind is still shared
         "data.paths",
         # link-quality and local ban policy: a peer on a slow link may wait longer

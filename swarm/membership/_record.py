@@ -70,5 +70,14 @@ def record_key(run_id: str) -> str:
 
 
 def membership_validators(run_id: str, signer: RSASignatureValidator) -> list:
-    """Validators that sign our records and reject unsigned, forged or malformed ones from others."""
-    return [signer, SchemaValidator(_MembersSchema, allow_extra_keys=True, prefix=run_id)]
+    """Validators that sign our records and reject unsigned, forged or malformed ones from others.
+
+    They cover the members' records and the run config a bootstrap publishes.
+    """
+    from swarm.membership._run_config import run_config_validators
+
+    return [
+        signer,
+        SchemaValidator(_MembersSchema, allow_extra_keys=True, prefix=run_id),
+        *run_config_validators(run_id),
+    ]

@@ -86,7 +86,13 @@ class TrainingPeer:
         self.source = open_source(config.data)
         self.model = build_model(config.model, config.run.seed)
         self.n_params = count_parameters(self.model)
-        self.inner = InnerTrainer(self.model, config.train, self.device, block_size=config.model.block_size)
+        self.inner = InnerTrainer(
+            self.model,
+            config.train,
+            self.device,
+            block_size=config.model.block_size,
+            activation_checkpointing=config.train.activation_checkpointing,
+        )
         self.outer = OuterOptimizer.from_config(self.model, config.averaging)
         self.eval_set = make_eval_set(self.source, config.model.block_size)
         self.progress = Progress()

@@ -1,0 +1,96 @@
+"""Looking at a swarm before taking part: its run id, published config and members.
+
+`swarm join` refuses to train with a config that differs from the swarm's (exit 2, the differing keys
+listed), and `swarm config pull` fetches that config. Both open a short-lived *probe*: a client-mode
+node with a throwaway identity that announces nothing, so it never shows up as a member and never
+competes with the trainer for the user's identity or port.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import typer
+
+from peers._common import open_node
+from swarm.config import RunConfig
+
+if TYPE_CHECKING:
+    from swarm import SwarmNode
+    from swarm.membership import Member
+    from swarm.network import NetworkOptions
+
+LOOKUP_TIMEOUT_S = 15.0
+
+
+@dataclass(frozen=True)
+class SwarmView:
+    """What a probe saw: the run id it looked at, the chosen published config (if any), the members."""
+
+    run_id: str
+    published_yaml: str | None
+    published_hash: str | None
+    members: list[Member]
+
+
+@contextmanager
+def open_probe(network: NetworkOptions, config: RunConfig) -> Iterator[SwarmNode]:
+    """A client-mode, non-announcing node on the swarm that ``network.initial_peers`` lead to."""
+    from swarm import NodeInfo
+
+    probe_network = dataclasses.replace(
+        network,
+        client_mode=True,
+        identity_path=None,
+        host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+        announce_maddrs=[],
+    )
+    info = NodeInfo(run_id=config.run.run_id, config_hash=config.config_hash(), role="trainer")
+    node = open_node(probe_network, info, config, announce=False)
+    try:
+        yield node
+    finally:
+        node.close()
+
+
+def initial_peer_ids(network: NetworkOptions) -> list[str]:
+    """The peer ids at the end of the initial peers' multiaddrs (``.../p2p/<id>``)."""
+    return [maddr.rstrip("/").rsplit("/", 1)[-1] for maddr in network.initial_peers]
+
+
+def look_at_swarm(node: SwarmNode, network: NetworkOptions, run_id: str | None) -> SwarmView:
+    """Find the run (``run_id``, else the one the initial peers host), its published config, its members."""
+    from swarm.membership import list_members
+    from swarm.membership._run_config import choose_published, discover_run_id, list_published_configs
+
+    run_id = run_id or discover_run_id(node.dht, initial_peer_ids(network), LOOKUP_TIMEOUT_S)
+    if run_id is None:
+        return SwarmView(run_id="", published_yaml=None, published_hash=None, members=[])
+    members = list_members(node.dht, run_id, timeout_s=LOOKUP_TIMEOUT_S)
+    chosen = choose_published(list_published_configs(node.dht, run_id, LOOKUP_TIMEOUT_S), members)
+    if chosen is None:
+        return SwarmView(run_id=run_id, published_yaml=None, published_hash=None, members=members)
+    return SwarmView(run_id, chosen.yaml, chosen.config_hash, members)
+
+
+def check_swarm_config(config: RunConfig, network: NetworkOptions) -> None:
+    """Exit 2 listing every problem when ``config`` cannot train in the swarm; return when it can.
+
+    The run looked at is the one the initial peers publish, so a different ``run.run_id`` is reported
+    as a differing key instead of silently starting a separate, empty run.
+    """
+    from swarm.membership._compat import compatibility_problems
+
+    with open_probe(network, config) as node:
+        view = look_at_swarm(node, network, None)
+        if not view.run_id:  # nobody publishes a run: compare with our run's members only
+            view = look_at_swarm(node, network, config.run.run_id)
+    problems = compatibility_problems(config, view.published_yaml, view.members)
+    if problems:
+        for line in problems:
+            typer.echo(f"error: {line}", err=True)
+        raise typer.Exit(2)

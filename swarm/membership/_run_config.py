@@ -1,0 +1,275 @@
+"""The run's config, published in the DHT so that joiners can fetch it and check theirs against it.
+
+A publisher (the bootstrap) stores two signed records, refreshed by :class:`ConfigPublisher`:
+
+* under ``<run_id>_config``, subkey = its public key: the config as YAML and its hash;
+* under ``swarm_runs``, subkey = its public key: the run id, so that someone who only knows the
+  bootstrap's address (``swarm config pull --initial-peers ...``) can find out which run it hosts.
+
+Records are untrusted input: :func:`list_published_configs` keeps a record only if its signer is a
+valid peer id, its YAML loads as a :class:`~swarm.config.RunConfig` and that config's hash equals the
+announced one. The published YAML leaves out what is private to the publisher's machine (its
+``network`` and ``monitor`` sections, its checkpoint directory); none of that is in the hash.
+"""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+import threading
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import hivemind
+import pydantic.v1 as pydantic
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.dht.schema import BytesWithPublicKey, SchemaValidator
+from hivemind.utils.crypto import RSAPublicKey
+from hivemind.utils.timed_storage import get_dht_time
+from pydantic.v1 import confloat, constr
+
+from swarm.config import MonitorSection, NetworkSection, RunConfig, load_config
+from swarm.config._schema import RUN_ID_PATTERN
+from swarm.membership._members import Member, _owner_public_key
+from swarm.network import peer_id_of
+
+logger = logging.getLogger(__name__)
+
+CONFIG_KEY_SUFFIX = "config"
+RUNS_KEY = "swarm_runs"
+MAX_CONFIG_BYTES = 64 * 1024
+"""Largest published config; a resolved config is about 2 KiB, so this is only a safety bound."""
+
+_Hash = constr(strict=True, regex=r"^[0-9a-f]{16,64}$")
+_Time = confloat(strict=True, ge=0.0, le=1e12, allow_inf_nan=False)
+
+
+class RunConfigRecord(pydantic.BaseModel):
+    """A published run config: full YAML text, its config hash, and when it was published."""
+
+    yaml: constr(strict=True, min_length=1, max_length=MAX_CONFIG_BYTES)
+    config_hash: _Hash
+    published_at: _Time
+
+    class Config:
+        extra = pydantic.Extra.forbid
+        frozen = True
+
+
+class RunAnnouncement(pydantic.BaseModel):
+    """Which run a publisher hosts (the value under :data:`RUNS_KEY`)."""
+
+    run_id: constr(strict=True, regex=RUN_ID_PATTERN)
+    config_hash: _Hash
+
+    class Config:
+        extra = pydantic.Extra.forbid
+        frozen = True
+
+
+class _RunConfigSchema(pydantic.BaseModel):
+    config: dict[BytesWithPublicKey, RunConfigRecord]
+
+
+class _RunsSchema(pydantic.BaseModel):
+    swarm_runs: dict[BytesWithPublicKey, RunAnnouncement]
+
+
+@dataclass(frozen=True)
+class PublishedConfig:
+    """A validated published config and who published it."""
+
+    yaml: str
+    config_hash: str
+    publisher: str
+    published_at: float
+    config: RunConfig
+
+
+def run_config_key(run_id: str) -> str:
+    """The DHT key under which run ``run_id``'s config is published."""
+    return f"{run_id}_{CONFIG_KEY_SUFFIX}"
+
+
+def run_config_validators(run_id: str) -> list:
+    """Schema validators for the two published-config keys; merge them into the DHT's validators."""
+    return [
+        SchemaValidator(_RunConfigSchema, allow_extra_keys=True, prefix=run_id),
+        SchemaValidator(_RunsSchema, allow_extra_keys=True),
+    ]
+
+
+def shareable_config(config: RunConfig) -> RunConfig:
+    """``config`` without what is private to one machine (same hash: none of it is swarm-wide)."""
+    return config.model_copy(
+        update={
+            "network": NetworkSection(),
+            "monitor": MonitorSection(),
+            "train": config.train.model_copy(update={"checkpoint_dir": None}),
+        }
+    )
+
+
+def parse_config_text(text: str) -> RunConfig:
+    """Load YAML text exactly as ``load_config`` loads a file, ignoring this process' environment.
+
+    Raises :class:`~swarm.config.ConfigError`.
+    """
+    with tempfile.TemporaryDirectory(prefix="swarm-config-") as directory:
+        path = Path(directory) / "published.yaml"
+        path.write_text(text, encoding="utf-8")
+        return load_config(path, env={})
+
+
+def publish_run_config(
+    dht: hivemind.DHT, run_id: str, config: RunConfig, signer: RSASignatureValidator, ttl_s: float
+) -> bool:
+    """Store ``config`` (and the run announcement) signed by ``signer``; True if a node accepted it."""
+    text = shareable_config(config).to_yaml()
+    if len(text.encode("utf-8")) > MAX_CONFIG_BYTES:
+        raise ValueError(f"the run config is larger than {MAX_CONFIG_BYTES} bytes as YAML")
+    config_hash = config.config_hash()
+    record = RunConfigRecord(yaml=text, config_hash=config_hash, published_at=get_dht_time())
+    announcement = RunAnnouncement(run_id=run_id, config_hash=config_hash)
+    expiration = get_dht_time() + ttl_s
+    subkey = signer.local_public_key
+    stored = dht.store(run_config_key(run_id), record.dict(), expiration, subkey=subkey)
+    announced = dht.store(RUNS_KEY, announcement.dict(), expiration, subkey=subkey)
+    return bool(stored) and bool(announced)
+
+
+class ConfigPublisher:
+    """Re-publishes the run config every ``interval_s`` so it outlives churn and record expiry."""
+
+    def __init__(
+        self,
+        dht: hivemind.DHT,
+        run_id: str,
+        config: RunConfig,
+        signer: RSASignatureValidator,
+        *,
+        interval_s: float = 30.0,
+        ttl_s: float = 120.0,
+    ):
+        if ttl_s < interval_s:
+            raise ValueError(f"config ttl {ttl_s}s must not be shorter than the interval {interval_s}s")
+        self._args = (dht, run_id, config, signer, ttl_s)
+        self._interval_s = interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="swarm-config-publisher", daemon=True)
+
+    def start(self) -> bool:
+        """Publish once synchronously (so a joiner can fetch it on return), then keep publishing."""
+        published = self.publish_now()
+        self._thread.start()
+        return published
+
+    def publish_now(self) -> bool:
+        published = publish_run_config(*self._args)
+        if not published:
+            logger.warning("no DHT node accepted the published run config")
+        return published
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=self._interval_s + 5)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval_s):
+            try:
+                self.publish_now()
+            except Exception:
+                logger.exception("failed to publish the run config")
+
+
+def _get(dht: hivemind.DHT, key: str, timeout_s: float) -> dict:
+    try:
+        found = dht.get(key, latest=True, return_future=True).result(timeout=timeout_s)
+    except TimeoutError:
+        logger.warning("lookup of %s timed out after %.0fs", key, timeout_s)
+        return {}
+    if found is None or not isinstance(found.value, dict):
+        return {}
+    now = get_dht_time()
+    return {
+        subkey: item.value
+        for subkey, item in found.value.items()
+        if getattr(item, "expiration_time", 0.0) > now
+    }
+
+
+def _signer_peer_id(subkey: object) -> str:
+    if not isinstance(subkey, bytes):
+        raise ValueError("subkey is not bytes")
+    return peer_id_of(RSAPublicKey.from_bytes(_owner_public_key(subkey)))
+
+
+def list_published_configs(dht: hivemind.DHT, run_id: str, timeout_s: float = 10.0) -> list[PublishedConfig]:
+    """Every valid config published for ``run_id`` (see the module docstring), newest first."""
+    found = []
+    for subkey, value in _get(dht, run_config_key(run_id), timeout_s).items():
+        try:
+            publisher = _signer_peer_id(subkey)
+            record = RunConfigRecord.parse_obj(value)
+            config = parse_config_text(record.yaml)
+        except Exception as exc:  # untrusted input: anything wrong means "not published"
+            logger.warning("ignoring an invalid published config for %s: %s", run_id, exc)
+            continue
+        if config.config_hash() != record.config_hash:
+            logger.warning("ignoring config published by %s: its hash does not match its YAML", publisher)
+            continue
+        found.append(PublishedConfig(record.yaml, record.config_hash, publisher, record.published_at, config))
+    return sorted(found, key=lambda p: p.published_at, reverse=True)
+
+
+def choose_published(
+    published: Sequence[PublishedConfig], members: Sequence[Member]
+) -> PublishedConfig | None:
+    """The config whose hash most live trainers announce; without trainers on any, the newest."""
+    votes = Counter(m.record.config_hash for m in members if m.record.role == "trainer")
+    return max(published, key=lambda p: (votes[p.config_hash], p.published_at), default=None)
+
+
+def fetch_run_config(
+    dht: hivemind.DHT, run_id: str, timeout_s: float = 10.0, members: Sequence[Member] | None = None
+) -> tuple[str, str] | None:
+    """``(yaml, config_hash)`` of run ``run_id``'s published config, or None if none is valid.
+
+    ``members`` (default: looked up now) decide between several publishers, see :func:`choose_published`.
+    """
+    from swarm.membership._members import list_members
+
+    published = list_published_configs(dht, run_id, timeout_s)
+    if not published:
+        return None
+    if members is None:
+        members = list_members(dht, run_id, timeout_s=timeout_s)
+    chosen = choose_published(published, members)
+    return (chosen.yaml, chosen.config_hash) if chosen is not None else None
+
+
+def published_runs(dht: hivemind.DHT, timeout_s: float = 10.0) -> dict[str, str]:
+    """``{publisher peer id: run id}`` of every run announced under :data:`RUNS_KEY`."""
+    runs = {}
+    for subkey, value in _get(dht, RUNS_KEY, timeout_s).items():
+        try:
+            runs[_signer_peer_id(subkey)] = RunAnnouncement.parse_obj(value).run_id
+        except Exception as exc:
+            logger.debug("ignoring an invalid run announcement: %s", exc)
+    return runs
+
+
+def discover_run_id(
+    dht: hivemind.DHT, preferred_publishers: Sequence[str], timeout_s: float = 10.0
+) -> str | None:
+    """The run hosted by one of ``preferred_publishers`` (e.g. the initial peers), else the only run
+    announced at all; None when there is none or the choice is ambiguous."""
+    runs = published_runs(dht, timeout_s)
+    for peer_id in preferred_publishers:
+        if peer_id in runs:
+            return runs[peer_id]
+    distinct = set(runs.values())
+    return distinct.pop() if len(distinct) == 1 else None

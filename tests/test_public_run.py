@@ -1,0 +1,146 @@
+"""Public runs: the published run config, `swarm config pull`, refusal at join, `scripts/join.sh`."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from peers.bootstrap import JOIN_LINE_PREFIX
+from swarm._protocol import PROTOCOL_VERSION
+from swarm.config import load_config
+from swarm.membership import Member, PeerRecord
+from swarm.membership._compat import compatibility_problems
+from swarm.membership._run_config import (
+    PublishedConfig,
+    choose_published,
+    parse_config_text,
+    shareable_config,
+)
+from swarm.network import peer_id_of_identity
+from tests._processes import REPO, swarm_cli, terminate_and_wait
+
+PEER_ID = "QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N"
+# The bootstrap's run: the demo config, stopped after a few steps so that a joiner finishes fast.
+RUN = ["--config", "configs/local-tiny.yaml", "--set", "train.max_steps=4", "--set", "train.batch_size=4"]
+
+
+def _member(config_hash: str, role: str = "trainer", protocol: int = PROTOCOL_VERSION, n: int = 0) -> Member:
+    record = PeerRecord(
+        peer_id=PEER_ID[:-1] + "ABCDEFGHJK"[n],
+        protocol_version=protocol,
+        package_version="0",
+        config_hash=config_hash,
+        role=role,
+    )
+    return Member(peer_id=record.peer_id, record=record, expires_at=time.time() + 60)
+
+
+def test_published_yaml_drops_private_keys_and_keeps_the_hash() -> None:
+    config = load_config(
+        "configs/local-tiny.yaml",
+        overrides=["network.identity_path=/home/org/.swarm/boot.key", "train.checkpoint_dir=/srv/ckpt"],
+        env={},
+    )
+    text = shareable_config(config).to_yaml()
+    assert "/home/org" not in text and "/srv/ckpt" not in text
+    assert parse_config_text(text).config_hash() == config.config_hash()
+
+
+def test_compatible_config_has_no_problems() -> None:
+    config = load_config("configs/local-tiny.yaml", env={})
+    members = [_member(config.config_hash())]
+    assert compatibility_problems(config, shareable_config(config).to_yaml(), members) == []
+    assert compatibility_problems(config, None, []) == []
+
+
+def test_differing_config_lists_every_differing_key_with_both_values() -> None:
+    swarm = load_config("configs/local-tiny.yaml", env={})
+    local = load_config("configs/local-tiny.yaml", overrides=["model.n_layer=3", "train.lr=0.01"], env={})
+    problems = compatibility_problems(local, swarm.to_yaml(), [])
+    text = "\n".join(problems)
+    assert "model.n_layer: yours 3, the swarm's 2" in text
+    assert "train.lr: yours 0.01, the swarm's 0.001" in text
+    assert "swarm config pull" in text
+
+
+def test_without_a_published_config_the_trainers_hashes_decide() -> None:
+    local = load_config("configs/local-tiny.yaml", env={})
+    problems = compatibility_problems(local, None, [_member("0123456789abcdef")])
+    assert len(problems) == 1 and "0123456789abcdef" in problems[0]
+    # a bootstrap or monitor with another hash is no reason to refuse
+    assert compatibility_problems(local, None, [_member("0123456789abcdef", role="bootstrap")]) == []
+
+
+def test_protocol_mismatch_is_a_problem() -> None:
+    local = load_config("configs/local-tiny.yaml", env={})
+    problems = compatibility_problems(
+        local, None, [_member(local.config_hash(), protocol=PROTOCOL_VERSION + 1)]
+    )
+    assert len(problems) == 1 and f"protocol version {PROTOCOL_VERSION}" in problems[0]
+
+
+def test_majority_of_trainers_picks_among_several_publishers() -> None:
+    a = load_config("configs/local-tiny.yaml", env={})
+    b = load_config("configs/local-tiny.yaml", overrides=["train.lr=0.01"], env={})
+    old = PublishedConfig(a.to_yaml(), a.config_hash(), "old", 1.0, a)
+    new = PublishedConfig(b.to_yaml(), b.config_hash(), "new", 2.0, b)
+    assert choose_published([old, new], []) is new
+    votes = [_member(a.config_hash(), n=0), _member(a.config_hash(), n=1), _member(b.config_hash(), n=2)]
+    assert choose_published([old, new], votes) is old
+    assert choose_published([], votes) is None
+
+
+def _start_bootstrap(spawn, *extra: str) -> tuple[object, str, str]:
+    boot = spawn(swarm_cli("bootstrap", *RUN, *extra))
+    maddr = boot.wait_for_line(lambda line: line.startswith(JOIN_LINE_PREFIX), timeout=120)[
+        len(JOIN_LINE_PREFIX) :
+    ]
+    hash_line = boot.wait_for_line(lambda line: "config hash" in line, timeout=10)
+    return boot, maddr, hash_line.rsplit("config hash ", 1)[1].rstrip(")")
+
+
+@pytest.mark.multipeer
+def test_pull_returns_the_swarms_config_and_a_differing_joiner_is_refused(spawn, tmp_path) -> None:
+    boot, maddr, swarm_hash = _start_bootstrap(spawn)
+    boot.wait_for_line(lambda line: line.startswith("fetch the run config with: swarm config pull"), 10)
+
+    target = tmp_path / "run.yaml"
+    pull = spawn(swarm_cli("config", "pull", "--initial-peers", maddr, "-o", str(target)))
+    assert pull.wait(timeout=90) == 0, pull.output()
+    assert swarm_hash in pull.output()
+    assert load_config(target, env={}).config_hash() == swarm_hash
+    # the bootstrap publishes its own run only: any other run id has no config
+    missing = tmp_path / "missing.yaml"
+    nope = spawn(
+        swarm_cli("config", "pull", "--initial-peers", maddr, "-o", str(missing), "--run-id", "nope")
+    )
+    assert nope.wait(timeout=90) == 2, nope.output()
+    assert "no valid config is published for run 'nope'" in nope.output() and not missing.exists()
+
+    joiner = spawn(swarm_cli("join", "--initial-peers", maddr, *RUN, "--set", "model.n_layer=3"))
+    assert joiner.wait(timeout=90) == 2, joiner.output()
+    assert "model.n_layer: yours 3, the swarm's 2" in joiner.output()
+    assert terminate_and_wait(boot, timeout=15) == 0
+
+
+@pytest.mark.multipeer
+def test_join_script_trains_then_resumes_with_the_same_identity(spawn, tmp_path) -> None:
+    boot, maddr, swarm_hash = _start_bootstrap(spawn)
+    home = tmp_path / "swarm-home"
+    env = {"SWARM_HOME": str(home)}
+
+    first = spawn(["bash", str(REPO / "scripts" / "join.sh"), maddr, "--public-name", "volunteer"], env=env)
+    assert first.wait(timeout=150) == 0, first.output()
+    assert "[join] device: " in first.output()
+    peer_id = peer_id_of_identity(home / "identity.key")
+    assert f"peer {peer_id} joined run" in first.output()
+    assert load_config(home / "run.yaml", env={}).config_hash() == swarm_hash
+    assert list((home / "checkpoints").glob("ckpt-*.pt"))
+    assert list((home / "logs").glob("join-*.log"))
+
+    second = spawn(["bash", str(REPO / "scripts" / "join.sh"), maddr], env=env)
+    assert second.wait(timeout=150) == 0, second.output()
+    assert "[join] resuming" in second.output()
+    assert f"peer {peer_id} joined run" in second.output() and "resumed from" in second.output()
+    assert terminate_and_wait(boot, timeout=15) == 0
