@@ -120,6 +120,11 @@ class SwarmNode:
             **self._status(),
         )
 
+    def announce_now(self) -> None:
+        """Publish the current record at once (e.g. right after the state it describes changed)."""
+        if self._announcer is not None:
+            self._announcer.announce_now()
+
     def members(self) -> list[Member]:
         """The live members of this run, this peer included once its record is stored."""
         return list_members(self.dht, self.info.run_id)

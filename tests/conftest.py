@@ -43,8 +43,16 @@ def spawn() -> Iterator[Callable[..., PeerProcess]]:
     yield start
     for process in started:
         process.kill_session()
-    leftovers = session_processes({p.sid for p in started})
-    assert not leftovers, f"processes outlived the test: {[p.cmdline() for p in leftovers]}"
+    # a process SIGKILLed a moment ago may still be on its way out: give the kernel a bounded moment
+    _, leftovers = psutil.wait_procs(session_processes({p.sid for p in started}), timeout=10)
+    assert not leftovers, f"processes outlived the test: {[_describe(p) for p in leftovers]}"
+
+
+def _describe(proc: psutil.Process) -> str:
+    try:
+        return f"{proc.pid} {proc.status()} {proc.cmdline()}"
+    except psutil.Error as exc:
+        return f"{proc.pid} ({exc})"
 
 
 @pytest.fixture(autouse=True)

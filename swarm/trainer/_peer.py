@@ -217,14 +217,10 @@ class TrainingPeer:
         self._joined = True
         if self.resumed_from is not None or self.progress.step > 0:
             return
-        others = [
-            m for m in self.node.members() if m.record.role == "trainer" and m.peer_id != self.node.peer_id
-        ]
-        if not others or self.params is None:
+        if not self._other_trainers() or self.params is None:
             logger.info("no other trainers: starting from the config seed")
             return
-        donors = [(m.peer_id, m.record.state_hash) for m in others if m.record.state_hash]
-        if donors and self._download_state(donors):
+        if self._download_state():
             return
         exchanged = self.sync.exchange_parameters(adopt_partner=True)
         if exchanged is None or exchanged.drift is None:
@@ -235,12 +231,24 @@ class TrainingPeer:
             "adopted parameters of %s (distance before: %.3g)", exchanged.result.partner, exchanged.drift
         )
 
-    def _download_state(self, donors: list[tuple[str, str]]) -> bool:
-        try:
-            snapshot = download_state(self.node.dht, donors, run_id=self.config.run.run_id)
-            adopt(self.model, self.outer, snapshot)
-        except (StateTransferError, ValueError) as exc:
-            logger.warning("state download failed (%s); trying a parameter exchange instead", exc)
+    def _other_trainers(self) -> list:
+        return [
+            m for m in self.node.members() if m.record.role == "trainer" and m.peer_id != self.node.peer_id
+        ]
+
+    def _download_state(self, attempts: int = 3) -> bool:
+        """Download the donors' announced state; retry with fresh records when a donor moved on meanwhile."""
+        for attempt in range(1, attempts + 1):
+            donors = [(m.peer_id, m.record.state_hash) for m in self._other_trainers() if m.record.state_hash]
+            if not donors:
+                return False
+            try:
+                snapshot = download_state(self.node.dht, donors, run_id=self.config.run.run_id)
+                adopt(self.model, self.outer, snapshot)
+                break
+            except (StateTransferError, ValueError) as exc:
+                logger.warning("state download attempt %d/%d failed: %s", attempt, attempts, exc)
+        else:
             return False
         self.progress.swarm_samples = max(int(snapshot.meta.get("samples_total", 0)), self._swarm_samples())
         self.joined_from = [peer for peer, _ in donors]
@@ -252,6 +260,7 @@ class TrainingPeer:
             snapshot = snapshot_of(self.outer, self.progress)
             self.state_server.publish(snapshot)
             self._state_hash = snapshot.digest
+            self.node.announce_now()  # joiners ask for the digest in our record: keep it current
 
     def _finished(self, max_steps: int | None) -> bool:
         if max_steps is not None and self.progress.step >= max_steps:
