@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import typer
+from rich.live import Live
+from rich.table import Table
 
 from peers._common import SHUTDOWN_GRACE_S, open_node
 from peers._local_summary import collect, print_summary, swarm_summary
@@ -146,11 +148,32 @@ def _trainer_args(common: list[str], maddr: str, index: int, log_dir: Path) -> l
 
 
 def _supervise(swarm: LocalSwarm, duration_s: float | None, stop: threading.Event, members: Callable) -> int:
-    """Print progress until the trainers finish, the duration passes or ``stop``; 1 if a peer failed."""
+    """Show progress until the trainers finish, the duration passes or ``stop``; 1 if a peer failed.
+
+    On a terminal the progress is a live table redrawn in place; otherwise one plain line per tick.
+    """
+    if not sys.stdout.isatty():
+        return _watch(swarm, duration_s, stop, members, _print_line, every_s=5.0)
+    with Live(progress_table(members(), 0.0), refresh_per_second=2, transient=False) as live:
+        return _watch(swarm, duration_s, stop, members, lambda ms, t: live.update(progress_table(ms, t)), 2.0)
+
+
+def _print_line(members: list, elapsed: float) -> None:
+    typer.echo(f"[local] t={elapsed:4.0f}s {_progress_line(members)}")
+
+
+def _watch(
+    swarm: LocalSwarm,
+    duration_s: float | None,
+    stop: threading.Event,
+    members: Callable,
+    show: Callable[[list, float], None],
+    every_s: float,
+) -> int:
     started = time.monotonic()
     trainers = [(name, proc) for name, proc in swarm.processes if name != "bootstrap"]
-    while not stop.wait(timeout=_next_tick(started, duration_s)):
-        typer.echo(f"[local] t={time.monotonic() - started:4.0f}s {_progress_line(members())}")
+    while not stop.wait(timeout=_next_tick(started, duration_s, every_s)):
+        show(members(), time.monotonic() - started)
         failed = [name for name, proc in swarm.processes if proc.poll() not in (None, 0)]
         if failed:
             typer.echo(f"[local] peer(s) failed: {', '.join(failed)}; see their logs", err=True)
@@ -163,8 +186,38 @@ def _supervise(swarm: LocalSwarm, duration_s: float | None, stop: threading.Even
     return 0
 
 
+def progress_table(members: list, elapsed: float) -> Table:
+    """The live view of `swarm local` on a terminal: one row per trainer."""
+    table = Table(title=f"swarm local, {elapsed:.0f}s (eval in bits/byte)", title_justify="left")
+    table.add_column("trainer", no_wrap=True, min_width=7)
+    table.add_column("state", no_wrap=True)
+    for column in ("step", "loss", "eval", "smp/s", "syncs", "drift"):
+        table.add_column(column, justify="right", no_wrap=True)
+    for m in _trainers(members):
+        r = m.record
+        table.add_row(
+            r.public_name or m.peer_id[-6:],
+            r.state,
+            str(r.step),
+            _fmt(r.loss, ".3f"),
+            _fmt(r.eval_loss, ".3f"),
+            _fmt(r.samples_per_s, ".1f"),
+            str(r.exchanges_ok),
+            _fmt(r.drift, ".4f"),
+        )
+    return table
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def _trainers(members: list) -> list:
+    return sorted((m for m in members if m.record.role == "trainer"), key=lambda m: m.record.public_name)
+
+
 def _progress_line(members: list) -> str:
-    trainers = sorted((m for m in members if m.record.role == "trainer"), key=lambda m: m.record.public_name)
+    trainers = _trainers(members)
     if not trainers:
         return "waiting for trainers"
     parts = []

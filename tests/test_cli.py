@@ -118,3 +118,33 @@ def test_local_swarm_interrupted_leaves_nothing(spawn, tmp_path) -> None:
     local.signal(signal.SIGINT)
     assert local.wait(timeout=30) == 0, local.output()
     assert "[local] all peers stopped" in local.output()
+
+
+def test_local_live_view_lists_trainers_in_a_narrow_terminal() -> None:
+    from rich.console import Console
+
+    from peers.local import progress_table
+    from swarm import Member, PeerRecord
+
+    def member(name: str, role: str, step: int) -> Member:
+        record = PeerRecord(
+            peer_id="QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N", protocol_version=1,
+            package_version="0.1.0", config_hash="ab", role=role, public_name=name, state="training",
+            step=step, eval_loss=3.61,
+        )  # fmt: skip
+        return Member(record.peer_id, record, expires_at=0.0)
+
+    console = Console(width=70, record=True, color_system=None)
+    console.print(
+        progress_table(
+            [
+                member("local-2", "trainer", 20),
+                member("boot", "bootstrap", 0),
+                member("local-1", "trainer", 10),
+            ],
+            12.0,
+        )
+    )
+    text = console.export_text()
+    assert text.index("local-1") < text.index("local-2") and "boot" not in text
+    assert "3.610" in text and all(len(line) <= 70 for line in text.splitlines())
