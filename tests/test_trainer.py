@@ -150,7 +150,8 @@ def test_three_gossip_peers_learn_and_stay_together(spawn, tmp_path) -> None:
 
 @pytest.mark.multipeer
 def test_killed_trainer_resumes_from_its_checkpoint(spawn, tmp_path) -> None:
-    boot = spawn(swarm_cli("bootstrap"))
+    tiny = [item for override in TINY for item in ("--set", override)]
+    boot = spawn(swarm_cli("bootstrap", *tiny))  # the same run config, or the joiner is refused
     line = boot.wait_for_line(lambda text: text.startswith("swarm join --initial-peers"), timeout=90)
     checkpoints = tmp_path / "ckpt"
     args = [
@@ -160,7 +161,7 @@ def test_killed_trainer_resumes_from_its_checkpoint(spawn, tmp_path) -> None:
         "--set",
         "train.checkpoint_every_s=0.5",
     ]
-    args += [item for override in TINY for item in ("--set", override)]
+    args += tiny
     trainer = spawn(swarm_cli(*args))
     wait_until(lambda: len(list_checkpoints(checkpoints)) >= 2, timeout=120, what="two checkpoints")
     trainer.signal(signal.SIGKILL)
