@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable
 
 import hivemind
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.utils.timed_storage import get_dht_time
 
+from swarm.membership._periodic import PeriodicTask
 from swarm.membership._record import PeerRecord, record_key
 
 logger = logging.getLogger(__name__)
@@ -36,14 +36,12 @@ class Announcer:
         if ttl_s < interval_s:
             raise ValueError(f"record ttl {ttl_s}s must not be shorter than the interval {interval_s}s")
         self._dht, self._key, self._signer = dht, record_key(run_id), signer
-        self._snapshot, self._interval_s, self._ttl_s = snapshot, interval_s, ttl_s
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="swarm-announcer", daemon=True)
+        self._snapshot, self._ttl_s = snapshot, ttl_s
+        self._task = PeriodicTask(self.announce_now, interval_s, name="swarm-announcer")
 
     def start(self) -> None:
         """Announce once synchronously (so the peer is visible on return), then keep announcing."""
-        self.announce_now()
-        self._thread.start()
+        self._task.start()
 
     def announce_now(self) -> bool:
         """Store the current record; return whether at least one DHT node accepted it."""
@@ -60,13 +58,4 @@ class Announcer:
 
     def stop(self) -> None:
         """Stop announcing; the last record expires on its own."""
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout=self._interval_s + 5)
-
-    def _run(self) -> None:
-        while not self._stop.wait(self._interval_s):
-            try:
-                self.announce_now()
-            except Exception:
-                logger.exception("failed to announce membership record")
+        self._task.stop()

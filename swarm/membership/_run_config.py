@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 import tempfile
-import threading
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -33,6 +32,7 @@ from pydantic.v1 import confloat, constr
 from swarm.config import MonitorSection, NetworkSection, RunConfig, load_config
 from swarm.config._schema import RUN_ID_PATTERN
 from swarm.membership._members import Member, _owner_public_key
+from swarm.membership._periodic import PeriodicTask
 from swarm.network import peer_id_of
 
 logger = logging.getLogger(__name__)
@@ -156,15 +156,11 @@ class ConfigPublisher:
         if ttl_s < interval_s:
             raise ValueError(f"config ttl {ttl_s}s must not be shorter than the interval {interval_s}s")
         self._args = (dht, run_id, config, signer, ttl_s)
-        self._interval_s = interval_s
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="swarm-config-publisher", daemon=True)
+        self._task = PeriodicTask(self.publish_now, interval_s, name="swarm-config-publisher")
 
     def start(self) -> bool:
         """Publish once synchronously (so a joiner can fetch it on return), then keep publishing."""
-        published = self.publish_now()
-        self._thread.start()
-        return published
+        return bool(self._task.start())
 
     def publish_now(self) -> bool:
         published = publish_run_config(*self._args)
@@ -173,16 +169,7 @@ class ConfigPublisher:
         return published
 
     def stop(self) -> None:
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout=self._interval_s + 5)
-
-    def _run(self) -> None:
-        while not self._stop.wait(self._interval_s):
-            try:
-                self.publish_now()
-            except Exception:
-                logger.exception("failed to publish the run config")
+        self._task.stop()
 
 
 def _get(dht: hivemind.DHT, key: str, timeout_s: float) -> dict:
