@@ -22,19 +22,16 @@ from __future__ import annotations
 
 import asyncio
 import enum
-import json
 import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from swarm._framing import HEADER_LEN, ProtocolError, dump_json, parse_json, read_message, write_message
 from swarm._protocol import PROTOCOL_VERSION
 
-_HEADER_LEN = 5
+__all__ = ["CONTROL_MAX_BYTES", "Channel", "Hello", "MsgKind", "ProtocolError", "handler_name", "parse_json"]
+
 CONTROL_MAX_BYTES = 64 * 1024
-
-
-class ProtocolError(Exception):
-    """The partner broke the protocol: unexpected message, malformed header or payload."""
 
 
 class MsgKind(enum.IntEnum):
@@ -72,30 +69,19 @@ class Channel:
         self.bytes_received = 0
 
     async def send(self, kind: MsgKind, payload: bytes | memoryview = b"") -> None:
-        header = bytes([kind]) + len(payload).to_bytes(4, "big")
-        self._writer.write(header)
-        if payload:
-            self._writer.write(payload)
-        await asyncio.wait_for(self._writer.drain(), self._timeout)
-        self.bytes_sent += _HEADER_LEN + len(payload)
+        self.bytes_sent += await write_message(self._writer, kind, payload, self._timeout)
 
     async def send_json(self, kind: MsgKind, obj: dict[str, Any]) -> None:
-        await self.send(kind, json.dumps(obj, separators=(",", ":")).encode())
+        await self.send(kind, dump_json(obj))
 
     async def recv(self) -> tuple[MsgKind, bytes]:
         """Read one message; raises ProtocolError on an unknown kind or an oversized length."""
-        header = await asyncio.wait_for(self._reader.readexactly(_HEADER_LEN), self._timeout)
-        try:
-            kind = MsgKind(header[0])
-        except ValueError:
-            raise ProtocolError(f"unknown message kind {header[0]}") from None
-        length = int.from_bytes(header[1:], "big")
-        limit = self._max_data_bytes if kind is MsgKind.DATA else CONTROL_MAX_BYTES
-        if length > limit:
-            raise ProtocolError(f"{kind.name} message of {length} bytes exceeds the limit of {limit}")
-        payload = await asyncio.wait_for(self._reader.readexactly(length), self._timeout) if length else b""
-        self.bytes_received += _HEADER_LEN + length
+        kind, payload = await read_message(self._reader, MsgKind, self._limit, self._timeout)
+        self.bytes_received += HEADER_LEN + len(payload)
         return kind, payload
+
+    def _limit(self, kind: MsgKind) -> int:
+        return self._max_data_bytes if kind is MsgKind.DATA else CONTROL_MAX_BYTES
 
     async def recv_expect(self, *kinds: MsgKind) -> tuple[MsgKind, bytes]:
         kind, payload = await self.recv()
@@ -106,16 +92,6 @@ class Channel:
 
     def close(self) -> None:
         self._writer.close()
-
-
-def parse_json(payload: bytes) -> dict[str, Any]:
-    try:
-        obj = json.loads(payload.decode())
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ProtocolError(f"malformed control message: {exc}") from None
-    if not isinstance(obj, dict):
-        raise ProtocolError("control message is not a JSON object")
-    return obj
 
 
 @dataclass(frozen=True)

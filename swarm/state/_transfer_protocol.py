@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from hivemind.p2p import P2P, PeerID
 
+from swarm._framing import ProtocolError, dump_json, parse_json, read_message, write_message
 from swarm._protocol import PROTOCOL_VERSION
 from swarm.compression import (
     DecodeLimits,
@@ -48,12 +49,7 @@ MAX_FRAMES = (HEADER_MAX_BYTES - (1 << 20)) // 67  # one hex hash and its JSON p
 _DOMAIN = f"swarm.state.v{PROTOCOL_VERSION}\n".encode()
 IO_TIMEOUT_S = 20.0
 """Bound on dialling, on each message read and on each write drain, both sides."""
-_HEADER_LEN = 5
 _FP32 = get_codec("fp32")
-
-
-class ProtocolError(Exception):
-    """The other side broke the protocol or sent data that does not match what it announced."""
 
 
 class Kind(enum.IntEnum):
@@ -89,37 +85,16 @@ def state_digest(meta_json: bytes, chunk_bytes: int, frame_hashes: Iterable[byte
 
 
 async def send(writer: asyncio.StreamWriter, kind: Kind, payload: bytes, timeout: float) -> None:
-    writer.write(bytes([kind]) + len(payload).to_bytes(4, "big"))
-    writer.write(payload)
-    await asyncio.wait_for(writer.drain(), timeout)
+    await write_message(writer, kind, payload, timeout)
 
 
 async def send_json(writer: asyncio.StreamWriter, kind: Kind, obj: dict[str, Any], timeout: float) -> None:
-    await send(writer, kind, json.dumps(obj, separators=(",", ":")).encode(), timeout)
+    await write_message(writer, kind, dump_json(obj), timeout)
 
 
 async def recv(reader: asyncio.StreamReader, max_bytes: int, timeout: float) -> tuple[Kind, bytes]:
     """One message of at most ``max_bytes`` payload bytes; ProtocolError otherwise."""
-    head = await asyncio.wait_for(reader.readexactly(_HEADER_LEN), timeout)
-    try:
-        kind = Kind(head[0])
-    except ValueError:
-        raise ProtocolError(f"unknown message kind {head[0]}") from None
-    length = int.from_bytes(head[1:], "big")
-    if length > max_bytes:
-        raise ProtocolError(f"{kind.name} message of {length} bytes exceeds the limit of {max_bytes}")
-    payload = await asyncio.wait_for(reader.readexactly(length), timeout) if length else b""
-    return kind, payload
-
-
-def parse_json(payload: bytes) -> dict[str, Any]:
-    try:
-        obj = json.loads(payload.decode())
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ProtocolError(f"malformed message: {exc}") from None
-    if not isinstance(obj, dict):
-        raise ProtocolError("message is not a JSON object")
-    return obj
+    return await read_message(reader, Kind, lambda kind: max_bytes, timeout)
 
 
 def _field(obj: dict[str, Any], key: str, kind: type) -> Any:
