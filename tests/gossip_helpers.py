@@ -135,13 +135,13 @@ class _Worker:
 
         self.partners = [PartnerInfo(*p) for p in partners]
 
-    def sync(self, count: int, weight: float | None = None, max_seconds: float = 120.0) -> list[tuple]:
+    def sync(self, count: int, max_seconds: float = 120.0) -> list[tuple]:
         results = []
         deadline = time.monotonic() + max_seconds
-        for i in range(count):
+        for _ in range(count):
             if time.monotonic() > deadline:
                 break
-            result = self.averager.sync([self.tensor], weight if i == 0 else None)
+            result = self.averager.sync([self.tensor])
             results.append((result.outcome.value, result.partner, result.bytes_sent, result.reason))
         return results
 
