@@ -20,7 +20,7 @@ from swarm.config import NetworkSection, RunConfig
 
 if TYPE_CHECKING:  # the network stack imports torch and hivemind: load it only for commands that need it
     from swarm import NodeInfo, SwarmNode
-    from swarm.network import NetworkOptions
+    from swarm.network import NetworkOptions, ReachabilityResult
 
 CONFIG_OPTION = typer.Option(None, "--config", "-c", help="Run config YAML file (defaults if omitted).")
 SET_OPTION = typer.Option(
@@ -77,8 +77,8 @@ def load_run_config(path: Path | None, overrides: Sequence[str] | None) -> RunCo
 
 
 def resolve_network(config: RunConfig, flags: NetworkFlags) -> NetworkOptions:
-    """Merge command-line flags over the config's network section; exit 2 on a bad address."""
-    from swarm.network import AddressError, NetworkOptions
+    """Merge command-line flags over the config's network section; exit 2 on a bad address or swarm key."""
+    from swarm.network import AddressError, NetworkOptions, SwarmKeyError
 
     net: NetworkSection = config.network
     initial_peers = split_addresses(flags.initial_peers)
@@ -96,8 +96,9 @@ def resolve_network(config: RunConfig, flags: NetworkFlags) -> NetworkOptions:
             public_ip=flags.public_ip,
             host_maddrs_given=host_maddrs is not None,
             announce_maddrs_given=announce_maddrs is not None,
+            swarm_key_file=net.swarm_key_file,
         )
-    except AddressError as exc:
+    except (AddressError, SwarmKeyError) as exc:
         fail(str(exc))
 
 
@@ -127,6 +128,36 @@ def open_node(
         fail(str(exc))
     except NetworkError as exc:
         fail(str(exc), status=1)
+
+
+def reachability_lines(result: ReachabilityResult, who: str) -> list[str]:
+    """What to tell the user about a reachability check; numbered advice when nobody could dial us."""
+    if result.status == "disabled":
+        return []
+    if result.status == "skipped":
+        return [f"{who}: reachability check skipped (no other peer to ask)"]
+    if result.status == "unknown":
+        reasons = "; ".join(result.errors) or "no answer"
+        return [f"{who}: reachability unknown, no peer answered the check ({reasons})"]
+    if result.status == "direct":
+        where = ", ".join(result.reachable)
+        return [f"{who}: reachability direct (dialled back by {len(result.answered_by)} peer(s) at {where})"]
+    port = _port_of(result.addresses)
+    port_text = str(port) if port is not None else "N"
+    return [
+        f"{who}: no peer could dial this peer back at {', '.join(result.addresses)} "
+        f"(asked {len(result.answered_by)} peer(s))",
+        "to let other peers connect to you:",
+        f"  1) open TCP port {port_text} in your firewall and forward it on your router to this machine",
+        f"  2) pass --public-ip YOUR_PUBLIC_IP --port {port_text}",
+        f"  3) or pass --announce-maddrs /ip4/YOUR_PUBLIC_IP/tcp/{port_text}",
+        f"{who}: now running in client mode: it still trains and starts exchanges, but nobody dials it",
+    ]
+
+
+def _port_of(addresses: Sequence[str]) -> int | None:
+    match = next((re.search(r"/tcp/(\d+)", a) for a in addresses if "/tcp/" in a), None)
+    return int(match.group(1)) if match else None
 
 
 def setup_logging() -> None:

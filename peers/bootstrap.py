@@ -1,9 +1,10 @@
 """`swarm bootstrap`: a stable entry peer that others join through.
 
 It announces itself like any peer (role ``bootstrap``), publishes the run config in the DHT (joiners
-fetch it with ``swarm config pull`` and are refused when theirs differs), and prints the line a joiner
-pastes. That line is a contract other tools parse: ``swarm join --initial-peers <multiaddr>`` alone on a
-line.
+fetch it with ``swarm config pull`` and are refused when theirs differs), checks that others can dial
+it back, optionally keeps and serves the latest model state (``--serve-state``), and prints the line a
+joiner pastes. That line is a contract other tools parse: ``swarm join --initial-peers <multiaddr>``
+alone on a line.
 """
 
 from __future__ import annotations
@@ -13,13 +14,15 @@ from typing import TYPE_CHECKING
 
 import typer
 
-from peers._common import open_node
+from peers._common import open_node, reachability_lines
 from swarm import NodeInfo, SwarmNode, describe_device
 from swarm.config import RunConfig
 from swarm.network import NetworkOptions
 
 if TYPE_CHECKING:
     from swarm.membership._run_config import ConfigPublisher
+    from swarm.state import StateSnapshot
+    from swarm.trainer._joining import StateMirror
 
 JOIN_LINE_PREFIX = "swarm join --initial-peers "
 CONFIG_PUBLISH_INTERVAL_S = 30.0
@@ -46,8 +49,11 @@ def run_bootstrap(
     public_name: str,
     config_path: str | None,
     stop: threading.Event,
+    serve_state: bool = False,
+    state_dir: str | None = None,
+    state_interval_s: float = 60.0,
 ) -> None:
-    """Serve as an entry peer until ``stop`` is set."""
+    """Serve as an entry peer until ``stop`` is set; with ``serve_state`` keep and serve the model state."""
     device, memory = describe_device("cpu")
     info = NodeInfo(
         run_id=config.run.run_id,
@@ -57,15 +63,54 @@ def run_bootstrap(
         device=device,
         device_memory_gb=memory,
     )
-    with open_node(network, info, config) as node:
+    mirror: StateMirror | None = None
+
+    def status() -> dict[str, str]:  # the kept state's digest goes into our record: joiners ask for it
+        return {"state_hash": mirror.digest if mirror is not None else ""}
+
+    with open_node(network, info, config, status=status) as node:
         publisher = _start_publisher(node, config)
         try:
             _print_lines(node, config, config_path)
+            if config.network.reachability_check:
+                for line in reachability_lines(node.check_reachability(), "bootstrap"):
+                    typer.echo(line)
+            if serve_state:
+                mirror = _start_mirror(node, config, state_dir, state_interval_s)
             while not stop.wait(timeout=1.0):
                 pass
             typer.echo("bootstrap: shutting down")
         finally:
+            if mirror is not None:
+                mirror.close()
             publisher.stop()
+
+
+def _start_mirror(
+    node: SwarmNode, config: RunConfig, state_dir: str | None, interval_s: float
+) -> StateMirror:
+    """Keep the latest state of the live trainers and serve it to joiners (see swarm/trainer/_joining.py)."""
+    from swarm.trainer._joining import StateMirror
+
+    mirror = StateMirror(
+        node,
+        interval_s=interval_s,
+        state_dir=state_dir,
+        config_hash=config.config_hash(),
+        on_update=_print_kept_state,
+    )
+    where = f", saved to {state_dir}" if state_dir else ""
+    typer.echo(f"bootstrap: keeping the latest model state every {interval_s:g}s for joiners{where}")
+    mirror.start()
+    return mirror
+
+
+def _print_kept_state(snapshot: StateSnapshot) -> None:
+    meta = snapshot.meta
+    typer.echo(
+        f"bootstrap: serving the state of round {meta.get('round')}, step {meta.get('step')}, "
+        f"samples {meta.get('samples_total')} (digest {snapshot.digest[:12]})"
+    )
 
 
 def _start_publisher(node: SwarmNode, config: RunConfig) -> ConfigPublisher:

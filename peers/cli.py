@@ -44,6 +44,15 @@ def bootstrap(
     identity_path: Path | None = common.IDENTITY_OPTION,
     client_mode: bool | None = common.CLIENT_MODE_OPTION,
     public_name: str = common.PUBLIC_NAME_OPTION,
+    serve_state: bool = typer.Option(
+        False, "--serve-state", help="Keep the live trainers' latest model state and serve it to joiners."
+    ),
+    state_dir: Path | None = typer.Option(
+        None, "--state-dir", help="With --serve-state: also save the kept state here (atomic files)."
+    ),
+    state_interval: float = typer.Option(
+        60.0, "--state-interval", min=1.0, help="With --serve-state: seconds between state refreshes."
+    ),
 ) -> None:
     """Start a stable entry peer and print the line others paste to join."""
     from peers.bootstrap import run_bootstrap
@@ -51,8 +60,19 @@ def bootstrap(
     cfg = common.load_run_config(config, set_)
     flags = _flags(initial_peers, host_maddrs, announce_maddrs, port, public_ip, identity_path, client_mode)
     network = common.resolve_network(cfg, flags)
+    if state_dir is not None and not serve_state:
+        common.fail("--state-dir needs --serve-state")
     with common.shutdown_on_signals() as stop:
-        run_bootstrap(cfg, network, public_name=public_name, config_path=_str(config), stop=stop)
+        run_bootstrap(
+            cfg,
+            network,
+            public_name=public_name,
+            config_path=_str(config),
+            stop=stop,
+            serve_state=serve_state,
+            state_dir=_str(state_dir),
+            state_interval_s=state_interval,
+        )
 
 
 @app.command()

@@ -1,4 +1,5 @@
-"""`swarm config show|check|pull`: print, validate or fetch a run config; the loader other commands share.
+"""`swarm config show|check|pull|keygen`: print, validate or fetch a run config, make a swarm key;
+the config loader other commands share.
 
 This module is imported by every command, so it stays cheap: torch and hivemind are imported inside
 the commands that need them.
@@ -106,6 +107,28 @@ def pull(
         common.fail(f"no valid config is published for run {view.run_id!r} (is its bootstrap up to date?)")
     write_atomically(output, view.published_yaml)
     typer.echo(f"wrote {output}: run {view.run_id!r}, config hash {view.published_hash}")
+
+
+@config_app.command("keygen")
+def keygen(
+    output: Path = typer.Option(..., "--output", "-o", help="Where to write the new key (must not exist)."),
+) -> None:
+    """Make a secret key for a private swarm (32 random bytes, hex) in a new file of mode 0600.
+
+    Copy the file to every peer over a secure channel and point network.swarm_key_file at it
+    (or put its content in SWARM_KEY). See docs/security.md.
+    """
+    from swarm.network._swarm_key import write_new_key
+
+    try:
+        key = write_new_key(output)
+    except FileExistsError:
+        typer.echo(f"error: {output} already exists; refusing to overwrite a key", err=True)
+        raise typer.Exit(2) from None
+    except OSError as exc:
+        typer.echo(f"error: cannot create {output}: {exc.strerror}", err=True)
+        raise typer.Exit(2) from None
+    typer.echo(f"wrote a new swarm key to {output} (mode 0600, fingerprint {key.fingerprint})")
 
 
 def write_atomically(path: Path, text: str) -> None:

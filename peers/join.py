@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 from pathlib import Path
 
 import typer
 
-from peers._common import fail
+from peers._common import fail, reachability_lines
 from peers._trainer_output import TrainerOutput
 from swarm.config import RunConfig
 from swarm.network import NetworkOptions
@@ -51,6 +52,19 @@ def run_join(
             f"peer {peer.node.peer_id} joined run {config.run.run_id!r} ({members} members visible, "
             f"{peer.n_params:,} parameters on {peer.device}{resumed})"
         )
+        if hasattr(peer, "check_reachability"):  # the hivemind baseline has no dial-back check
+            for line in reachability_lines(peer.check_reachability(), "join"):
+                typer.echo(line)
+        aborting = peer.aborting_on(stop) if hasattr(peer, "aborting_on") else contextlib.nullcontext()
+        with aborting:  # a stalled exchange while joining must not hold a shutdown either
+            peer.join_swarm()
+        if getattr(peer, "joined_state", None):
+            meta = peer.joined_state
+            typer.echo(
+                f"join: took over the swarm's state from {len(peer.joined_from)} donor(s): "
+                f"round {meta.get('round')}, step {meta.get('step')}, samples {meta.get('samples_total')} "
+                f"(digest {peer.joined_digest[:12]})"
+            )
         with output:
             peer.run(stop)
         typer.echo("join: shutting down")
@@ -85,6 +99,11 @@ def write_summary(peer, path: Path) -> None:
         "drift": peer.progress.drift,
         "utilization": peer.progress.utilization(),
         "exchanges_ok": metrics.exchanges_ok,
+        "exchanges_clipped": metrics.exchanges_clipped,
+        "exchanges_suspect": metrics.exchanges_suspect,
+        # partners this peer's pseudo-gradient averager holds bans against, and their strike counts
+        "banned_peers": peer.deltas.banned_peers() if peer.deltas is not None else {},
+        "ban_strikes": peer.deltas.ban_strikes() if peer.deltas is not None else {},
     }
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(summary, indent=2))

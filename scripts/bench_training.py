@@ -24,6 +24,7 @@ per sync round of a peer), ``utilization`` (share of wall time in forward/backwa
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import re
@@ -56,7 +57,11 @@ def child_env() -> dict[str, str]:
 
 
 class LogWatcher:
-    """Reads the peers' logs as they grow and timestamps each sync line's eval loss."""
+    """Reads the peers' logs as they grow and timestamps each sync line's eval loss.
+
+    ``curve`` holds ``(seconds since the first join line, mean of the peers' latest eval losses)``
+    each time a poll sees a new eval value once every peer has reported one.
+    """
 
     def __init__(self, log_dir: Path, peers: int):
         self.paths = [log_dir / f"peer-{i}.log" for i in range(1, peers + 1)]
@@ -64,6 +69,7 @@ class LogWatcher:
         self.latest: list[float | None] = [None] * peers
         self.started: float | None = None
         self.reached: float | None = None
+        self.curve: list[tuple[float, float]] = []
 
     def poll(self, now: float, target: float) -> None:
         for index, path in enumerate(self.paths):
@@ -76,8 +82,12 @@ class LogWatcher:
             self.offsets[index] += len(complete.encode(errors="replace"))
             for line in complete.splitlines():
                 self._line(index, line, now)
-        ready = self.started is not None and self.reached is None and None not in self.latest
-        if ready and statistics.fmean(self.latest) <= target:
+        if self.started is None or None in self.latest:
+            return
+        mean = statistics.fmean(self.latest)
+        if not self.curve or self.curve[-1][1] != mean:
+            self.curve.append((now - self.started, mean))
+        if self.reached is None and mean <= target:
             self.reached = now - self.started
 
     def _line(self, index: int, line: str, now: float) -> None:
@@ -105,6 +115,7 @@ def run_backend(name: str, peers: int, overrides: list[str], args: argparse.Name
     return summarize(name, peers, summary_path, watcher, proc.returncode)
 
 
+@functools.cache
 def n_params() -> int:
     from swarm.config import load_config
     from swarm.training import build_model, count_parameters
@@ -117,14 +128,22 @@ def summarize(name: str, peers: int, path: Path, watcher: LogWatcher, status: in
     row: dict[str, Any] = {"backend": name, "peers": peers, "seconds_to_target": watcher.reached}
     if not path.exists():
         return {**row, "error": f"no summary (swarm local exited {status}); see {path.parent / name}"}
-    summary = json.loads(path.read_text())
+    return {**row, **summary_numbers(json.loads(path.read_text()))}
+
+
+def summary_numbers(summary: dict[str, Any]) -> dict[str, Any]:
+    """The benchmark's numbers from a ``swarm local`` summary (``peers._local_summary.swarm_summary``).
+
+    ``exchange_bytes_per_param`` is what one pseudo-gradient exchange (gossip) or all-reduce round
+    (hivemind) sent, per parameter: the codec's cost, without parameter exchanges or state downloads.
+    """
     per_peer = summary["per_peer"]
     rounds = sum(p.get("rounds", 0) for p in per_peer)
     sent = sum(p.get("wire_bytes_total", 0) for p in per_peer) / 2  # sent ~ received over the swarm
     return {
-        **row,
         "final_eval_loss": summary["eval_loss"],
         "wire_bytes_per_param_per_sync": sent / rounds / n_params() if rounds else None,
+        "exchange_bytes_per_param": summary["wire_bytes_per_param_per_sync"],
         "utilization": summary["utilization"],
         "steps_per_peer": statistics.fmean(p.get("steps", 0) for p in per_peer),
         "syncs_per_peer": rounds / max(len(per_peer), 1),

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import json
+import math
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -49,16 +50,63 @@ async def read_message(
     return kind, payload
 
 
+MAX_JSON_DEPTH = 32
+"""Deepest nesting of arrays/objects a control message may have (ours use two or three levels)."""
+
+
 def dump_json(obj: dict[str, Any]) -> bytes:
     return json.dumps(obj, separators=(",", ":")).encode()
 
 
 def parse_json(payload: bytes) -> dict[str, Any]:
-    """A JSON object from a control message; ProtocolError for anything else."""
+    """A JSON object from a control message; ProtocolError for anything else.
+
+    Rejected too: NaN/Infinity (and numbers that overflow to them), integers outside the 64-bit
+    range (``float(10**400)`` raises OverflowError in whoever reads such a field), and nesting
+    deeper than MAX_JSON_DEPTH, so callers only ever see plain, finite, shallow JSON.
+    """
     try:
-        obj = json.loads(payload.decode())
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ProtocolError(f"malformed message: {exc}") from None
+        obj = json.loads(
+            payload.decode(),
+            parse_constant=_reject_constant,
+            parse_float=_finite_float,
+            parse_int=_int64,
+        )
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:  # JSONDecodeError is a ValueError
+        raise ProtocolError(f"malformed message: {str(exc)[:200]}") from None
     if not isinstance(obj, dict):
         raise ProtocolError("message is not a JSON object")
+    if _depth(obj) > MAX_JSON_DEPTH:
+        raise ProtocolError(f"message nests deeper than {MAX_JSON_DEPTH} levels")
     return obj
+
+
+def _reject_constant(name: str) -> float:
+    raise ValueError(f"non-finite number {name}")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"number {text[:40]} is out of range")
+    return value
+
+
+def _int64(text: str) -> int:
+    if len(text) > 21:  # the longest 64-bit integer, with its sign, has 20 digits
+        raise ValueError(f"integer {text[:24]}... is out of range")
+    value = int(text)
+    if not -(2**63) <= value < 2**64:
+        raise ValueError(f"integer {text} is out of range")
+    return value
+
+
+def _depth(obj: Any) -> int:
+    """Nesting depth of parsed JSON, computed without recursion."""
+    deepest, stack = 0, [(obj, 1)]
+    while stack:
+        item, depth = stack.pop()
+        deepest = max(deepest, depth)
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else ()
+        stack.extend((child, depth + 1) for child in children if isinstance(child, dict | list))
+    return deepest

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import random
 import shutil
 import time
 from collections.abc import Callable
@@ -25,7 +26,15 @@ from swarm.membership import (
     list_members,
     membership_validators,
 )
-from swarm.network import NetworkOptions, load_identity, start_dht
+from swarm.network import (
+    NetworkOptions,
+    ReachabilityChecker,
+    ReachabilityResult,
+    check_reachability,
+    load_identity,
+    start_dht,
+)
+from swarm.network._reachability import IO_TIMEOUT_S as CHECK_IO_TIMEOUT_S
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +56,8 @@ class SwarmNode:
 
     :param status: called at each announcement; returns the dynamic record fields (state, step, loss,
         samples_per_s, byte counters, ...). Unknown keys raise, so a typo cannot go unnoticed.
-    :param announce: whether to publish a record at all (a monitor only reads).
+    :param announce: whether to publish a record at all (a monitor only reads). An announcing peer
+        that is not in client mode also answers other members' reachability checks.
     """
 
     def __init__(
@@ -66,6 +76,9 @@ class SwarmNode:
         self._signer = RSASignatureValidator(self._identity_key)
         self._status = status or (lambda: {})
         self._started_at = time.time()
+        self._client_mode = network.client_mode
+        self.reachability = "client" if network.client_mode else "unknown"
+        self._checker: ReachabilityChecker | None = None
         try:
             self.dht = start_dht(network, identity_path, membership_validators(info.run_id, self._signer))
         finally:
@@ -83,6 +96,8 @@ class SwarmNode:
                 ttl_s=record_ttl_s,
             )
             try:
+                if not self._client_mode:  # answer checks before others can see our record
+                    self._checker = ReachabilityChecker(self._announced_addresses, self.dht, info.run_id)
                 self._announcer.start()
             except BaseException:
                 self.close()
@@ -113,9 +128,9 @@ class SwarmNode:
             role=self.info.role,
             device=self.info.device,
             device_memory_gb=float(self.info.device_memory_gb),
-            client_mode=self.network.client_mode,
-            addresses=[] if self.network.client_mode else self.visible_maddrs()[:16],
-            reachability="client" if self.network.client_mode else "unknown",
+            client_mode=self._client_mode,
+            addresses=[] if self._client_mode else self.visible_maddrs()[:16],
+            reachability=self.reachability,
             started_at=self._started_at,
             **self._status(),
         )
@@ -125,12 +140,69 @@ class SwarmNode:
         if self._announcer is not None:
             self._announcer.announce_now()
 
+    @property
+    def client_mode(self) -> bool:
+        """Whether this peer only dials out (configured, or switched to after a failed reachability check)."""
+        return self._client_mode
+
+    def check_reachability(self, max_checkers: int = 3) -> ReachabilityResult:
+        """Ask up to ``max_checkers`` other live members to dial this peer back at its announced addresses.
+
+        ``direct``: some checker reached us, the record says so. ``unreachable`` (checkers answered,
+        none reached us): this node switches to client mode, so its record lists no addresses and
+        nobody picks it as a partner; components that serve (gossip averagers, state server) must be
+        switched by their owner. ``skipped``: no other member to ask (or already in client mode);
+        ``unknown``: nobody answered. Both leave the record as it was.
+        """
+        if self._client_mode:
+            return ReachabilityResult("skipped")
+        addresses = self.visible_maddrs()[:16]
+        checkers = [
+            m.peer_id
+            for m in self.members()
+            if m.peer_id != self.peer_id
+            and not m.record.client_mode
+            and m.record.addresses
+            and m.record.protocol_version == PROTOCOL_VERSION
+        ]
+        if not checkers:
+            logger.info("no other member to check reachability with: skipped")
+            return ReachabilityResult("skipped", tuple(addresses))
+        random.shuffle(checkers)
+        self.announce_now()  # checkers compare our request with the addresses in our stored record
+        run_id = self.info.run_id
+        result = check_reachability(self.dht, run_id, checkers, addresses, max_checkers=max_checkers)
+        logger.info("reachability check: %s (errors: %s)", result.status, "; ".join(result.errors) or "none")
+        if result.status == "direct":
+            self.reachability = "direct"
+        elif result.unreachable:
+            self.enter_client_mode()
+        self.announce_now()
+        return result
+
+    def enter_client_mode(self) -> None:
+        """From now on announce ``client_mode=True`` with no addresses, and stop answering checks."""
+        self._client_mode, self.reachability = True, "client"
+        if self._checker is not None:
+            self._checker.close()
+            self._checker = None
+
+    def _announced_addresses(self, peer_id: str) -> list[str] | None:
+        """The addresses in ``peer_id``'s live record (for the checks we answer); None without one."""
+        for member in list_members(self.dht, self.info.run_id, timeout_s=CHECK_IO_TIMEOUT_S / 2):
+            if member.peer_id == peer_id:
+                return list(member.record.addresses) or None
+        return None
+
     def members(self) -> list[Member]:
         """The live members of this run, this peer included once its record is stored."""
         return list_members(self.dht, self.info.run_id)
 
     def close(self) -> None:
-        """Stop announcing and shut down the DHT process and its p2p daemon."""
+        """Stop announcing and answering checks, and shut down the DHT process and its p2p daemon."""
+        if self._checker is not None:
+            self._checker.close()
+            self._checker = None
         if self._announcer is not None:
             self._announcer.stop()
             self._announcer = None

@@ -7,6 +7,7 @@ import asyncio
 import math
 import os
 import socket
+import threading
 import time
 
 import pytest
@@ -325,4 +326,61 @@ def test_background_mode_and_serving_in_process() -> None:
         first.close()  # idempotent
     with pytest.raises(RuntimeError, match="closed"):
         first.sync([torch.zeros(3)])
+    assert not wait_no_leak(before, pgids=[], parent=os.getpid())
+
+
+def test_abort_cancels_a_stalled_exchange_without_commit_and_refuses_partners() -> None:
+    """Shutdown path: abort() ends a sync stuck on a stalled exchange at once, nothing commits on either
+    side, and from then on the aborted averager answers BUSY to partners."""
+    from hivemind.p2p import P2P
+
+    from swarm.gossip._exchange import ExchangeHooks
+
+    before = p2pd_pids()
+    stalled = threading.Event()
+    hooks = ExchangeHooks(stall_after_frames=1, on_stall=stalled.set)
+    first = GossipAverager(
+        run_id="abort",
+        partner_source=list,
+        p2p_factory=P2P.create,
+        codec="fp32",
+        chunk_bytes=4096,
+        _hooks=hooks,
+    )
+    try:
+        maddrs = first._loop.run(first._p2p.get_visible_maddrs(), timeout=10)
+
+        async def connected() -> P2P:
+            return await P2P.create(initial_peers=maddrs)
+
+        with GossipAverager(
+            run_id="abort", partner_source=list, p2p_factory=connected, codec="fp32", busy_patience_s=0.2
+        ) as second:
+            x, y = torch.randn(5000), torch.randn(5000)
+            x0, y0 = x.clone(), y.clone()
+            second.set_tensors([y])
+            first._partner_source = lambda: [PartnerInfo(second.peer_id, PROTOCOL_VERSION, "")]
+            results: list = []
+            worker = threading.Thread(target=lambda: results.append(first.sync([x])))
+            worker.start()
+            assert stalled.wait(20), "the exchange never reached the stall"
+            started = time.monotonic()
+            first.abort()
+            worker.join(10)
+            assert not worker.is_alive() and time.monotonic() - started < 5
+            assert results[0].outcome is SyncOutcome.CANCELLED
+            assert first.sync([x]).outcome is SyncOutcome.CANCELLED  # and so is every later one
+            with first.paused(), second.paused():
+                assert torch.equal(x, x0) and torch.equal(y, y0)
+            # ``second`` banned ``first`` for the broken exchange; a fresh partner gets BUSY
+            with GossipAverager(
+                run_id="abort", partner_source=list, p2p_factory=connected, codec="fp32", busy_patience_s=0.2
+            ) as third:
+                z = torch.randn(5000)
+                z0 = z.clone()
+                third._partner_source = lambda: [PartnerInfo(first.peer_id, PROTOCOL_VERSION, "")]
+                refused = third.sync([z])
+                assert refused.outcome is SyncOutcome.BUSY and torch.equal(z, z0), refused
+    finally:
+        first.close()
     assert not wait_no_leak(before, pgids=[], parent=os.getpid())

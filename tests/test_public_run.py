@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 
 import pytest
@@ -144,3 +145,40 @@ def test_join_script_trains_then_resumes_with_the_same_identity(spawn, tmp_path)
     assert "[join] resuming" in second.output()
     assert f"peer {peer_id} joined run" in second.output() and "resumed from" in second.output()
     assert terminate_and_wait(boot, timeout=15) == 0
+
+
+# Trainers of the state test: many steps (they are stopped by the test), a sync every 5 steps.
+STATE_RUN = [
+    *("--config", "configs/local-tiny.yaml"),
+    *("--set", "train.max_steps=100000", "--set", "train.batch_size=4"),
+    *("--set", "averaging.sync_every_steps=5"),
+]
+_KEPT = re.compile(r"serving the state of round (\d+), step (\d+), samples (\d+) \(digest ([0-9a-f]{12})\)")
+_TOOK = re.compile(
+    r"took over the swarm's state from 1 donor\(s\): round (\d+), step (\d+), samples (\d+) "
+    r"\(digest ([0-9a-f]{12})\)"
+)
+
+
+@pytest.mark.multipeer
+def test_bootstrap_keeps_the_state_and_serves_it_once_every_trainer_left(spawn, tmp_path) -> None:
+    state_dir = tmp_path / "kept"
+    keep = ["--serve-state", "--state-dir", str(state_dir), "--state-interval", "1"]
+    boot = spawn(swarm_cli("bootstrap", *STATE_RUN, *keep))
+    maddr = boot.wait_for_line(lambda line: line.startswith(JOIN_LINE_PREFIX), timeout=120)[
+        len(JOIN_LINE_PREFIX) :
+    ]
+    trainer = spawn(swarm_cli("join", "--initial-peers", maddr, *STATE_RUN))
+    # the bootstrap's copy has caught up with some training (round 2 or later)
+    boot.wait_for_line(lambda line: (m := _KEPT.search(line)) is not None and int(m.group(1)) >= 2, 120)
+    assert terminate_and_wait(trainer, timeout=20) == 0, trainer.output()[-2000:]
+    assert list(state_dir.glob("ckpt-*.pt")), "the kept state was not saved"
+
+    joiner = spawn(swarm_cli("join", "--initial-peers", maddr, *STATE_RUN))
+    took = _TOOK.search(joiner.wait_for_line(lambda line: _TOOK.search(line) is not None, 120))
+    kept = [m.groups() for m in map(_KEPT.search, boot.output().splitlines()) if m]
+    # what the joiner took over is exactly the bootstrap's last copy, with its progress (not round 0)
+    assert took.groups() == kept[-1]
+    assert int(took.group(2)) > 0 and int(took.group(3)) > 0
+    for process in (joiner, boot):
+        assert terminate_and_wait(process, timeout=20) == 0, process.output()[-2000:]

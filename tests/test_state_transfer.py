@@ -222,3 +222,22 @@ def test_different_donors_give_their_verified_mean(start_donors, client_p2p) -> 
     assert result.meta == {"round": 3, "step": 30, "samples_total": 960}
     assert result.digest == make_snapshot(result.tensors, result.meta, chunk_bytes=16384).digest
     assert all(frames_served(process) == len(result.frames) for process, *_ in donors)
+
+
+def test_mean_of_three_donors_resists_one_hostile_state() -> None:
+    """With 3+ donors a hostile (but correctly announced) state moves the result by little; with 2 it is
+    the plain mean."""
+    from swarm.state.transfer import _mean_snapshot, make_snapshot
+
+    generator = torch.Generator().manual_seed(0)
+    base = torch.randn(4096, generator=generator)
+    honest = [base + 0.01 * torch.randn(4096, generator=generator) for _ in range(2)]
+    hostile = base + 1000.0
+    snapshots = [make_snapshot({"w": t}, {"step": i}) for i, t in enumerate([*honest, hostile])]
+    honest_mean = (honest[0] + honest[1]) / 2
+    plain_mean = (honest[0] + honest[1] + hostile) / 3
+    result = _mean_snapshot(snapshots).tensors["w"]
+    plain_error = float((plain_mean - honest_mean).norm())
+    assert float((result - honest_mean).norm()) < 0.01 * plain_error
+    pair = _mean_snapshot(snapshots[:2]).tensors["w"]
+    assert torch.allclose(pair, honest_mean, atol=1e-6)

@@ -82,7 +82,10 @@ class _Pending:
 
     def __init__(self, frame: Frame) -> None:
         self.frame = frame
-        self.buffer = torch.empty(frame.numel, dtype=frame.dtype)
+        try:
+            self.buffer = torch.empty(frame.numel, dtype=frame.dtype)
+        except RuntimeError as exc:  # the allocator refused: within the limits, but not on this machine
+            raise FrameError(f"shape: cannot allocate {frame.numel} elements for {frame.name!r}") from exc
         self.chunks: set[int] = set()
         self.starts: list[int] = []
         self.ends: list[int] = []
@@ -167,6 +170,8 @@ class TensorStreamDecoder:
             f.codec.decode_payload(f.payload, f.count, out, self.limits.allow_nonfinite)
         else:
             out.copy_(f.values(self.limits))
+            if not self.limits.allow_nonfinite and not bool(torch.isfinite(out).all()):
+                raise FrameError(f"payload: values of {f.name!r} overflow its dtype {f.dtype}")
         pending.add(f)
 
     def finish(self) -> dict[str, torch.Tensor]:

@@ -62,6 +62,11 @@ class NetworkSection(_Section):
     client_mode: bool = Field(
         False, description="Do not accept incoming connections (for peers behind NAT without relays)."
     )
+    swarm_key_file: str | None = Field(
+        None,
+        description="File (mode 0600) holding the secret key of a private swarm; or set SWARM_KEY. "
+        "See docs/security.md.",
+    )
     record_interval_s: float = Field(
         3.0, gt=0, le=300, description="Seconds between refreshes of this peer's membership record."
     )
@@ -72,6 +77,10 @@ class NetworkSection(_Section):
         description="Lifetime of a membership record; at least 2 * record_interval_s.",
     )
     startup_timeout_s: float = Field(30.0, gt=0, description="Seconds to wait for the DHT to start.")
+    reachability_check: bool = Field(
+        True,
+        description="After joining, ask other peers to dial this one back; if none can, run in client mode.",
+    )
 
     @field_validator("record_ttl_s")
     @classmethod
@@ -202,6 +211,22 @@ class AveragingSection(_Section):
     chunk_timeout_s: float = Field(10.0, gt=0, description="Give up when one chunk takes longer (per peer).")
     max_norm_ratio: float = Field(
         100.0, gt=1, description="Reject a partner's update whose norm exceeds ours by this factor."
+    )
+    robust_clip: bool = Field(
+        True,
+        description="Clip a partner's pseudo-gradient difference to clip_ratio times the smaller norm "
+        "of the pair (docs/gossip.md, 'Malicious partners').",
+    )
+    clip_ratio: float = Field(
+        2.0, gt=0, description="Clip radius relative to the smaller pseudo-gradient norm of the pair."
+    )
+    clip_hard_factor: float = Field(
+        10.0,
+        ge=1,
+        description="A difference over this many clip radii (from our own norm) counts against the partner.",
+    )
+    clip_strikes: int = Field(
+        2, ge=1, description="Hard-clipped exchanges in a row that ban a partner (with backoff)."
     )
     ban_base_s: float = Field(
         10.0, gt=0, description="First ban of a misbehaving partner, in seconds (per peer)."

@@ -28,6 +28,7 @@ ENV_SEPARATOR = "__"
 ENV_ALLOWLIST: frozenset[str] = frozenset(
     {
         "SWARM_HOME",  # where peers keep identities, checkpoints and logs by default
+        "SWARM_KEY",  # the secret key of a private swarm (swarm.network.load_swarm_key), never a config value
         "SWARM_LOG_LEVEL",  # logging verbosity of the peers/ programs
         "SWARM_TORCH_SPEC",  # which torch wheel scripts/setup.sh installs
     }

@@ -7,6 +7,7 @@ from swarm.gossip._averager import GossipAverager
 from swarm.gossip._metrics import GossipMetrics, SyncOutcome, SyncResult
 from swarm.gossip._partners import PartnerInfo, PartnerSource
 from swarm.gossip._protocol import PROTOCOL_VERSION, handler_name
+from swarm.gossip._robust import centered_clip, centered_clip_named
 
 __all__ = [
     "PROTOCOL_VERSION",
@@ -16,5 +17,7 @@ __all__ = [
     "PartnerSource",
     "SyncOutcome",
     "SyncResult",
+    "centered_clip",
+    "centered_clip_named",
     "handler_name",
 ]

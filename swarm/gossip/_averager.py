@@ -9,6 +9,7 @@ only one touching the registered tensors; a partner that finds it taken gets BUS
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import logging
@@ -17,10 +18,12 @@ import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from hivemind.p2p import P2P, PeerID
 
+from swarm._auth import AuthError, authenticate_stream, swarm_key_of
 from swarm.compression import ErrorFeedback, get_codec
 from swarm.gossip._background import Background, Tensors
 from swarm.gossip._exchange import (
@@ -44,8 +47,12 @@ from swarm.gossip._protocol import (
     handler_name,
     parse_json,
 )
+from swarm.gossip._robust import ClipPolicy
 from swarm.gossip._setup import check_params, daemon_maddr
 from swarm.gossip._validation import NormPolicy, ValidationError, schema_hash, schema_of
+
+if TYPE_CHECKING:
+    from swarm.network import SwarmKey
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +81,10 @@ class GossipAverager:
     Exactly one of ``dht`` (a running ``hivemind.DHT``; we open our own client to its daemon) or
     ``p2p_factory`` (an async callable returning a ``hivemind.p2p.P2P`` dedicated to this averager)
     must be given. The averager shuts the P2P client it obtained down on :meth:`close`.
+    ``robust_clip`` turns on the pairwise centred clip (``swarm.gossip._robust``) with its strikes;
+    ``respect_bans_of`` makes it also refuse the peers another averager has banned.
+    In a private swarm (``swarm_key``, by default the key ``dht`` was started with) every stream starts
+    with the swarm key handshake (:mod:`swarm._auth`); a peer that fails it is dropped before its HELLO.
     """
 
     def __init__(
@@ -94,17 +105,25 @@ class GossipAverager:
         norm_floor: float = 1.0,
         ban_base_s: float = 10.0,
         ban_max_s: float = 600.0,
+        robust_clip: bool = False,
+        clip_ratio: float = 2.0,
+        clip_floor: float = 1e-8,
+        clip_hard_factor: float = 10.0,
+        clip_strikes: int = 2,
+        respect_bans_of: GossipAverager | None = None,
         max_attempts: int = 4,
         busy_patience_s: float = 5.0,
         client_mode: bool = False,
         initial_weight: float = 1.0,
         seed: int | None = None,
+        swarm_key: SwarmKey | None = None,
         _hooks: ExchangeHooks | None = None,
     ) -> None:
         check_params(run_id, dht, p2p_factory, chunk_bytes, exchange_timeout_s, chunk_timeout_s, max_attempts)
         self.run_id = run_id
         self.config_hash = config_hash
         self.client_mode = client_mode
+        self._swarm_key = swarm_key if swarm_key is not None else swarm_key_of(dht)
         self._partner_source = partner_source
         self._codec_name = codec
         self._block_size = block_size
@@ -117,10 +136,16 @@ class GossipAverager:
             chunk_bytes=chunk_bytes,
             policy=NormPolicy(max_norm_ratio=max_norm_ratio, norm_floor=norm_floor),
             hooks=_hooks,
+            clip=ClipPolicy(clip_ratio, clip_floor, clip_hard_factor) if robust_clip else None,
         )
+        if clip_strikes < 1:
+            raise ValueError(f"clip_strikes must be at least 1, got {clip_strikes}")
+        self._clip_strikes = clip_strikes
+        self._own_norms: collections.deque[float] = collections.deque(maxlen=8)
         self._use_ef = error_feedback and not self._spec.codec.lossless
         self._ef: ErrorFeedback | None = None
-        self._bans = BanList(ban_base_s, ban_max_s)
+        also = respect_bans_of._bans if respect_bans_of is not None else None
+        self._bans = BanList(ban_base_s, ban_max_s, also=also)
         self._metrics = MetricsRecorder()
         self._rng = random.Random(seed)
         self._lock = threading.Lock()
@@ -129,6 +154,9 @@ class GossipAverager:
         self._weight = float(initial_weight)
         self._background: Background | None = None
         self._closed = False
+        self._aborted = False
+        self._inflight: asyncio.Task[SyncResult] | None = None  # only touched on the loop thread
+        self._serving: asyncio.Task[None] | None = None  # the served exchange holding the lock, if any
         self._handler = handler_name(run_id)
         control_maddr = daemon_maddr(dht) if dht is not None else None
         self._loop = LoopThread(name=f"gossip-{run_id}")
@@ -137,7 +165,6 @@ class GossipAverager:
         except BaseException:
             self._loop.stop()
             raise
-        self.peer_id: str = self._p2p.peer_id.to_base58()
 
     # ------------------------------------------------------------------ public API
 
@@ -163,10 +190,14 @@ class GossipAverager:
                 local = self._register(tensors, weight)
                 tensors = weight = None
                 candidates = list(self._partner_source())
-                result = self._loop.run(self._initiate(local, candidates))
+                result = self._loop.run(self._initiate_abortable(local, candidates))
             sent, received = sent + result.bytes_sent, received + result.bytes_received
             pause = self._rng.uniform(backoff / 2, backoff)
-            if result.outcome is not SyncOutcome.BUSY or time.monotonic() + pause > give_up_busy:
+            if (
+                self._aborted
+                or result.outcome is not SyncOutcome.BUSY
+                or time.monotonic() + pause > give_up_busy
+            ):
                 return dataclasses.replace(result, bytes_sent=sent, bytes_received=received)
             time.sleep(pause)
             backoff = min(2 * backoff, 0.25)
@@ -193,6 +224,10 @@ class GossipAverager:
         """Currently banned peer ids and the seconds left on each ban."""
         return self._bans.banned()
 
+    def ban_strikes(self) -> dict[str, int]:
+        """Strikes (bans so far, expired ones included) per peer since its last good exchange."""
+        return self._bans.strikes()
+
     def start_background(
         self,
         get_tensors: Callable[[], Tensors] | None = None,
@@ -212,11 +247,30 @@ class GossipAverager:
         if background is not None:
             background.stop()
 
+    def abort(self) -> None:
+        """Cancel the sync in flight and refuse new ones (they return CANCELLED); for a prompt shutdown.
+
+        The cancelled exchange (and one we are serving, which would otherwise hold the exchange lock
+        for up to ``exchange_timeout_s``) does not commit (exactly as if the partner had vanished, see
+        docs/gossip.md): our tensors stay bit-identical, and the caller's ``sync`` returns once the
+        exchange has unwound. Partners that dial us from now on get BUSY ("shutting down"), so none
+        starts an exchange that :meth:`close` would cut off. Thread-safe and idempotent.
+        """
+        self._aborted = True
+        with contextlib.suppress(RuntimeError):  # the loop is already closed
+            self._loop.loop.call_soon_threadsafe(self._cancel_inflight)
+
+    def _cancel_inflight(self) -> None:
+        for task in (self._inflight, self._serving):
+            if task is not None:
+                task.cancel()
+
     def close(self) -> None:
         """Stop syncing and serving, release the P2P client, and stop the loop thread. Idempotent."""
         if self._closed:
             return
         self._closed = True
+        self.abort()
         self.stop()
         with contextlib.suppress(Exception):
             self._loop.run(self._close_p2p(), timeout=10)
@@ -232,6 +286,7 @@ class GossipAverager:
 
     async def _open_p2p(self, daemon_maddr: object, factory: Callable[[], Awaitable[P2P]] | None) -> P2P:
         p2p = await P2P.replicate(daemon_maddr) if factory is None else await factory()
+        self.peer_id: str = p2p.peer_id.to_base58()  # before serving: the handshake names both peers
         try:
             if not self.client_mode:
                 await p2p.add_binary_stream_handler(self._handler, self._serve)
@@ -294,7 +349,12 @@ class GossipAverager:
         try:
             async with asyncio.timeout(self._exchange_timeout):
                 mixed = await run_exchange(
-                    channel, local.tensors, (local.weight, partner_weight), self._spec, self._ef
+                    channel,
+                    local.tensors,
+                    (local.weight, partner_weight),
+                    self._spec,
+                    self._ef,
+                    max(self._own_norms, default=0.0),
                 )
             outcome, reason = SyncOutcome.OK, ""
         except ValidationError as exc:
@@ -308,6 +368,10 @@ class GossipAverager:
         except Exception as exc:  # our side failed (e.g. NaN in our own tensors): not the partner's fault
             logger.exception("exchange with %s failed on our side", partner)
             outcome, reason, blame_partner = SyncOutcome.FAILED, f"local error: {exc}", False
+        except asyncio.CancelledError:  # abort() or shutdown: nothing is committed
+            if self._ef is not None:
+                self._ef.discard_pending()
+            raise
         latency = time.monotonic() - started
         if outcome is SyncOutcome.OK:
             self._commit(partner, local, mixed, latency)
@@ -320,12 +384,28 @@ class GossipAverager:
         return self._result(outcome, partner, channel, latency, reason)
 
     def _commit(self, partner: str, local: _Local, mixed: Mixed, latency: float) -> None:
-        """Apply a fully ACKed exchange: tensors in place, weight, error-feedback residuals."""
+        """Apply a fully ACKed exchange: tensors in place, weight, error-feedback residuals.
+
+        A partner whose difference was clipped hard is not forgiven but gets a strike instead
+        (``clip_strikes`` in a row ban it); any other committed exchange clears its strikes.
+        """
         commit(local.tensors, mixed)
         local.weight = self._weight = mixed.weight
         if self._ef is not None:
             self._ef.commit_all()
-        self._bans.forgive(partner)
+        clip = mixed.clip
+        # no blame before we know our own usual norm (a first, tiny warm-up update looks like a victim)
+        suspect = clip is not None and clip.hard and bool(self._own_norms)
+        if clip is not None:
+            self._own_norms.append(clip.own_norm)
+        if clip is not None and clip.clipped:
+            self._metrics.count("clipped")
+        if suspect:
+            self._metrics.count("suspect")
+            reason = f"its update was {clip.excess:.3g}x our clip radius (clipped to {clip.scale:.3g})"
+            self._bans.suspect(partner, reason, self._clip_strikes)
+        else:
+            self._bans.forgive(partner)
         self._last_partner = partner
         self._metrics.record_ok(latency)
 
@@ -344,7 +424,11 @@ class GossipAverager:
         peer = stream_info.peer_id.to_base58()
         channel = self._channel(reader, writer)
         try:
+            if self._swarm_key is not None:
+                await self._authenticate(reader, writer, peer, initiator=False)
             await self._serve_exchange(peer, channel)
+        except AuthError as exc:
+            logger.warning("refused gossip initiator %s: %s", peer, exc)
         except (ProtocolError, ConnectionError, OSError, TimeoutError, asyncio.IncompleteReadError) as exc:
             logger.info("handshake with initiator %s failed: %s: %s", peer, type(exc).__name__, exc)
         except Exception:
@@ -359,9 +443,13 @@ class GossipAverager:
         if self._bans.is_banned(peer):
             await channel.send_json(MsgKind.REJECT, {"reason": "you are temporarily banned"})
             return
+        if self._aborted:
+            await channel.send_json(MsgKind.BUSY, {"reason": "shutting down"})
+            return
         if not self._lock.acquire(blocking=False):
             await channel.send_json(MsgKind.BUSY, {"reason": "in another exchange"})
             return
+        self._serving = asyncio.current_task()
         try:
             local = self._local
             if local is None:
@@ -376,9 +464,26 @@ class GossipAverager:
             result = await self._exchange(peer, channel, local, theirs.weight)
             logger.debug("served exchange with %s: %s %s", peer, result.outcome.value, result.reason)
         finally:
+            self._serving = None
             self._lock.release()
 
     # ------------------------------------------------------------------ initiating side
+
+    async def _initiate_abortable(self, local: _Local, candidates: Sequence[PartnerInfo]) -> SyncResult:
+        """:meth:`_initiate` as a task that :meth:`abort` can cancel; a cancelled one returns CANCELLED."""
+        cancelled = self._result(SyncOutcome.CANCELLED, None, None, 0.0, "aborted: shutting down")
+        if self._aborted:
+            return cancelled
+        self._inflight = asyncio.ensure_future(self._initiate(local, candidates))
+        try:
+            return await self._inflight
+        except asyncio.CancelledError:
+            if not self._inflight.cancelled():
+                raise  # we were cancelled ourselves (loop shutdown), not just the exchange
+            self._metrics.count("failed")
+            return cancelled
+        finally:
+            self._inflight = None
 
     async def _initiate(self, local: _Local, candidates: Sequence[PartnerInfo]) -> SyncResult:
         """Try random eligible partners until one accepts; that exchange's outcome is the result."""
@@ -436,6 +541,8 @@ class GossipAverager:
                 )
                 channel = self._channel(reader, writer)
                 channels.append(channel)
+                if self._swarm_key is not None:
+                    await self._authenticate(reader, writer, partner, initiator=True)
                 await channel.send_json(MsgKind.HELLO, self._hello(local).to_json())
                 kind, payload = await channel.recv_expect(MsgKind.ACCEPT, MsgKind.BUSY, MsgKind.REJECT)
                 body = parse_json(payload)
@@ -452,6 +559,20 @@ class GossipAverager:
             self._bans.ban(partner, f"refused the handshake: {body.get('reason')}")
             self._metrics.count("failed")
         return None, kind
+
+    async def _authenticate(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, peer: str, *, initiator: bool
+    ) -> None:
+        await authenticate_stream(
+            reader,
+            writer,
+            key=self._swarm_key,
+            initiator=initiator,
+            protocol=self._handler,
+            local_peer=self.peer_id,
+            remote_peer=peer,
+            timeout=self._chunk_timeout,
+        )
 
     def _accepted(self, partner: str, channel: Channel, local: _Local, body: dict[str, object]) -> _Attempt:
         theirs = Hello.from_json(body)

@@ -11,6 +11,10 @@ With a lossless codec (``q = x``) this is the weighted pairwise mean. With a los
 sides' ``weight * tensor`` still add up to exactly what they were before (``w*x + v*y``), because
 each side subtracts its own quantized value ``q`` exactly as the partner adds it: quantization
 adds noise to the individual peers but never moves the swarm's weighted mean.
+
+With a :class:`~swarm.gossip._robust.ClipPolicy` in the spec the robust rule of
+``swarm.gossip._robust`` replaces it: the partner's difference is clipped, weights stay, and the
+pair's mass is still conserved exactly.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import torch
 
 from swarm.compression import ErrorFeedback, FrameError, TensorStreamDecoder, encode_tensors
 from swarm.gossip._protocol import Channel, MsgKind, ProtocolError, parse_json
+from swarm.gossip._robust import ClipPolicy, ClipStats, robust_mix
 from swarm.gossip._validation import NormPolicy, Schema, ValidationError, validate_received
 
 T = TypeVar("T")
@@ -58,14 +63,16 @@ class ExchangeSpec:
     chunk_bytes: int
     policy: NormPolicy
     hooks: ExchangeHooks | None = None
+    clip: ClipPolicy | None = None
 
 
 @dataclass(frozen=True)
 class Mixed:
-    """The validated, mixed result, ready to be committed."""
+    """The validated, mixed result, ready to be committed; ``clip`` is set when robust mixing ran."""
 
     tensors: dict[str, torch.Tensor]
     weight: float
+    clip: ClipStats | None = None
 
 
 async def in_thread(fn: Callable[..., T], *args: Any) -> T:
@@ -85,8 +92,11 @@ async def run_exchange(
     weights: tuple[float, float],
     spec: ExchangeSpec,
     error_feedback: ErrorFeedback | None,
+    norm_reference: float = 0.0,
 ) -> Mixed:
     """Send ours and receive theirs concurrently, validate, mix, then swap ACKs.
+
+    ``norm_reference`` (robust mixing only): our recent own norm, for blaming the partner.
 
     Returns only when both sides have ACKed; raises ValidationError (we rejected their data, NACK
     already sent), PartnerRejected, ProtocolError, or a connection/timeout error otherwise.
@@ -107,7 +117,7 @@ async def run_exchange(
     except BaseException:
         await _cancel(sender)
         raise
-    mixed = await in_thread(mix, local, sent, weights[0], received, weights[1])
+    mixed = await in_thread(_mix, spec, local, sent, weights, received, norm_reference)
     await channel.send(MsgKind.ACK)
     kind, payload = await channel.recv_expect(MsgKind.ACK, MsgKind.NACK)
     if kind is MsgKind.NACK:
@@ -188,6 +198,20 @@ async def _receive_all(channel: Channel, schema: Schema) -> dict[str, torch.Tens
         return await in_thread(decoder.finish)
     except FrameError as exc:
         raise ValidationError(f"bad frame: {exc}") from exc
+
+
+def _mix(
+    spec: ExchangeSpec,
+    local: Mapping[str, torch.Tensor],
+    sent: Mapping[str, torch.Tensor],
+    weights: tuple[float, float],
+    received: Mapping[str, torch.Tensor],
+    norm_reference: float,
+) -> Mixed:
+    if spec.clip is None:
+        return mix(local, sent, weights[0], received, weights[1])
+    tensors, stats = robust_mix(local, sent, weights[0], received, weights[1], spec.clip, norm_reference)
+    return Mixed(tensors=tensors, weight=weights[0], clip=stats)
 
 
 def mix(

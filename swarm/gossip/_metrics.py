@@ -7,7 +7,9 @@ Counters are per peer and cover both roles (exchanges this peer initiated and on
   rejected our data or refused the handshake, dial failure);
 - ``exchanges_busy``: BUSY answers received while looking for a partner;
 - ``exchanges_rejected``: exchanges where *we* rejected the partner's data (schema, NaN/Inf, norm);
-- ``no_partner``: sync calls that found nobody eligible to dial.
+- ``no_partner``: sync calls that found nobody eligible to dial;
+- ``exchanges_clipped``: committed exchanges whose partner difference the robust rule clipped;
+- ``exchanges_suspect``: of those, the ones clipped hard enough to count against the partner.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ class SyncOutcome(enum.Enum):
     FAILED = "failed"
     REJECTED = "rejected"
     TIMEOUT = "timeout"
+    CANCELLED = "cancelled"
 
 
 @dataclass(frozen=True)
@@ -50,6 +53,8 @@ class GossipMetrics:
     exchanges_busy: int = 0
     exchanges_rejected: int = 0
     no_partner: int = 0
+    exchanges_clipped: int = 0
+    exchanges_suspect: int = 0
     bytes_sent: int = 0
     bytes_received: int = 0
     last_latency_s: float = 0.0
@@ -61,7 +66,8 @@ class MetricsRecorder:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._counts = {"ok": 0, "failed": 0, "busy": 0, "rejected": 0, "no_partner": 0}
+        names = ("ok", "failed", "busy", "rejected", "no_partner", "clipped", "suspect")
+        self._counts = dict.fromkeys(names, 0)
         self._sent = 0
         self._received = 0
         self._last_latency = 0.0
@@ -91,6 +97,8 @@ class MetricsRecorder:
                 exchanges_busy=self._counts["busy"],
                 exchanges_rejected=self._counts["rejected"],
                 no_partner=self._counts["no_partner"],
+                exchanges_clipped=self._counts["clipped"],
+                exchanges_suspect=self._counts["suspect"],
                 bytes_sent=self._sent,
                 bytes_received=self._received,
                 last_latency_s=self._last_latency,

@@ -28,19 +28,31 @@ PartnerSource = Callable[[], Sequence[PartnerInfo]]
 class BanList:
     """Temporary bans with exponential backoff: the n-th consecutive strike bans for base * 2**(n-1).
 
-    A successful exchange with a peer forgives its strikes. Thread-safe: the serving side (event loop
-    thread) and the initiating side (caller's thread) both consult it.
+    A successful exchange with a peer forgives its strikes. :meth:`suspect` counts softer evidence
+    (an exchange that committed but had to be clipped hard): ``limit`` suspicions in a row make one
+    strike. ``also`` is another list whose bans this one respects (read only: its strikes and
+    forgiveness stay its own), e.g. a trainer's parameter exchange honouring the bans of its
+    pseudo-gradient exchange. Thread-safe: the serving side (event loop thread) and the initiating
+    side (caller's thread) both consult it.
     """
 
-    def __init__(self, base_s: float, max_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        base_s: float,
+        max_s: float,
+        clock: Callable[[], float] = time.monotonic,
+        also: BanList | None = None,
+    ) -> None:
         if base_s < 0 or max_s < base_s:
             raise ValueError(f"need 0 <= ban_base_s <= ban_max_s, got {base_s} and {max_s}")
         self._base = base_s
         self._max = max_s
         self._clock = clock
+        self._also = also
         self._lock = threading.Lock()
         self._strikes: dict[str, int] = {}
         self._until: dict[str, float] = {}
+        self._suspicions: dict[str, int] = {}
 
     def ban(self, peer_id: str, reason: str) -> float:
         """Ban ``peer_id``; return the ban duration in seconds."""
@@ -52,15 +64,33 @@ class BanList:
         logger.warning("banning peer %s for %.1f s (strike %d): %s", peer_id, duration, strikes, reason)
         return duration
 
+    def suspect(self, peer_id: str, reason: str, limit: int) -> float | None:
+        """Count one suspicion; at ``limit`` in a row, ban (a strike). Returns the ban duration, if any."""
+        with self._lock:
+            count = self._suspicions.get(peer_id, 0) + 1
+            self._suspicions[peer_id] = 0 if count >= limit else count
+        if count < limit:
+            logger.warning("suspicious partner %s (%d/%d before a ban): %s", peer_id, count, limit, reason)
+            return None
+        return self.ban(peer_id, f"{limit} suspicious exchanges in a row, the last: {reason}")
+
     def forgive(self, peer_id: str) -> None:
         with self._lock:
             self._strikes.pop(peer_id, None)
             self._until.pop(peer_id, None)
+            self._suspicions.pop(peer_id, None)
+
+    def strikes(self) -> dict[str, int]:
+        """Strikes per peer since its last good exchange (bans so far, expired ones included)."""
+        with self._lock:
+            return dict(self._strikes)
 
     def is_banned(self, peer_id: str) -> bool:
         with self._lock:
             until = self._until.get(peer_id)
-            return until is not None and self._clock() < until
+            if until is not None and self._clock() < until:
+                return True
+        return self._also is not None and self._also.is_banned(peer_id)
 
     def banned(self) -> dict[str, float]:
         """Currently banned peers and the seconds left on each ban."""

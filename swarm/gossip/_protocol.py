@@ -16,6 +16,9 @@ Sequence (both sides run the data phase concurrently, in both directions at once
 
 A side commits only after it validated everything it received, sent its ACK, and received the
 partner's ACK (see docs/gossip.md, "Commit rule").
+
+In a private swarm (a swarm key is set) both sides first run the swarm key handshake of
+:mod:`swarm._auth` on the stream; HELLO is only sent and read once both proved the key.
 """
 
 from __future__ import annotations

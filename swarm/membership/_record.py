@@ -12,6 +12,7 @@ from typing import Literal
 import pydantic.v1 as pydantic
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.schema import BytesWithPublicKey, SchemaValidator
+from hivemind.dht.validation import DHTRecord
 from pydantic.v1 import StrictBool, confloat, conint, conlist, constr
 
 RECORD_KEY_SUFFIX = "members"
@@ -69,6 +70,20 @@ def record_key(run_id: str) -> str:
     return f"{run_id}_{RECORD_KEY_SUFFIX}"
 
 
+class StrictSchemaValidator(SchemaValidator):
+    """hivemind's schema check, with garbage subkeys refused instead of raised.
+
+    ``SchemaValidator`` deserializes an untrusted subkey into a dict key; a msgpack map or array there
+    raises ``TypeError`` (unhashable), which the DHT turns into an RPC error instead of a rejection.
+    """
+
+    def validate(self, record: DHTRecord) -> bool:
+        try:
+            return super().validate(record)
+        except (TypeError, ValueError):
+            return False
+
+
 def membership_validators(run_id: str, signer: RSASignatureValidator) -> list:
     """Validators that sign our records and reject unsigned, forged or malformed ones from others.
 
@@ -78,6 +93,6 @@ def membership_validators(run_id: str, signer: RSASignatureValidator) -> list:
 
     return [
         signer,
-        SchemaValidator(_MembersSchema, allow_extra_keys=True, prefix=run_id),
+        StrictSchemaValidator(_MembersSchema, allow_extra_keys=True, prefix=run_id),
         *run_config_validators(run_id),
     ]

@@ -24,7 +24,7 @@ from pathlib import Path
 import hivemind
 import pydantic.v1 as pydantic
 from hivemind.dht.crypto import RSASignatureValidator
-from hivemind.dht.schema import BytesWithPublicKey, SchemaValidator
+from hivemind.dht.schema import BytesWithPublicKey
 from hivemind.utils.crypto import RSAPublicKey
 from hivemind.utils.timed_storage import get_dht_time
 from pydantic.v1 import confloat, constr
@@ -33,6 +33,7 @@ from swarm.config import MonitorSection, NetworkSection, RunConfig, load_config
 from swarm.config._schema import RUN_ID_PATTERN
 from swarm.membership._members import Member, _owner_public_key
 from swarm.membership._periodic import PeriodicTask
+from swarm.membership._record import StrictSchemaValidator
 from swarm.network import peer_id_of
 
 logger = logging.getLogger(__name__)
@@ -96,8 +97,8 @@ def run_config_key(run_id: str) -> str:
 def run_config_validators(run_id: str) -> list:
     """Schema validators for the two published-config keys; merge them into the DHT's validators."""
     return [
-        SchemaValidator(_RunConfigSchema, allow_extra_keys=True, prefix=run_id),
-        SchemaValidator(_RunsSchema, allow_extra_keys=True),
+        StrictSchemaValidator(_RunConfigSchema, allow_extra_keys=True, prefix=run_id),
+        StrictSchemaValidator(_RunsSchema, allow_extra_keys=True),
     ]
 
 

@@ -16,6 +16,12 @@ from swarm.network._identity import (
     peer_id_of,
     peer_id_of_identity,
 )
+from swarm.network._reachability import (
+    ReachabilityChecker,
+    ReachabilityResult,
+    check_reachability,
+)
+from swarm.network._swarm_key import SwarmKey, SwarmKeyError, load_swarm_key
 
 __all__ = [
     "IDENTITY_FILE_MODE",
@@ -24,9 +30,15 @@ __all__ = [
     "ListenOptions",
     "NetworkError",
     "NetworkOptions",
+    "ReachabilityChecker",
+    "ReachabilityResult",
+    "SwarmKey",
+    "SwarmKeyError",
+    "check_reachability",
     "ensure_identity",
     "expand_listen_options",
     "load_identity",
+    "load_swarm_key",
     "parse_maddr",
     "parse_maddrs",
     "peer_id_of",

@@ -8,7 +8,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -17,7 +17,9 @@ import psutil
 from hivemind.dht.validation import RecordValidatorBase
 
 from swarm.network._addresses import expand_listen_options, parse_maddrs
+from swarm.network._dht_auth import SharedKeyAuthorizer
 from swarm.network._identity import ensure_identity, ephemeral_identity
+from swarm.network._swarm_key import SwarmKey, load_swarm_key
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +33,7 @@ class NetworkOptions:
     """Everything needed to put one peer on the network.
 
     Build it with :meth:`from_user_input` so that shortcuts are expanded and every address is validated.
+    ``swarm_key`` makes the swarm private: every DHT RPC and every swarm stream is then authenticated.
     """
 
     initial_peers: list[str] = field(default_factory=list)
@@ -39,6 +42,7 @@ class NetworkOptions:
     identity_path: str | None = None
     client_mode: bool = False
     startup_timeout_s: float = 30.0
+    swarm_key: SwarmKey | None = None
 
     @classmethod
     def from_user_input(
@@ -54,8 +58,14 @@ class NetworkOptions:
         public_ip: str | None = None,
         host_maddrs_given: bool = False,
         announce_maddrs_given: bool = False,
+        swarm_key_file: str | None = None,
+        environ: Mapping[str, str] | None = None,
     ) -> NetworkOptions:
-        """Validate every address (raising :class:`~swarm.network.AddressError`) and expand shortcuts."""
+        """Validate every address (raising :class:`~swarm.network.AddressError`) and expand shortcuts.
+
+        The swarm key comes from ``swarm_key_file`` or the ``SWARM_KEY`` variable of ``environ``
+        (default: the process environment); a bad one raises :class:`~swarm.network.SwarmKeyError`.
+        """
         parse_maddrs(initial_peers, what="initial peer", require_peer_id=True)
         listen = expand_listen_options(
             host_maddrs=host_maddrs,
@@ -72,6 +82,7 @@ class NetworkOptions:
             identity_path=identity_path,
             client_mode=client_mode,
             startup_timeout_s=startup_timeout_s,
+            swarm_key=load_swarm_key(swarm_key_file, os.environ if environ is None else environ),
         )
 
     def resolved_identity_path(self) -> Path:
@@ -91,7 +102,12 @@ class _OwnedDHT(hivemind.DHT):
     hivemind runs the DHT in a forked worker that starts ``p2pd``. If the owner dies without shutting
     it down (SIGKILL, OOM killer), both would live on as orphans. Here the worker watches its parent
     and, when the parent is gone or it receives SIGTERM, stops its daemon and exits.
+
+    ``swarm_key`` is the key of a private swarm (None: public): everything opened on this DHT's daemon
+    (gossip averagers, state servers and downloads) takes it from here, so none can forget it.
     """
+
+    swarm_key: SwarmKey | None = None
 
     def run(self) -> None:
         owner_pid = os.getppid()
@@ -135,13 +151,17 @@ def start_dht(
     )
     if options.announce_maddrs:
         kwargs["announce_maddrs"] = options.announce_maddrs
+    if options.swarm_key is not None:
+        logger.info("private swarm: DHT RPCs authenticated with swarm key %s", options.swarm_key.fingerprint)
     logger.debug("starting DHT with initial peers %s and %s", options.initial_peers, kwargs)
     dht = _OwnedDHT(
         initial_peers=options.initial_peers or None,
         start=False,
         record_validators=list(record_validators),
+        authorizer=None if options.swarm_key is None else SharedKeyAuthorizer(options.swarm_key),
         **kwargs,
     )
+    dht.swarm_key = options.swarm_key
     try:
         dht.run_in_background(await_ready=True, timeout=options.startup_timeout_s + 5)
     except BaseException as exc:

@@ -24,11 +24,12 @@ import json
 import threading
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from hivemind.p2p import P2P, PeerID
 
+from swarm._auth import authenticate_stream
 from swarm._framing import ProtocolError, dump_json, parse_json, read_message, write_message
 from swarm._protocol import PROTOCOL_VERSION
 from swarm.compression import (
@@ -40,6 +41,9 @@ from swarm.compression import (
     encode_tensors,
     get_codec,
 )
+
+if TYPE_CHECKING:
+    from swarm.network import SwarmKey
 
 REQUEST_MAX_BYTES = 4096
 HEADER_MAX_BYTES = 16 << 20
@@ -237,12 +241,34 @@ def build_snapshot(
     return StateSnapshot(dict(ordered), json.loads(meta_json), digest, chunk_bytes, tuple(frames))
 
 
-async def fetch_part(p2p: P2P, handler: str, donor: str, assembly: Assembly, part: int, parts: int) -> None:
-    """One stream: request part ``part`` of ``parts``, verify the header, verify and decode each frame."""
+async def fetch_part(
+    p2p: P2P,
+    handler: str,
+    donor: str,
+    assembly: Assembly,
+    part: int,
+    parts: int,
+    swarm_key: SwarmKey | None = None,
+) -> None:
+    """One stream: request part ``part`` of ``parts``, verify the header, verify and decode each frame.
+
+    With ``swarm_key`` the stream starts with the swarm key handshake; a donor that fails it raises
+    :class:`~swarm._auth.AuthError`."""
     _, reader, writer = await asyncio.wait_for(
         p2p.call_binary_stream_handler(PeerID.from_base58(donor), handler), IO_TIMEOUT_S
     )
     try:
+        if swarm_key is not None:
+            await authenticate_stream(
+                reader,
+                writer,
+                key=swarm_key,
+                initiator=True,
+                protocol=handler,
+                local_peer=p2p.peer_id.to_base58(),
+                remote_peer=donor,
+                timeout=IO_TIMEOUT_S,
+            )
         await send(writer, Kind.REQUEST, Request(assembly.digest, part, parts).encode(), IO_TIMEOUT_S)
         kind, payload = await recv(reader, HEADER_MAX_BYTES, IO_TIMEOUT_S)
         if kind is Kind.ERROR:

@@ -6,9 +6,12 @@ A checkpoint file is a fixed header followed by a ``torch.save`` payload::
 
 Saving writes a hidden temporary file in the checkpoint directory, fsyncs it, renames it over its
 final name and fsyncs the directory, so after a crash a checkpoint is either whole or absent (and a
-leftover temporary file never looks like a checkpoint). Loading trusts nothing: it checks the
-magic, version, length and checksum *before* handing the payload to ``torch.load(weights_only=True)``,
-which only rebuilds tensors and plain containers and never runs pickled code.
+leftover temporary file never looks like a checkpoint). A temporary file left by a writer that died
+(SIGKILL, power loss) is removed by the next save into the same directory.
+
+Loading trusts nothing: it checks the magic, version, length and checksum *before* handing the
+payload to ``torch.load(weights_only=True)``, which only rebuilds tensors and plain containers and
+never runs pickled code.
 
 The state is a plain dict; peers store ``model``, ``inner_optimizer``, ``outer_optimizer``,
 ``progress`` and ``config_hash`` in it, and a checkpoint of another config hash is refused.
@@ -34,6 +37,7 @@ FORMAT_VERSION = 1
 _HEADER = struct.Struct("<8sIQ32s")
 HEADER_SIZE = _HEADER.size
 _NAME = re.compile(r"^ckpt-(\d{12})\.pt$")
+_TEMPORARY = re.compile(r"^\.ckpt-\d{12}\.pt\.(\d+)\.tmp$")
 
 
 class CheckpointError(Exception):
@@ -53,6 +57,39 @@ def list_checkpoints(directory: str | os.PathLike[str]) -> list[tuple[int, Path]
     return sorted(found, reverse=True)
 
 
+def remove_stale_temporaries(directory: str | os.PathLike[str]) -> list[Path]:
+    """Delete the temporary files of writers that are gone; return what was removed.
+
+    A writer killed mid-save leaves ``.ckpt-<step>.pt.<pid>.tmp`` behind. The file of a process
+    that still runs (another writer, or this one) is left alone: it may be mid-write.
+    """
+    root = Path(directory)
+    if not root.is_dir():
+        return []
+    removed = []
+    for path in root.iterdir():
+        match = _TEMPORARY.match(path.name)
+        if match is None or _process_alive(int(match.group(1))):
+            continue
+        path.unlink(missing_ok=True)
+        removed.append(path)
+    if removed:
+        logger.info("removed %d temporary file(s) of interrupted checkpoint writes in %s", len(removed), root)
+    return removed
+
+
+def _process_alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, owned by someone else
+        return True
+    return True
+
+
 def _fsync_directory(directory: Path) -> None:
     fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
     try:
@@ -69,6 +106,7 @@ def save_checkpoint(
         raise ValueError(f"need step >= 0 and keep >= 1, got step={step}, keep={keep}")
     root = Path(directory)
     root.mkdir(parents=True, exist_ok=True)
+    remove_stale_temporaries(root)
     buffer = io.BytesIO()
     torch.save(state, buffer)
     payload = buffer.getvalue()

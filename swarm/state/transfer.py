@@ -13,12 +13,14 @@ import threading
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hivemind.p2p import P2P
 
+from swarm._auth import AuthError, authenticate_stream, swarm_key_of
 from swarm.compression import DecodeLimits
 from swarm.gossip._loop import LoopThread
+from swarm.gossip._robust import centered_clip_named
 from swarm.gossip._setup import RUN_ID, daemon_maddr
 from swarm.state._transfer_protocol import (
     IO_TIMEOUT_S,
@@ -40,6 +42,9 @@ from swarm.state._transfer_protocol import (
     send,
     send_json,
 )
+
+if TYPE_CHECKING:
+    from swarm.network import SwarmKey
 
 __all__ = [
     "FrameInfo",
@@ -88,7 +93,9 @@ class StateServer:
 
     Give ``dht`` (a running ``hivemind.DHT``: we open our own client to its daemon) or ``p2p_factory``
     (an async callable returning a P2P dedicated to this server). A request pins the snapshot it
-    started on: a ``publish`` during a download never mixes two states into one stream.
+    started on: a ``publish`` during a download never mixes two states into one stream. In a private
+    swarm (``swarm_key``, by default the key ``dht`` was started with) a client must pass the swarm key
+    handshake before its request is read.
     """
 
     def __init__(
@@ -97,6 +104,7 @@ class StateServer:
         run_id: str = "",
         *,
         p2p_factory: Callable[[], Awaitable[P2P]] | None = None,
+        swarm_key: SwarmKey | None = None,
         _hooks: ServerHooks | None = None,
     ) -> None:
         if not RUN_ID.match(run_id):
@@ -105,6 +113,7 @@ class StateServer:
             raise ValueError("give exactly one of dht or p2p_factory")
         self._handler = handler_name(run_id)
         self._hooks = _hooks
+        self._swarm_key = swarm_key if swarm_key is not None else swarm_key_of(dht)
         self._lock = threading.Lock()
         self._published: _Published | None = None
         self._stats = ServeStats()
@@ -117,10 +126,10 @@ class StateServer:
         except BaseException:
             self._loop.stop()
             raise
-        self.peer_id: str = self._p2p.peer_id.to_base58()
 
     async def _open(self, maddr: object, factory: Callable[[], Awaitable[P2P]] | None) -> P2P:
         p2p = await P2P.replicate(maddr) if factory is None else await factory()
+        self.peer_id: str = p2p.peer_id.to_base58()  # before serving: the handshake names both peers
         try:
             await p2p.add_binary_stream_handler(self._handler, self._serve)
         except BaseException:
@@ -155,6 +164,8 @@ class StateServer:
         self._active += 1  # only touched on the loop thread
         try:
             await self._answer(peer, reader, writer)
+        except AuthError as exc:
+            logger.warning("refused state request from %s: %s", peer, exc)
         except (ProtocolError, ConnectionError, OSError, TimeoutError, asyncio.IncompleteReadError) as exc:
             logger.info("state request from %s failed: %s: %s", peer, type(exc).__name__, exc)
         except Exception:
@@ -164,6 +175,17 @@ class StateServer:
             writer.close()
 
     async def _answer(self, peer: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self._swarm_key is not None:
+            await authenticate_stream(
+                reader,
+                writer,
+                key=self._swarm_key,
+                initiator=False,
+                protocol=self._handler,
+                local_peer=self.peer_id,
+                remote_peer=peer,
+                timeout=IO_TIMEOUT_S,
+            )
         kind, payload = await recv(reader, REQUEST_MAX_BYTES, IO_TIMEOUT_S)
         if kind is not Kind.REQUEST:
             raise ProtocolError(f"expected REQUEST, got {kind.name}")
@@ -246,6 +268,7 @@ def download_state(
     limits: DecodeLimits = DecodeLimits(),
     timeout_s: float = 60.0,
     parallel: int = 4,
+    swarm_key: SwarmKey | None = None,
 ) -> StateSnapshot:
     """Download a verified state from ``donors`` = (peer id, announced digest) pairs; blocking.
 
@@ -254,7 +277,9 @@ def download_state(
     fetched in ``k = min(parallel, donors with it)`` disjoint parts, part i from donor i, a failed
     part going to another donor of the group. Otherwise (every peer's state differs, the usual case
     in a gossip swarm) up to ``parallel`` donors each send their full state, each verified against
-    its own digest, and the element-wise mean is returned. Raises StateTransferError.
+    its own digest, and the element-wise mean is returned. In a private swarm (``swarm_key``, by
+    default the key a DHT ``source`` was started with) each stream starts with the swarm key handshake.
+    Raises StateTransferError.
     """
     if not RUN_ID.match(run_id):
         raise ValueError(f"run_id must match {RUN_ID.pattern}, got {run_id!r}")
@@ -262,9 +287,10 @@ def download_state(
         raise ValueError("parallel must be >= 1 and timeout_s > 0")
     valid = _valid_donors(donors)
     maddr = source.daemon_listen_maddr if isinstance(source, P2P) else daemon_maddr(source)
+    swarm_key = swarm_key if swarm_key is not None else swarm_key_of(source)
     loop = LoopThread(name=f"state-download-{run_id}")
     try:
-        return loop.run(_download(maddr, handler_name(run_id), valid, limits, timeout_s, parallel))
+        return loop.run(_download(maddr, handler_name(run_id), valid, limits, timeout_s, parallel, swarm_key))
     finally:
         loop.stop()
 
@@ -286,6 +312,7 @@ class _Context:
     p2p: P2P
     handler: str
     limits: DecodeLimits
+    swarm_key: SwarmKey | None
 
 
 async def _download(
@@ -295,9 +322,10 @@ async def _download(
     limits: DecodeLimits,
     timeout_s: float,
     parallel: int,
+    swarm_key: SwarmKey | None,
 ) -> StateSnapshot:
     p2p = await asyncio.wait_for(P2P.replicate(maddr), IO_TIMEOUT_S)
-    ctx = _Context(p2p, handler, limits)
+    ctx = _Context(p2p, handler, limits, swarm_key)
     try:
         async with asyncio.timeout(timeout_s):
             digest, count = Counter(d for _, d in donors).most_common(1)[0]
@@ -323,7 +351,7 @@ async def _fetch_shared(ctx: _Context, digest: str, group: list[str], parallel: 
         return (idle or healthy or [None])[0]
 
     async def attempt(part: int, donor: str) -> None:
-        await fetch_part(ctx.p2p, ctx.handler, donor, assembly, part, parts)
+        await fetch_part(ctx.p2p, ctx.handler, donor, assembly, part, parts, ctx.swarm_key)
 
     await _assign([(part, group[part]) for part in range(parts)], replacement, attempt)
     return await asyncio.to_thread(assembly.finish)
@@ -340,7 +368,7 @@ async def _fetch_each(ctx: _Context, donors: list[tuple[str, str]], parallel: in
 
     async def attempt(slot: int, donor: str) -> None:
         assembly = Assembly(announced[donor], ctx.limits)
-        await fetch_part(ctx.p2p, ctx.handler, donor, assembly, 0, 1)
+        await fetch_part(ctx.p2p, ctx.handler, donor, assembly, 0, 1, ctx.swarm_key)
         results.append(await asyncio.to_thread(assembly.finish))
 
     first = [(slot, queue.pop(0)) for slot in range(min(parallel, len(queue)))]
@@ -402,11 +430,13 @@ def _describe(failures: Mapping[str, str]) -> str:
 
 
 def _mean_snapshot(snapshots: list[StateSnapshot]) -> StateSnapshot:
-    """Element-wise mean of the donors' states that share the most common schema.
+    """Robust mean (CenteredClip, per tensor) of the donors' states that share the most common schema.
 
-    Why the mean: in a gossip swarm every peer's state differs slightly from the swarm mean (drift is
+    Why a mean: in a gossip swarm every peer's state differs slightly from the swarm mean (drift is
     bounded, not zero) and the deviations of different peers are largely independent, so the mean of
-    several peers is closer to the swarm mean than any one of them.
+    several peers is closer to the swarm mean than any one of them. Why clipped: each donor proves
+    only that it sent the state it announced, not that the state is honest; with three or more donors
+    CenteredClip bounds what a minority of them can move the result (with two it is the plain mean).
     """
     schemas = [tuple((n, tuple(t.shape)) for n, t in s.tensors.items()) for s in snapshots]
     common = Counter(schemas).most_common(1)[0][0]
@@ -415,12 +445,7 @@ def _mean_snapshot(snapshots: list[StateSnapshot]) -> StateSnapshot:
         logger.warning("ignoring %d donor state(s) with another tensor schema", len(snapshots) - len(used))
     if len(used) == 1:
         return used[0]
-    tensors = {}
-    for name in used[0].tensors:
-        total = used[0].tensors[name].clone()
-        for s in used[1:]:
-            total.add_(s.tensors[name])
-        tensors[name] = total.div_(len(used))
+    tensors = centered_clip_named([s.tensors for s in used])
     return build_snapshot(tensors, _merge_meta([s.meta for s in used]), used[0].chunk_bytes)
 
 

@@ -251,6 +251,8 @@ class HivemindTrainingPeer:
         resume: bool = False,
         on_sync: Callable[[SyncReport], None] | None = None,
     ):
+        if network.swarm_key is not None:  # hivemind's averaging RPCs would be open to anyone
+            raise ValueError("averaging.backend 'hivemind' cannot run in a private swarm; use 'gossip'")
         self.config, self._on_sync = config, on_sync
         self.device = resolve_device(config.train.device)
         self.source = open_source(config.data)
@@ -265,6 +267,7 @@ class HivemindTrainingPeer:
         self._state_hash = ""  # we serve no swarm state transfer: hivemind joiners use its own
         self._last_checkpoint = time.monotonic()
         self._reported = self.wire.snapshot()
+        self._joined_samples = 0  # read by TrainingPeer._swarm_samples; hivemind joiners load no snapshot
 
         device_name, memory = describe_device(str(self.device))
         info = NodeInfo(config.run.run_id, config.config_hash(), "trainer", public_name, device_name, memory)

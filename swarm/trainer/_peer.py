@@ -11,11 +11,12 @@ The loop reads top to bottom in :meth:`TrainingPeer.run`::
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,7 +24,7 @@ from swarm._device import describe_device
 from swarm._node import NodeInfo, SwarmNode
 from swarm.config import RunConfig
 from swarm.gossip import GossipMetrics, PartnerInfo, SyncResult
-from swarm.network import NetworkOptions
+from swarm.network import NetworkOptions, ReachabilityResult
 from swarm.state import (
     StateServer,
     StateTransferError,
@@ -31,7 +32,7 @@ from swarm.state import (
     load_latest_checkpoint,
     save_checkpoint,
 )
-from swarm.trainer._joining import adopt, snapshot_of
+from swarm.trainer._joining import adopt, choose_donors, progress_of, snapshot_of, state_limits
 from swarm.trainer._progress import Progress
 from swarm.trainer._sync import OuterSync, make_averager
 from swarm.training import (
@@ -101,6 +102,10 @@ class TrainingPeer:
         self._last_checkpoint = time.monotonic()
         self._joined = False
         self.joined_from: list[str] = []
+        self.joined_state: dict | None = None
+        """The progress meta (round, step, samples_total) of the state this peer took over at join."""
+        self.joined_digest = ""
+        self._joined_samples = 0
         self.resumed_from = self._resume() if resume else None
 
         self.deltas = self.params = self.state_server = None
@@ -116,14 +121,7 @@ class TrainingPeer:
         )
         try:
             if config.averaging.backend == "gossip":
-                self.deltas = make_averager(config, self.node.dht, self._partners)
-                self.params = make_averager(
-                    config,
-                    self.node.dht,
-                    self._partners,
-                    suffix=".params",
-                    codec=config.averaging.param_codec,
-                )
+                self._make_averagers(client_mode=None)
                 self.state_server = StateServer(self.node.dht, config.run.run_id)
         except BaseException:
             self.close()
@@ -138,6 +136,38 @@ class TrainingPeer:
             start_sample=self.progress.samples_drawn,
         )
 
+    def _make_averagers(self, client_mode: bool | None) -> None:
+        config = self.config
+        self.deltas = make_averager(config, self.node.dht, self._partners, client_mode=client_mode)
+        self.params = make_averager(
+            config,
+            self.node.dht,
+            self._partners,
+            suffix=".params",
+            codec=config.averaging.param_codec,
+            client_mode=client_mode,
+            respect_bans_of=self.deltas,  # a peer banned for its updates is not trusted with parameters
+        )
+
+    def check_reachability(self) -> ReachabilityResult:
+        """Ask other members to dial this peer back (``network.reachability_check``); call before :meth:`run`.
+
+        If none can, the peer goes on in client mode: its averagers stop serving (it still starts its own
+        exchanges), it stops serving its state, and its record says ``client_mode``, ``reachability:
+        client`` and lists no addresses. The program tells the user what to do about it.
+        """
+        if not self.config.network.reachability_check:
+            return ReachabilityResult("disabled")
+        result = self.node.check_reachability()
+        if result.unreachable and self.deltas is not None:
+            for service in (self.state_server, self.params, self.deltas):
+                if service is not None:
+                    service.close()
+            self.state_server = None
+            self._make_averagers(client_mode=True)
+            self.sync.deltas, self.sync.params = self.deltas, self.params
+        return result
+
     # ------------------------------------------------------------------ the loop
 
     def run(self, stop: threading.Event, *, max_steps: int | None = None) -> None:
@@ -149,13 +179,40 @@ class TrainingPeer:
         self._publish_state()
         self._state = "training"
         last_sync = time.monotonic()
-        while not stop.is_set() and not self._finished(max_steps):
-            self._inner_step()
-            if self._sync_due(last_sync):
-                self._sync_round()
-                last_sync = time.monotonic()
-                self._maybe_checkpoint()
+        with self.aborting_on(stop):
+            while not stop.is_set() and not self._finished(max_steps):
+                self._inner_step()
+                if self._sync_due(last_sync):
+                    self._sync_round()
+                    last_sync = time.monotonic()
+                    self._maybe_checkpoint()
         self._state = "leaving"
+
+    def abort(self) -> None:
+        """Cancel the exchange in flight (it does not commit) and refuse further ones; for shutdown."""
+        for averager in (self.deltas, self.params):
+            if averager is not None:
+                averager.abort()
+
+    @contextlib.contextmanager
+    def aborting_on(self, stop: threading.Event, period_s: float = 0.5) -> Iterator[None]:
+        """While inside, a watcher thread calls :meth:`abort` as soon as ``stop`` is set, so that a
+        stalled partner cannot hold a shutdown (joining or training) past its grace period."""
+        finished = threading.Event()
+
+        def watch() -> None:
+            while not finished.is_set():
+                if stop.wait(period_s):
+                    self.abort()
+                    return
+
+        watcher = threading.Thread(target=watch, name="abort-on-stop", daemon=True)
+        watcher.start()
+        try:
+            yield
+        finally:
+            finished.set()
+            watcher.join()
 
     def _inner_step(self) -> None:
         stats = self.inner.step(
@@ -215,12 +272,12 @@ class TrainingPeer:
         resumed peer keeps its checkpoint's state; :meth:`run` calls this once by itself.
         """
         self._joined = True
-        if self.resumed_from is not None or self.progress.step > 0:
-            return
-        if not self._other_trainers() or self.params is None:
-            logger.info("no other trainers: starting from the config seed")
+        if self.resumed_from is not None or self.progress.step > 0 or self.params is None:
             return
         if self._download_state():
+            return
+        if not self._other_trainers():
+            logger.info("no other trainers and no kept state: starting from the config seed")
             return
         exchanged = self.sync.exchange_parameters(adopt_partner=True)
         if exchanged is None or exchanged.drift is None:
@@ -232,25 +289,39 @@ class TrainingPeer:
         )
 
     def _other_trainers(self) -> list:
+        """Live trainers other than us that can be dialled (not in client mode)."""
         return [
-            m for m in self.node.members() if m.record.role == "trainer" and m.peer_id != self.node.peer_id
+            m
+            for m in self.node.members()
+            if m.record.role == "trainer" and m.peer_id != self.node.peer_id and not m.record.client_mode
         ]
 
     def _download_state(self, attempts: int = 3) -> bool:
-        """Download the donors' announced state; retry with fresh records when a donor moved on meanwhile."""
+        """Download the donors' announced state; retry with fresh records when a donor moved on meanwhile.
+
+        Donors are live trainers; a bootstrap that keeps the state (``--serve-state``) when no trainer
+        announces one, and for the retries (a trainer that just left is still listed until its record
+        expires; the bootstrap's copy is a stable fallback).
+        """
         for attempt in range(1, attempts + 1):
-            donors = [(m.peer_id, m.record.state_hash) for m in self._other_trainers() if m.record.state_hash]
+            roles = ("trainer", "bootstrap") if attempt == 1 else ("bootstrap", "trainer")
+            donors = choose_donors(self.node.members(), self.node.peer_id, roles=roles)
             if not donors:
                 return False
             try:
-                snapshot = download_state(self.node.dht, donors, run_id=self.config.run.run_id)
+                snapshot = download_state(
+                    self.node.dht, donors, run_id=self.config.run.run_id, limits=state_limits(self.model)
+                )
+                progress = progress_of(snapshot.meta)
                 adopt(self.model, self.outer, snapshot)
                 break
             except (StateTransferError, ValueError) as exc:
                 logger.warning("state download attempt %d/%d failed: %s", attempt, attempts, exc)
         else:
             return False
-        self.progress.swarm_samples = max(int(snapshot.meta.get("samples_total", 0)), self._swarm_samples())
+        self.joined_state, self.joined_digest = progress, snapshot.digest
+        self._joined_samples = progress["samples_total"]
+        self.progress.swarm_samples = self._swarm_samples()
         self.joined_from = [peer for peer, _ in donors]
         logger.info("took over the state of %d donor(s), digest %s", len(donors), snapshot.digest[:12])
         return True
@@ -278,9 +349,12 @@ class TrainingPeer:
         ]
 
     def _swarm_samples(self) -> int:
-        """Samples processed by all live trainers (ours at least): drives the learning-rate schedule."""
+        """Samples processed by all live trainers (ours at least): drives the learning-rate schedule.
+
+        A peer that took over a state counts at least that state's samples, even once its donors left.
+        """
         seen = sum(m.record.samples_total for m in self.node.members() if m.peer_id != self.node.peer_id)
-        return seen + self.progress.samples_total
+        return max(seen, self._joined_samples) + self.progress.samples_total
 
     def gossip_metrics(self) -> GossipMetrics:
         """Both averagers' counters added up (latencies are the pseudo-gradient averager's)."""

@@ -27,9 +27,19 @@ PartnerSource = Callable[[], Sequence[PartnerInfo]]
 
 
 def make_averager(
-    config: RunConfig, dht: object, partners: PartnerSource, *, suffix: str = "", codec: str | None = None
+    config: RunConfig,
+    dht: object,
+    partners: PartnerSource,
+    *,
+    suffix: str = "",
+    codec: str | None = None,
+    client_mode: bool | None = None,
+    respect_bans_of: GossipAverager | None = None,
 ) -> GossipAverager:
-    """A gossip averager configured from the run config; ``suffix`` separates independent exchanges."""
+    """A gossip averager configured from the run config; ``suffix`` separates independent exchanges.
+
+    ``client_mode`` overrides ``network.client_mode`` (a peer that nobody could dial back);
+    ``respect_bans_of`` makes this averager honour another one's bans (docs/gossip.md)."""
     avg, comp = config.averaging, config.compression
     return GossipAverager(
         run_id=config.run.run_id + suffix,
@@ -45,7 +55,13 @@ def make_averager(
         max_norm_ratio=avg.max_norm_ratio,
         ban_base_s=avg.ban_base_s,
         ban_max_s=avg.ban_max_s,
-        client_mode=config.network.client_mode,
+        # pseudo-gradients only: the parameter exchange adopts a partner's state and measures drift
+        robust_clip=avg.robust_clip and not suffix,
+        clip_ratio=avg.clip_ratio,
+        clip_hard_factor=avg.clip_hard_factor,
+        clip_strikes=avg.clip_strikes,
+        respect_bans_of=respect_bans_of,
+        client_mode=config.network.client_mode if client_mode is None else client_mode,
     )
 
 

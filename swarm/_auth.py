@@ -1,0 +1,136 @@
+"""Mutual challenge-response authentication of a p2p stream with the swarm key (private swarms).
+
+Every swarm protocol on a raw stream (gossip, state transfer, reachability dial-back) calls
+:func:`authenticate_stream` first, before reading anything else, when a swarm key is configured::
+
+    initiator                                   responder
+    NONCE n_i  ───────────────────────────────▶
+               ◀─────────────────────────────── NONCE n_r, PROOF p_r
+    PROOF p_i  ───────────────────────────────▶   (then the protocol's own first message)
+
+``p = HMAC-SHA256(sub-key, role | protocol | initiator id | responder id | n_i | n_r)``. Fresh nonces from
+both sides stop replays; the role stops reflecting one side's proof back to it; the peer ids (which
+libp2p authenticates) and the protocol name stop relaying a handshake to another peer or protocol.
+The responder proves first, so an initiator never sends a proof to a peer that has not shown the key.
+Without a key nothing of this is sent: the wire is unchanged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import functools
+import hashlib
+import hmac
+import secrets
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from swarm._framing import ProtocolError, read_message, write_message
+
+if TYPE_CHECKING:
+    from swarm.network._swarm_key import SwarmKey
+
+NONCE_BYTES = 32
+PROOF_BYTES = 32
+_DOMAIN = b"swarm-stream-auth-v1"
+
+
+def swarm_key_of(dht: object) -> SwarmKey | None:
+    """The swarm key a DHT was started with (:func:`swarm.network.start_dht`); None for a public swarm."""
+    return getattr(dht, "swarm_key", None)
+
+
+class AuthError(Exception):
+    """The other side of a stream did not prove that it holds the swarm key (or broke the handshake)."""
+
+
+class AuthKind(enum.IntEnum):
+    """Message kinds outside every protocol's own kinds, so a peer without a key fails on the first one."""
+
+    NONCE = 0x61
+    PROOF = 0x62
+
+
+async def authenticate_stream(
+    reader: asyncio.StreamReader,
+    writer: asyncio.StreamWriter,
+    *,
+    key: SwarmKey,
+    initiator: bool,
+    protocol: str,
+    local_peer: str,
+    remote_peer: str,
+    timeout: float,
+) -> None:
+    """Run the handshake within ``timeout`` seconds; raise :class:`AuthError` naming the peer if it fails.
+
+    On failure the caller closes the stream and reads nothing more from it.
+    """
+    mac_key = key.derive("stream-auth-v1")
+    ids = (local_peer, remote_peer) if initiator else (remote_peer, local_peer)
+    prove = functools.partial(_proof, mac_key, protocol, ids)
+    try:
+        async with asyncio.timeout(timeout):
+            if initiator:
+                await _initiate(reader, writer, prove, remote_peer, timeout)
+            else:
+                await _respond(reader, writer, prove, remote_peer, timeout)
+    except AuthError:
+        raise
+    except TimeoutError:
+        raise AuthError(
+            f"peer {remote_peer} did not complete the swarm key handshake within {timeout}s"
+        ) from None
+    except (ProtocolError, ConnectionError, OSError, asyncio.IncompleteReadError) as exc:
+        raise AuthError(
+            f"swarm key handshake with peer {remote_peer} failed ({type(exc).__name__}: {exc}); "
+            "does it hold the swarm key?"
+        ) from None
+
+
+Prove = Callable[[bytes, bytes, bytes], bytes]
+"""(role, initiator nonce, responder nonce) -> proof, for one stream's key, protocol and peers."""
+
+
+async def _initiate(
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, prove: Prove, peer: str, timeout: float
+) -> None:
+    nonce_i = secrets.token_bytes(NONCE_BYTES)
+    await write_message(writer, AuthKind.NONCE, nonce_i, timeout)
+    nonce_r = await _read(reader, AuthKind.NONCE, timeout)
+    proof_r = await _read(reader, AuthKind.PROOF, timeout)
+    _check(proof_r, prove(b"responder", nonce_i, nonce_r), peer)
+    await write_message(writer, AuthKind.PROOF, prove(b"initiator", nonce_i, nonce_r), timeout)
+
+
+async def _respond(
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, prove: Prove, peer: str, timeout: float
+) -> None:
+    nonce_i = await _read(reader, AuthKind.NONCE, timeout)
+    nonce_r = secrets.token_bytes(NONCE_BYTES)
+    await write_message(writer, AuthKind.NONCE, nonce_r, timeout)
+    await write_message(writer, AuthKind.PROOF, prove(b"responder", nonce_i, nonce_r), timeout)
+    proof_i = await _read(reader, AuthKind.PROOF, timeout)
+    _check(proof_i, prove(b"initiator", nonce_i, nonce_r), peer)
+
+
+async def _read(reader: asyncio.StreamReader, expected: AuthKind, timeout: float) -> bytes:
+    size = NONCE_BYTES if expected is AuthKind.NONCE else PROOF_BYTES
+    kind, payload = await read_message(reader, AuthKind, lambda kind: size, timeout)
+    if kind is not expected or len(payload) != size:
+        raise ProtocolError(f"expected a {size}-byte {expected.name}, got {kind.name} ({len(payload)} bytes)")
+    return payload
+
+
+def _proof(
+    mac_key: bytes, protocol: str, ids: tuple[str, str], role: bytes, nonce_i: bytes, nonce_r: bytes
+) -> bytes:
+    fields = (_DOMAIN, role, protocol.encode(), ids[0].encode(), ids[1].encode(), nonce_i, nonce_r)
+    message = b"".join(len(field).to_bytes(4, "big") + field for field in fields)
+    return hmac.new(mac_key, message, hashlib.sha256).digest()
+
+
+def _check(received: bytes, expected: bytes, peer: str) -> None:
+    if not hmac.compare_digest(received, expected):
+        raise AuthError(f"peer {peer} sent a wrong swarm key proof (it holds another key, or none)")

@@ -1,0 +1,169 @@
+"""Robust aggregation: a pairwise centred clip for gossip exchanges, and CenteredClip for many inputs.
+
+Pairwise rule (see docs/gossip.md, "Malicious partners"). A side holds ``x`` with weight ``w``, sent
+``q`` (what its frames decode to) and received the partner's ``p`` with weight ``v``::
+
+    d   = p - q
+    tau = clip_ratio * max(min(||q||, ||p||), clip_floor)
+    s   = min(1, tau / ||d||)
+    x'  = x + s * v / (w + v) * d          (weights unchanged)
+
+Both sides know ``q`` and ``p`` bit for bit (the sender decodes its own frames), so both compute the
+same ``tau`` and ``s`` and clip the same difference with opposite signs: ``w x + v y`` is conserved
+exactly, whether anything was clipped or not. Taking the *smaller* norm keeps the bound relative to
+our own tensor whatever the partner sends (a huge ``p`` makes ``tau`` ours), and the step never
+exceeds ``tau`` whatever weight the partner claims. Norms are L2 over all tensors, in float64.
+
+Blame is local: the partner is *suspect* when ``||d||`` exceeds ``hard_factor`` times the clip radius
+computed from our own norms alone, ``clip_ratio * max(||q||, reference, clip_floor)``. ``reference`` is
+the largest norm we sent in recent exchanges: a trainer serves its pseudo-gradient as it grows during
+a round, so right after its own sync its norm is a fraction of a full round's and an honest partner
+with a full round's update would otherwise look many times too large.
+
+:func:`centered_clip` is the iterative CenteredClip of Karimireddy, He and Jaggi (2021) for three or
+more contributions (e.g. several donors' state snapshots).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class ClipPolicy:
+    """Parameters of the pairwise clip; see the module docstring."""
+
+    clip_ratio: float = 2.0
+    clip_floor: float = 1e-8
+    hard_factor: float = 10.0
+
+    def __post_init__(self) -> None:
+        if not (self.clip_ratio > 0 and self.clip_floor >= 0 and self.hard_factor >= 1):
+            raise ValueError(
+                f"need clip_ratio > 0, clip_floor >= 0, hard_factor >= 1; got {self.clip_ratio}, "
+                f"{self.clip_floor}, {self.hard_factor}"
+            )
+
+
+@dataclass(frozen=True)
+class ClipStats:
+    """What the clip did to one exchange.
+
+    ``scale`` is ``s`` (1.0: nothing clipped); ``excess`` is ``||d||`` over the clip radius from our
+    own norms alone; ``hard`` is ``excess > hard_factor``: the partner is suspect. ``own_norm`` is
+    ``||q||``, for the caller's reference.
+    """
+
+    scale: float
+    excess: float
+    hard: bool
+    own_norm: float
+
+    @property
+    def clipped(self) -> bool:
+        return self.scale < 1.0
+
+
+def _norm(tensors: Mapping[str, torch.Tensor]) -> float:
+    return math.sqrt(sum(float(t.double().pow(2).sum()) for t in tensors.values()))
+
+
+def clip_scale(
+    sent: Mapping[str, torch.Tensor],
+    received: Mapping[str, torch.Tensor],
+    policy: ClipPolicy,
+    reference: float = 0.0,
+) -> ClipStats:
+    """The shared clip factor ``s`` of an exchange (identical on both sides) and our local suspicion."""
+    own, theirs = _norm(sent), _norm(received)
+    diff = math.sqrt(sum(float((received[n].double() - sent[n].double()).pow(2).sum()) for n in sent))
+    tau = policy.clip_ratio * max(min(own, theirs), policy.clip_floor)
+    scale = 1.0 if diff <= tau else tau / diff
+    own_radius = policy.clip_ratio * max(own, reference, policy.clip_floor)
+    excess = diff / own_radius if own_radius > 0 else (math.inf if diff > 0 else 0.0)
+    return ClipStats(scale=scale, excess=excess, hard=excess > policy.hard_factor, own_norm=own)
+
+
+def robust_mix(
+    local: Mapping[str, torch.Tensor],
+    sent: Mapping[str, torch.Tensor],
+    local_weight: float,
+    remote: Mapping[str, torch.Tensor],
+    remote_weight: float,
+    policy: ClipPolicy,
+    reference: float = 0.0,
+) -> tuple[dict[str, torch.Tensor], ClipStats]:
+    """``x' = x + s v/(w+v) (p - q)`` in float64, rounded once to the local dtype; weights unchanged."""
+    stats = clip_scale(sent, remote, policy, reference)
+    factor = stats.scale * remote_weight / (local_weight + remote_weight)
+    out = {}
+    for name, mine in local.items():
+        step = remote[name].double() - sent[name].double()
+        out[name] = mine.detach().double().add_(step.to(mine.device), alpha=factor).to(mine.dtype)
+    return out, stats
+
+
+def centered_clip(
+    points: Sequence[torch.Tensor],
+    weights: Sequence[float] | None = None,
+    *,
+    tau: float | None = None,
+    iterations: int = 20,
+    tol: float = 1e-7,
+) -> torch.Tensor:
+    """Iterative CenteredClip: ``v <- v + sum_i w_i clip_tau(x_i - v) / sum_i w_i``, from the median.
+
+    Starts at the coordinate-wise median. ``tau=None`` takes the median distance of the points to
+    that start, so that at most about half the points are clipped in the first iteration: with
+    honest points close together and a minority far away, the far ones move the result by at most
+    ``tau`` times their weight share. With two points (no majority) it returns their weighted mean.
+    Returns float64-accumulated values in the points' dtype.
+    """
+    if not points:
+        raise ValueError("centered_clip needs at least one point")
+    shape, dtype = points[0].shape, points[0].dtype
+    if any(p.shape != shape for p in points):
+        raise ValueError("centered_clip: all points must have the same shape")
+    stacked = torch.stack([p.detach().double().reshape(-1) for p in points])
+    w = torch.tensor([1.0] * len(points) if weights is None else list(weights), dtype=torch.float64)
+    if w.shape != (len(points),) or not bool((w > 0).all()) or not bool(torch.isfinite(w).all()):
+        raise ValueError("centered_clip: weights must be one finite positive number per point")
+    w = w / w.sum()
+    if len(points) <= 2:
+        return (w @ stacked).reshape(shape).to(dtype)
+    center = stacked.median(dim=0).values
+    if tau is None:
+        tau = float((stacked - center).norm(dim=1).median())
+    for _ in range(iterations):
+        diffs = stacked - center
+        norms = diffs.norm(dim=1)
+        factors = torch.where(norms > tau, tau / norms.clamp_min(1e-300), torch.ones_like(norms))
+        step = (w * factors) @ diffs
+        center = center + step
+        if float(step.norm()) <= tol * max(float(center.norm()), 1e-12):
+            break
+    return center.reshape(shape).to(dtype)
+
+
+def centered_clip_named(
+    states: Sequence[Mapping[str, torch.Tensor]],
+    weights: Sequence[float] | None = None,
+    **kwargs: float | int | None,
+) -> dict[str, torch.Tensor]:
+    """:func:`centered_clip` per tensor name (scales differ between tensors, e.g. weights and momenta).
+
+    Non-floating-point tensors (counters) are taken from the first state.
+    """
+    if not states:
+        raise ValueError("centered_clip_named needs at least one state")
+    out = {}
+    for name, first in states[0].items():
+        if not first.is_floating_point():
+            out[name] = first.clone()
+            continue
+        out[name] = centered_clip([s[name] for s in states], weights, **kwargs)
+    return out

@@ -1,0 +1,399 @@
+"""Reachability dial-back: a peer asks other live members whether they can reach it at the addresses it
+announces.
+
+One raw hivemind binary stream per check, on ``swarm.reach.v{PROTOCOL_VERSION}.{run_id}``::
+
+    asker                                            checker
+    REQUEST {"addresses": [maddr, ...]}  ──────────▶  (each must be in the asker's own record)
+                                         ◀──────────  REPLY {"reachable": [...], "unreachable": [...]}
+                                      or ◀──────────  ERROR {"error": "..."}
+
+The checker opens a plain TCP connection (with a timeout) to the ip and port of each
+``/ip4|ip6/<ip>/tcp/<port>`` address. A successful connect proves that *something* accepts TCP
+connections there from the checker's network position, i.e. the port is open and forwarded; it does not
+prove that it is the asker's libp2p daemon (no handshake), nor that every peer on the internet can reach
+it. It only dials addresses the asking peer announces in its own signed membership record, so the
+service cannot be used to probe other members, and it checks each asker at most once per
+``CHECK_COOLDOWN_S``, so a peer that announces someone else's address gets at most a few connects per
+minute out of each checker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import ipaddress
+import logging
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from hivemind.p2p import P2P, PeerID
+from multiaddr import Multiaddr
+
+from swarm._auth import AuthError, authenticate_stream, swarm_key_of
+from swarm._framing import ProtocolError, dump_json, parse_json, read_message, write_message
+from swarm._protocol import PROTOCOL_VERSION
+from swarm.gossip._loop import LoopThread
+from swarm.gossip._setup import RUN_ID, daemon_maddr
+
+if TYPE_CHECKING:
+    from swarm.network._swarm_key import SwarmKey
+
+logger = logging.getLogger(__name__)
+
+MAX_ADDRESSES = 16
+"""At most this many addresses per check (a membership record holds at most 16)."""
+MAX_ADDRESS_CHARS = 256
+MESSAGE_MAX_BYTES = 8192
+IO_TIMEOUT_S = 10.0
+"""Bound on opening the stream and on each read and write, both sides."""
+DIAL_TIMEOUT_S = 3.0
+"""Bound on each TCP connect the checker makes."""
+MAX_CONCURRENT_CHECKS = 4
+"""A checker runs at most this many checks at once; further ones get ``{"error": "busy"}``."""
+CHECK_COOLDOWN_S = 30.0
+"""A checker dials for the same asker at most once in this many seconds."""
+
+AnnouncedAddresses = Callable[[str], Sequence[str] | None]
+"""``announced(peer_id)``: the addresses in that peer's membership record, None if it has none."""
+
+
+class Kind(enum.IntEnum):
+    REQUEST = 1
+    REPLY = 2
+    ERROR = 3
+
+
+def handler_name(run_id: str) -> str:
+    return f"swarm.reach.v{PROTOCOL_VERSION}.{run_id}"
+
+
+class RequestRefused(ProtocolError):
+    """The checker will not check this request (the message says why)."""
+
+
+def parse_request(payload: bytes) -> list[str]:
+    """The addresses a request asks about; RequestRefused names what is wrong with it."""
+    try:
+        obj = parse_json(payload)
+    except ProtocolError as exc:
+        raise RequestRefused(str(exc)) from None
+    addresses = obj.get("addresses")
+    if not isinstance(addresses, list) or not addresses:
+        raise RequestRefused("field 'addresses' must be a non-empty list")
+    if len(addresses) > MAX_ADDRESSES:
+        raise RequestRefused(f"{len(addresses)} addresses; at most {MAX_ADDRESSES} per check")
+    for address in addresses:
+        if not isinstance(address, str) or not 0 < len(address) <= MAX_ADDRESS_CHARS:
+            raise RequestRefused(f"an address is not a string of 1..{MAX_ADDRESS_CHARS} characters")
+    return list(dict.fromkeys(addresses))
+
+
+def dial_target(address: str) -> tuple[str, int] | None:
+    """(ip, port) of an ``/ip4|ip6/<ip>/tcp/<port>[/p2p/<id>]`` address; None for anything not dialable
+    by a plain TCP connect (DNS names, relays, unspecified or multicast ips, malformed text)."""
+    try:
+        parts = [(proto.name, value) for proto, value in _components(Multiaddr(address))]
+    except Exception:  # py-multiaddr raises several unrelated types for bad input
+        return None
+    if len(parts) < 2 or parts[0][0] not in ("ip4", "ip6") or parts[1][0] != "tcp":
+        return None
+    if any(name != "p2p" for name, _ in parts[2:]):
+        return None
+    try:
+        ip, port = ipaddress.ip_address(parts[0][1]), int(parts[1][1])
+    except ValueError:
+        return None
+    if ip.is_unspecified or ip.is_multicast or not 0 < port < 65536:
+        return None
+    return str(ip), port
+
+
+def _components(maddr: Multiaddr) -> list[tuple[Any, str]]:
+    return [(proto, maddr.value_for_protocol(proto.code)) for proto in maddr.protocols()]
+
+
+async def tcp_reachable(host: str, port: int, timeout: float = DIAL_TIMEOUT_S) -> bool:
+    """Whether a TCP connection to host:port opens within ``timeout`` seconds."""
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
+    except (OSError, TimeoutError):
+        return False
+    writer.close()
+    with contextlib.suppress(Exception):
+        await writer.wait_closed()
+    return True
+
+
+# ---------------------------------------------------------------------------- checker
+
+
+class ReachabilityChecker:
+    """Answers dial-back requests of other members on this peer's P2P daemon.
+
+    Give ``dht`` (a running ``hivemind.DHT``: we open our own client to its daemon) or ``p2p_factory``.
+    ``announced(peer_id)`` returns the addresses the asker announces in its record; it is called in a
+    worker thread and may block for a DHT lookup (bounded by ``IO_TIMEOUT_S``).
+    """
+
+    def __init__(
+        self,
+        announced: AnnouncedAddresses,
+        dht: object | None = None,
+        run_id: str = "",
+        *,
+        p2p_factory: Callable[[], Awaitable[P2P]] | None = None,
+        dial_timeout_s: float = DIAL_TIMEOUT_S,
+        cooldown_s: float = CHECK_COOLDOWN_S,
+        swarm_key: SwarmKey | None = None,
+    ) -> None:
+        if not RUN_ID.match(run_id):
+            raise ValueError(f"run_id must match {RUN_ID.pattern}, got {run_id!r}")
+        if (dht is None) == (p2p_factory is None):
+            raise ValueError("give exactly one of dht or p2p_factory")
+        self._announced, self._dial_timeout, self._cooldown = announced, dial_timeout_s, cooldown_s
+        self._swarm_key = swarm_key if swarm_key is not None else swarm_key_of(dht)
+        self._handler = handler_name(run_id)
+        self._last_check: dict[str, float] = {}  # asker -> monotonic time; only touched on the loop
+        self._active = 0
+        self.checks = 0
+        maddr = daemon_maddr(dht) if dht is not None else None
+        self._loop = LoopThread(name=f"reach-{run_id}")
+        try:
+            self._p2p: P2P = self._loop.run(self._open(maddr, p2p_factory), timeout=60)
+        except BaseException:
+            self._loop.stop()
+            raise
+        self.peer_id: str = self._p2p.peer_id.to_base58()
+        self._closed = False
+
+    async def _open(self, maddr: object, factory: Callable[[], Awaitable[P2P]] | None) -> P2P:
+        p2p = await P2P.replicate(maddr) if factory is None else await factory()
+        try:
+            await p2p.add_binary_stream_handler(self._handler, self._serve)
+        except BaseException:
+            await p2p.shutdown()
+            raise
+        return p2p
+
+    async def _serve(self, info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """The one place that reads a request from and writes an answer to an asking peer."""
+        peer = info.peer_id.to_base58()
+        self._active += 1  # only touched on the loop thread
+        try:
+            if self._swarm_key is not None:
+                await authenticate_stream(
+                    reader,
+                    writer,
+                    key=self._swarm_key,
+                    initiator=False,
+                    protocol=self._handler,
+                    local_peer=self.peer_id,
+                    remote_peer=peer,
+                    timeout=IO_TIMEOUT_S,
+                )
+            kind, payload = await read_message(reader, Kind, lambda kind: MESSAGE_MAX_BYTES, IO_TIMEOUT_S)
+            if kind is not Kind.REQUEST:
+                raise RequestRefused(f"expected REQUEST, got {kind.name}")
+            answer = await self._answer(peer, payload)
+            await write_message(writer, Kind.REPLY, dump_json(answer), IO_TIMEOUT_S)
+        except RequestRefused as exc:
+            logger.info("refused a reachability check for %s: %s", peer, exc)
+            with contextlib.suppress(Exception):
+                await write_message(writer, Kind.ERROR, dump_json({"error": str(exc)[:500]}), IO_TIMEOUT_S)
+        except (
+            AuthError,
+            ProtocolError,
+            ConnectionError,
+            OSError,
+            TimeoutError,
+            asyncio.IncompleteReadError,
+        ) as exc:
+            logger.info("reachability check for %s failed: %s: %s", peer, type(exc).__name__, exc)
+        except Exception:
+            logger.exception("reachability check for %s failed unexpectedly", peer)
+        finally:
+            self._active -= 1
+            writer.close()
+
+    async def _answer(self, peer: str, payload: bytes) -> dict[str, list[str]]:
+        addresses = parse_request(payload)
+        if self._active > MAX_CONCURRENT_CHECKS:
+            raise RequestRefused("busy")
+        announced = await asyncio.wait_for(asyncio.to_thread(self._announced, peer), IO_TIMEOUT_S)
+        if announced is None:
+            raise RequestRefused(f"no membership record of {peer} announces addresses")
+        allowed = {_strip_peer_id(a, peer) for a in announced}
+        for address in addresses:
+            if _strip_peer_id(address, peer) not in allowed:
+                raise RequestRefused(f"address {address!r} is not announced in the record of {peer}")
+        now = time.monotonic()
+        self._last_check = {p: t for p, t in self._last_check.items() if now - t < self._cooldown}
+        if peer in self._last_check:
+            raise RequestRefused(f"asked too often: one check per {self._cooldown:g} s")
+        self._last_check[peer] = now
+        targets = [dial_target(a) for a in addresses]
+        results = await asyncio.gather(
+            *(tcp_reachable(*t, self._dial_timeout) if t else _false() for t in targets)
+        )
+        self.checks += 1
+        return {
+            "reachable": [a for a, ok in zip(addresses, results, strict=True) if ok],
+            "unreachable": [a for a, ok in zip(addresses, results, strict=True) if not ok],
+        }
+
+    def close(self) -> None:
+        """Stop answering and shut our P2P client down (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        with contextlib.suppress(Exception):
+            self._loop.run(self._close_p2p(), timeout=30)
+        self._loop.stop()
+
+    async def _close_p2p(self) -> None:
+        with contextlib.suppress(Exception):
+            await self._p2p.remove_binary_stream_handler(self._handler)
+        await self._p2p.shutdown()
+
+    def __enter__(self) -> ReachabilityChecker:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+async def _false() -> bool:
+    return False
+
+
+def _strip_peer_id(address: str, peer: str) -> str:
+    suffix = f"/p2p/{peer}"
+    return address[: -len(suffix)] if address.endswith(suffix) else address
+
+
+# ---------------------------------------------------------------------------- asking
+
+
+@dataclass(frozen=True)
+class ReachabilityResult:
+    """What the checkers said. ``status``: ``direct`` (some checker reached some address),
+    ``unreachable`` (at least one checker answered and none reached any address), ``unknown`` (no
+    checker answered) or ``skipped`` (nobody to ask, or nothing to check)."""
+
+    status: str
+    addresses: tuple[str, ...] = ()
+    reachable: tuple[str, ...] = ()
+    answered_by: tuple[str, ...] = ()
+    errors: tuple[str, ...] = field(default=())
+
+    @property
+    def unreachable(self) -> bool:
+        return self.status == "unreachable"
+
+
+def check_reachability(
+    source: object,
+    run_id: str,
+    checkers: Sequence[str],
+    addresses: Sequence[str],
+    *,
+    max_checkers: int = 3,
+    timeout_s: float = IO_TIMEOUT_S + DIAL_TIMEOUT_S + 5,
+    swarm_key: SwarmKey | None = None,
+) -> ReachabilityResult:
+    """Ask up to ``max_checkers`` of ``checkers`` (peer ids) in parallel to dial ``addresses``; blocking.
+
+    ``source`` is a running ``hivemind.DHT`` or ``hivemind.p2p.P2P``; we open our own client to its
+    daemon for the checks. A checker that fails or refuses only adds to ``errors``. In a private
+    swarm (``swarm_key``, by default the key ``source`` was started with) each check starts with the
+    swarm key handshake.
+    """
+    if not RUN_ID.match(run_id):
+        raise ValueError(f"run_id must match {RUN_ID.pattern}, got {run_id!r}")
+    addresses = list(dict.fromkeys(addresses))[:MAX_ADDRESSES]
+    chosen = list(dict.fromkeys(checkers))[:max_checkers]
+    if not chosen or not addresses:
+        return ReachabilityResult("skipped", tuple(addresses))
+    maddr = source.daemon_listen_maddr if isinstance(source, P2P) else daemon_maddr(source)
+    key = swarm_key if swarm_key is not None else swarm_key_of(source)
+    loop = LoopThread(name=f"reach-ask-{run_id}")
+    try:
+        answers = loop.run(_ask_all(maddr, handler_name(run_id), chosen, addresses, key), timeout=timeout_s)
+    finally:
+        loop.stop()
+    return _summarize(addresses, answers)
+
+
+async def _ask_all(
+    maddr: Any, handler: str, checkers: list[str], addresses: list[str], key: SwarmKey | None
+) -> list[tuple[str, dict[str, Any] | str]]:
+    p2p = await asyncio.wait_for(P2P.replicate(maddr), IO_TIMEOUT_S)
+    try:
+        replies = await asyncio.gather(
+            *(ask(p2p, handler, checker, addresses, swarm_key=key) for checker in checkers),
+            return_exceptions=True,
+        )
+    finally:
+        with contextlib.suppress(Exception):
+            await p2p.shutdown()
+    return [
+        (checker, reply if isinstance(reply, dict) else f"{type(reply).__name__}: {reply}")
+        for checker, reply in zip(checkers, replies, strict=True)
+    ]
+
+
+async def ask(
+    p2p: P2P, handler: str, checker: str, addresses: Sequence[str], swarm_key: SwarmKey | None = None
+) -> dict[str, Any]:
+    """One check: the checker's REPLY as a dict; ProtocolError (with its reason) when it refused or
+    answered something other than a list of at most :data:`MAX_ADDRESSES` address strings."""
+    _, reader, writer = await asyncio.wait_for(
+        p2p.call_binary_stream_handler(PeerID.from_base58(checker), handler), IO_TIMEOUT_S
+    )
+    try:
+        if swarm_key is not None:
+            await authenticate_stream(
+                reader,
+                writer,
+                key=swarm_key,
+                initiator=True,
+                protocol=handler,
+                local_peer=p2p.peer_id.to_base58(),
+                remote_peer=checker,
+                timeout=IO_TIMEOUT_S,
+            )
+        await write_message(writer, Kind.REQUEST, dump_json({"addresses": list(addresses)}), IO_TIMEOUT_S)
+        kind, payload = await read_message(
+            reader, Kind, lambda kind: MESSAGE_MAX_BYTES, IO_TIMEOUT_S + DIAL_TIMEOUT_S
+        )
+    finally:
+        writer.close()
+    reply = parse_json(payload)
+    if kind is Kind.ERROR:
+        raise ProtocolError(f"refused: {str(reply.get('error'))[:200]}")
+    if kind is not Kind.REPLY:
+        raise ProtocolError(f"unexpected answer {kind.name}")
+    reachable = reply.get("reachable")
+    if not isinstance(reachable, list) or len(reachable) > MAX_ADDRESSES:
+        raise ProtocolError("the answer's 'reachable' is not a list of at most 16 addresses")
+    if not all(isinstance(address, str) for address in reachable):
+        raise ProtocolError("the answer's 'reachable' holds something other than address strings")
+    return reply
+
+
+def _summarize(addresses: list[str], answers: list[tuple[str, dict[str, Any] | str]]) -> ReachabilityResult:
+    asked = set(addresses)
+    reachable: dict[str, None] = {}
+    answered, errors = [], []
+    for checker, reply in answers:
+        if isinstance(reply, str):
+            errors.append(f"{checker}: {reply}")
+            continue
+        answered.append(checker)
+        reachable.update(dict.fromkeys(a for a in reply["reachable"] if a in asked))
+    status = "unknown" if not answered else "direct" if reachable else "unreachable"
+    return ReachabilityResult(status, tuple(addresses), tuple(reachable), tuple(answered), tuple(errors))

@@ -1,0 +1,182 @@
+"""swarm.gossip._robust: the pairwise centred clip, CenteredClip, and strikes for suspicious partners."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import socket
+
+import pytest
+import torch
+
+from swarm.compression import get_codec
+from swarm.gossip._exchange import ExchangeHooks, ExchangeSpec, Mixed, run_exchange
+from swarm.gossip._partners import BanList
+from swarm.gossip._protocol import Channel
+from swarm.gossip._robust import ClipPolicy, centered_clip, centered_clip_named, clip_scale, robust_mix
+from swarm.gossip._validation import NormPolicy
+
+POLICY = ClipPolicy(clip_ratio=2.0, hard_factor=10.0)
+
+
+def _norm(tensors: dict[str, torch.Tensor]) -> float:
+    return math.sqrt(sum(float(t.double().pow(2).sum()) for t in tensors.values()))
+
+
+def _state(seed: int, scale: float = 1.0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {"w": torch.randn(32, 50, generator=g) * scale, "b": torch.randn(9, generator=g) * scale}
+
+
+async def _channel_pair() -> tuple[Channel, Channel]:
+    left, right = socket.socketpair()
+    a = Channel(*await asyncio.open_connection(sock=left), chunk_timeout_s=5.0, max_data_bytes=1 << 20)
+    b = Channel(*await asyncio.open_connection(sock=right), chunk_timeout_s=5.0, max_data_bytes=1 << 20)
+    return a, b
+
+
+def _exchange(
+    codec: str, left: dict, right: dict, weights: tuple[float, float], hooks: ExchangeHooks | None = None
+) -> tuple[Mixed, Mixed]:
+    """One robust exchange over an in-memory stream; returns both sides' results."""
+
+    async def scenario() -> tuple[Mixed, Mixed]:
+        a, b = await _channel_pair()
+        c = get_codec(codec)
+        spec_a = ExchangeSpec(codec=c, chunk_bytes=16384, policy=NormPolicy(), hooks=hooks, clip=POLICY)
+        spec_b = ExchangeSpec(codec=c, chunk_bytes=16384, policy=NormPolicy(), clip=POLICY)
+        try:
+            return await asyncio.gather(
+                run_exchange(a, left, weights, spec_a, None),
+                run_exchange(b, right, weights[::-1], spec_b, None),
+            )
+        finally:
+            a.close()
+            b.close()
+
+    return asyncio.run(scenario())
+
+
+def _mass(tensors: dict[str, torch.Tensor], weight: float) -> torch.Tensor:
+    return torch.cat([t.double().reshape(-1) for t in tensors.values()]) * weight
+
+
+@pytest.mark.parametrize("codec", ["fp32", "int8"])
+@pytest.mark.parametrize("far", [False, True], ids=["close", "clipped"])
+def test_robust_exchange_conserves_the_pairs_mass(codec: str, far: bool) -> None:
+    """Both sides clip the same difference, so w x + v y is unchanged, clipped or not, any codec."""
+    left = _state(1)
+    right = _state(2, scale=30.0 if far else 1.0)
+    weights = (1.0, 3.0)
+    mixed_a, mixed_b = _exchange(codec, left, right, weights)
+    assert mixed_a.clip.scale == mixed_b.clip.scale  # the same tau on both sides
+    assert mixed_a.clip.clipped == far
+    assert (mixed_a.weight, mixed_b.weight) == weights  # robust mixing keeps the weights
+    before = _mass(left, weights[0]) + _mass(right, weights[1])
+    after = _mass(mixed_a.tensors, weights[0]) + _mass(mixed_b.tensors, weights[1])
+    assert float((after - before).norm() / before.norm()) < 1e-6
+
+
+def test_close_partners_are_not_clipped_and_average_exactly() -> None:
+    x, y = _state(3), _state(4)
+    out, stats = robust_mix(x, x, 1.0, y, 3.0, POLICY)
+    assert not stats.clipped and not stats.hard
+    for name in x:
+        assert torch.allclose(out[name], (x[name] + 3 * y[name]) / 4, atol=1e-6)
+
+
+@pytest.mark.parametrize("attack", ["scaled", "random", "huge_weight"])
+def test_one_bad_partner_moves_us_at_most_tau(attack: str) -> None:
+    """Damage bound: ||x' - x|| <= clip_ratio * ||x|| * v / (w + v), whatever the partner sends or claims."""
+    x = _state(5)
+    honest = _state(6)
+    if attack == "scaled":
+        theirs, weight = {n: t * 100 for n, t in honest.items()}, 1.0
+    elif attack == "random":
+        theirs, weight = {n: torch.randn_like(t) * 1e3 for n, t in x.items()}, 1.0
+    else:
+        theirs, weight = {n: t * 100 for n, t in honest.items()}, 1e12
+    out, stats = robust_mix(x, x, 1.0, theirs, weight, POLICY)
+    moved = _norm({n: out[n] - x[n] for n in x})
+    bound = POLICY.clip_ratio * _norm(x) * weight / (1.0 + weight)
+    assert moved <= bound * (1 + 1e-6)
+    assert stats.clipped and stats.hard  # and the partner is suspect
+    unclipped = _norm({n: theirs[n] - x[n] for n in x}) * weight / (1.0 + weight)
+    assert moved < unclipped / 10  # what the plain mean would have done
+
+
+def test_blame_uses_our_recent_norm_not_only_the_current_one() -> None:
+    """Right after its own sync a trainer's pseudo-gradient is small; a full round's update is fine."""
+    fresh = _state(7, scale=0.01)
+    full_round = _state(8)
+    alone = clip_scale(fresh, full_round, POLICY)
+    with_reference = clip_scale(fresh, full_round, POLICY, reference=_norm(full_round))
+    assert alone.hard and not with_reference.hard
+    assert alone.scale == with_reference.scale  # the shared clip never depends on local history
+
+
+def test_tampered_partner_is_clipped_and_suspect_over_a_stream() -> None:
+    left, right = _state(9), _state(10)
+    hooks = ExchangeHooks(tamper=lambda named: [(n, t * 50) for n, t in named])
+    _, mixed_b = _exchange("int8", left, right, (1.0, 1.0), hooks)
+    assert mixed_b.clip.hard and mixed_b.clip.clipped  # the honest side suspects the tamperer
+    moved = _norm({n: mixed_b.tensors[n] - right[n] for n in right})
+    assert moved <= POLICY.clip_ratio * _norm(right) / 2 * (1 + 1e-3)
+
+
+def test_suspicions_in_a_row_ban_and_a_good_exchange_forgives() -> None:
+    now = [0.0]
+    bans = BanList(base_s=10, max_s=100, clock=lambda: now[0])
+    assert bans.suspect("p", "big", limit=2) is None and not bans.is_banned("p")
+    assert bans.suspect("p", "big", limit=2) == 10 and bans.is_banned("p")
+    assert bans.strikes() == {"p": 1}
+    assert bans.suspect("p", "big", limit=2) is None
+    assert bans.suspect("p", "big", limit=2) == 20  # the second strike doubles the ban
+    bans.suspect("q", "big", limit=2)
+    bans.forgive("q")
+    assert bans.suspect("q", "big", limit=2) is None  # forgiving also cleared the suspicion
+
+
+def test_clip_policy_rejects_nonsense() -> None:
+    with pytest.raises(ValueError, match="clip_ratio"):
+        ClipPolicy(clip_ratio=0.0)
+    with pytest.raises(ValueError, match="hard_factor"):
+        ClipPolicy(hard_factor=0.5)
+
+
+def test_centered_clip_ignores_a_far_minority() -> None:
+    g = torch.Generator().manual_seed(0)
+    center = torch.randn(1000, generator=g)
+    honest = [center + 0.05 * torch.randn(1000, generator=g) for _ in range(4)]
+    attacker = center * 1000
+    honest_mean = torch.stack(honest).mean(0)
+    robust = centered_clip([*honest, attacker])
+    plain = torch.stack([*honest, attacker]).mean(0)
+    spread = max(float((h - honest_mean).norm()) for h in honest)
+    assert float((robust - honest_mean).norm()) < spread  # within the honest cloud
+    assert float((plain - honest_mean).norm()) > 100 * spread  # the plain mean is not
+
+
+def test_centered_clip_of_honest_points_is_their_mean() -> None:
+    g = torch.Generator().manual_seed(1)
+    points = [torch.randn(50, generator=g) for _ in range(5)]
+    mean = torch.stack(points).mean(0)
+    assert torch.allclose(centered_clip(points, tau=1e6), mean, atol=1e-6)
+    two = centered_clip(points[:2], weights=[1.0, 3.0])
+    assert torch.allclose(two, (points[0] + 3 * points[1]) / 4, atol=1e-6)
+
+
+def test_centered_clip_checks_its_input() -> None:
+    with pytest.raises(ValueError, match="at least one"):
+        centered_clip([])
+    with pytest.raises(ValueError, match="same shape"):
+        centered_clip([torch.zeros(2), torch.zeros(3)])
+    with pytest.raises(ValueError, match="weights"):
+        centered_clip([torch.zeros(2)] * 3, weights=[1.0, -1.0, 1.0])
+
+
+def test_centered_clip_named_per_tensor_and_counters_from_the_first() -> None:
+    states = [{"w": torch.full((3,), float(i)), "n": torch.tensor(i)} for i in (1, 2, 3)]
+    states.append({"w": torch.full((3,), 1e6), "n": torch.tensor(9)})
+    out = centered_clip_named(states)
+    assert float(out["w"].max()) < 10 and int(out["n"]) == 1

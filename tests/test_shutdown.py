@@ -1,0 +1,163 @@
+"""Shutdown under fire: SIGTERM/SIGKILL during checkpoint writes and during a gossip exchange.
+
+Checkpoints: a worker writes ~8 MB checkpoints in a loop (tests/checkpoint_writer_worker.py) and is
+killed at random moments, many times, with SIGKILL, SIGTERM (finish the save, exit 0) or two SIGTERMs
+(interrupt at once, possibly mid-write). After every kill each file ``list_checkpoints`` returns must
+load and hold exactly what was saved under its step, the newest must be at least the last save that
+returned, and the next writer must remove the temporary file a killed one left behind.
+
+Exchange: a real trainer whose exchanges stall once it has sent one frame
+(tests/stall_join_worker.py) is SIGTERMed while it waits inside one; see the test's docstring.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from peers._common import SHUTDOWN_GRACE_S
+from peers.bootstrap import JOIN_LINE_PREFIX
+from swarm.state import list_checkpoints, read_checkpoint
+from swarm.state.checkpoint import checkpoint_path
+from tests._processes import session_processes, swarm_cli, wait_until
+from tests.checkpoint_writer_worker import CONTEXT, state_of, write_forever
+
+KILLS = 24
+NUMEL = 2_000_000  # 8 MB of float32 per checkpoint: a write takes long enough to be hit mid-way
+
+
+def _temporaries(directory: Path) -> list[Path]:
+    return sorted(p for p in directory.iterdir() if p.name.endswith(".tmp")) if directory.is_dir() else []
+
+
+def _pid_of(temporary: Path) -> int:
+    return int(temporary.name.split(".")[-2])
+
+
+def _assert_all_intact(directory: Path, last_saved: int) -> int:
+    """Every listed checkpoint loads and equals what was saved; return the newest step."""
+    found = list_checkpoints(directory)
+    assert found, "no checkpoint left"
+    for step, path in found:
+        state = read_checkpoint(path)
+        assert state["step"] == step, (path, state["step"])
+        assert torch.equal(state["model"]["w"], state_of(step, NUMEL)["model"]["w"]), path
+    newest = found[0][0]
+    assert newest >= last_saved, f"the save of step {last_saved} returned, but the newest file is {newest}"
+    return newest
+
+
+def _kill(proc, how: str, rng: random.Random) -> None:
+    if how == "sigkill":
+        os.kill(proc.pid, signal.SIGKILL)
+    elif how == "sigterm":
+        os.kill(proc.pid, signal.SIGTERM)
+    else:  # a second SIGTERM interrupts the save in progress (KeyboardInterrupt)
+        os.kill(proc.pid, signal.SIGTERM)
+        time.sleep(rng.uniform(0.0, 0.02))  # a random moment to strike again, not synchronisation
+        os.kill(proc.pid, signal.SIGTERM)
+
+
+def _write_and_kill(directory: Path, first_step: int, rng: random.Random) -> tuple[str, int, int, bool]:
+    """Start a writer at ``first_step``, kill it at a random moment after its first save.
+
+    Returns how it was killed, its exit code, the last step whose save returned, and whether it left
+    a temporary file (the kill landed mid-write).
+    """
+    saved, started = CONTEXT.Value("q", -1), CONTEXT.Event()
+    proc = CONTEXT.Process(target=write_forever, args=(str(directory), first_step, NUMEL, saved, started))
+    proc.start()
+    try:
+        assert started.wait(30), "writer did not start"
+        wait_until(lambda: saved.value >= first_step, timeout=30, what="the writer's first save")
+        stale = [t for t in _temporaries(directory) if _pid_of(t) != proc.pid]
+        assert not stale, f"the next save did not clean up after a killed writer: {stale}"
+        time.sleep(rng.uniform(0.0, 0.3))  # a random moment to strike, not synchronisation
+        how = rng.choice(["sigkill", "sigterm", "sigterm-twice"])
+        _kill(proc, how, rng)
+        proc.join(SHUTDOWN_GRACE_S)
+        assert proc.exitcode is not None, f"writer still running {SHUTDOWN_GRACE_S}s after {how}"
+    finally:
+        if proc.exitcode is None:
+            proc.kill()
+            proc.join(10)
+    if how == "sigterm":
+        assert proc.exitcode == 0, f"a single SIGTERM must end the writer cleanly, got {proc.exitcode}"
+    leftover = [t for t in _temporaries(directory) if _pid_of(t) == proc.pid]
+    assert not (leftover and how == "sigterm"), leftover
+    return how, proc.exitcode, saved.value, bool(leftover)
+
+
+def test_killed_checkpoint_writer_never_leaves_a_corrupt_checkpoint(tmp_path: Path) -> None:
+    directory = tmp_path / "ckpt"
+    seed = time.time_ns()
+    rng = random.Random(seed)
+    next_step, last_saved, mid_write, outcomes = 0, -1, 0, []
+    for _ in range(KILLS):
+        how, code, saved, interrupted = _write_and_kill(directory, next_step, rng)
+        outcomes.append((how, code))
+        mid_write += interrupted
+        last_saved = max(last_saved, saved)
+        next_step = _assert_all_intact(directory, last_saved) + 1
+    print(f"seed {seed}: {KILLS} kills, {mid_write} landed mid-write, outcomes {outcomes}")
+    assert checkpoint_path(directory, next_step - 1).is_file()
+
+
+EXCHANGE_OVERRIDES = [
+    "model.n_layer=1",
+    "model.n_embd=32",
+    "model.n_head=2",
+    "model.block_size=32",
+    "train.batch_size=8",
+    "train.max_steps=100000",
+    "averaging.sync_every_steps=5",
+    "network.record_interval_s=1",
+    "network.record_ttl_s=4",
+]
+
+
+@pytest.mark.multipeer
+def test_sigterm_during_an_exchange_exits_cleanly_within_the_grace_period(spawn, tmp_path: Path) -> None:
+    """A trainer SIGTERMed while it waits inside an exchange it initiated (its partner is left with a
+    half-received update) exits 0 within ``SHUTDOWN_GRACE_S``, leaves no process behind, and the
+    partner keeps training. (That neither side commits the aborted exchange is asserted on the
+    averagers themselves in test_gossip_unit.py: the partner's log cannot tell it apart from an
+    exchange it served a moment before the stall.)"""
+    sets = [item for override in EXCHANGE_OVERRIDES for item in ("--set", override)]
+    env = {"OMP_NUM_THREADS": "1"}
+    boot = spawn(swarm_cli("bootstrap", *sets), env=env)
+    line = boot.wait_for_line(lambda text: text.startswith(JOIN_LINE_PREFIX), timeout=90)
+    join = ["join", "--initial-peers", line[len(JOIN_LINE_PREFIX) :].strip(), *sets]
+    partner = spawn(swarm_cli(*join), env=env)
+    partner_id = partner.wait_for_line(lambda text: "joined run" in text, timeout=90).split()[1]
+    checkpoints = tmp_path / "ckpt"
+    victim_args = [*join, "--set", f"train.checkpoint_dir={checkpoints}"]
+    victim = spawn([sys.executable, "-m", "tests.stall_join_worker", *victim_args], env=env)
+    victim.wait_for_line(lambda text: "joined run" in text, timeout=90)
+    victim.wait_for_line(lambda text: text == "STALLED", timeout=90)
+    partner_mark = len(partner.output().splitlines())
+
+    victim.signal(signal.SIGTERM)
+    sent = time.monotonic()
+    code = victim.wait(timeout=60)
+    took = time.monotonic() - sent
+    print(f"SIGTERM mid-exchange: exit {code} after {took:.1f}s")
+    assert code == 0, victim.output()
+    wait_until(lambda: not session_processes({victim.sid}), 10, "the victim's DHT worker and p2pd to end")
+    assert list_checkpoints(checkpoints), "no checkpoint saved on the way out"
+    read_checkpoint(list_checkpoints(checkpoints)[0][1])
+
+    def partner_synced_again() -> bool:
+        lines = partner.output().splitlines()[partner_mark:]
+        return sum(text.startswith("round") for text in lines) >= 2
+
+    wait_until(partner_synced_again, timeout=60, what="the partner to keep training")
+    assert partner.proc.poll() is None and partner_id
+    assert took < SHUTDOWN_GRACE_S, f"exit took {took:.1f}s, over the {SHUTDOWN_GRACE_S}s grace period"

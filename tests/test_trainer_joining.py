@@ -1,0 +1,35 @@
+"""What a joiner accepts from a donor's state beyond the verified frames: its meta and its size."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from swarm.compression import FrameError, TensorStreamDecoder, encode_tensors, get_codec
+from swarm.state import StateTransferError
+from swarm.trainer._joining import progress_of, state_limits
+
+
+def test_progress_of_takes_the_counters_of_an_honest_meta() -> None:
+    meta = {"round": 3, "step": 60, "samples_total": 960, "extra": "ignored"}
+    assert progress_of(meta) == {"round": 3, "step": 60, "samples_total": 960}
+    assert progress_of({}) == {"round": 0, "step": 0, "samples_total": 0}
+
+
+@pytest.mark.parametrize("value", ["x", [1], 1.5, -1, True, None, 2**63, {"a": 1}])
+def test_progress_of_refuses_a_hostile_counter_by_name(value: object) -> None:
+    with pytest.raises(StateTransferError, match="samples_total"):
+        progress_of({"round": 1, "step": 1, "samples_total": value})
+
+
+def test_state_limits_refuse_a_tensor_larger_than_any_parameter() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.Linear(4, 2))
+    limits = state_limits(model)
+    codec = get_codec("fp32")
+    fits = [("w", torch.zeros(4, 8))]
+    TensorStreamDecoder(limits=limits).feed(next(iter(encode_tensors(fits, codec, chunk_bytes=1 << 16))))
+    too_big = [("w", torch.zeros(64, 8))]
+    with pytest.raises(FrameError):
+        decoder = TensorStreamDecoder(limits=limits)
+        for frame in encode_tensors(too_big, codec, chunk_bytes=1 << 16):
+            decoder.feed(frame)
