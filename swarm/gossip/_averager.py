@@ -55,6 +55,7 @@ if TYPE_CHECKING:
     from swarm.network import SwarmKey
 
 logger = logging.getLogger(__name__)
+BANNED_REASON = "you are temporarily banned"
 
 
 @dataclass
@@ -441,7 +442,7 @@ class GossipAverager:
         _, payload = await channel.recv_expect(MsgKind.HELLO)
         theirs = Hello.from_json(parse_json(payload))
         if self._bans.is_banned(peer):
-            await channel.send_json(MsgKind.REJECT, {"reason": "you are temporarily banned"})
+            await channel.send_json(MsgKind.REJECT, {"reason": BANNED_REASON})
             return
         if self._aborted:
             await channel.send_json(MsgKind.BUSY, {"reason": "shutting down"})
@@ -555,6 +556,10 @@ class GossipAverager:
         channel.close()
         if kind is MsgKind.BUSY:
             self._metrics.count("busy")
+        elif body.get("reason") == BANNED_REASON:
+            # it banned us (perhaps for a failure on our side): no evidence against it, and banning it
+            # back would keep the pair apart long after its ban on us expired
+            self._metrics.count("failed")
         else:
             self._bans.ban(partner, f"refused the handshake: {body.get('reason')}")
             self._metrics.count("failed")
