@@ -380,7 +380,10 @@ def test_without_the_key_no_tensor_is_exchanged() -> None:
 
         result = av_b.sync()
         assert result.outcome is SyncOutcome.OK, result
-        assert torch.allclose(ta, expected) and torch.allclose(tb, expected)
+        # the server commits when the initiator's final ACK arrives, a moment after sync() returned
+        wait_until(lambda: av_a.metrics().exchanges_ok == 1, 10, "the serving side to commit")
+        with av_a.paused():
+            assert torch.allclose(ta, expected) and torch.allclose(tb, expected)
         before = ta.clone()
         for outsider_averager in (keyless, wrong):
             result = outsider_averager.sync()
