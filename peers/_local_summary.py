@@ -10,7 +10,14 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-SUMMARY_KEYS = ("eval_loss", "tokens_per_second", "wire_bytes_per_param_per_sync", "drift", "utilization")
+SUMMARY_KEYS = (
+    "eval_loss",
+    "tokens_per_second",
+    "wire_bytes_per_param_per_sync",
+    "exchange_bytes_per_param",
+    "drift",
+    "utilization",
+)
 
 
 def collect(summary_files: list[Path]) -> list[dict[str, Any]]:
@@ -38,6 +45,7 @@ def swarm_summary(rows: list[dict[str, Any]], baseline_unigram_loss: float | Non
         "baseline_unigram_loss": baseline_unigram_loss,
         "tokens_per_second": sum(r.get("tokens_per_second") or 0.0 for r in rows),
         "wire_bytes_per_param_per_sync": mean("wire_bytes_per_param_per_sync"),
+        "exchange_bytes_per_param": mean("exchange_bytes_per_param"),
         "drift": mean("drift"),
         "utilization": mean("utilization"),
         "per_peer": rows,

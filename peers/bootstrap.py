@@ -21,8 +21,7 @@ from swarm.network import NetworkOptions
 
 if TYPE_CHECKING:
     from swarm.membership._run_config import ConfigPublisher
-    from swarm.state import StateSnapshot
-    from swarm.trainer._joining import StateMirror
+    from swarm.state import StateMirror, StateSnapshot
 
 JOIN_LINE_PREFIX = "swarm join --initial-peers "
 CONFIG_PUBLISH_INTERVAL_S = 30.0
@@ -89,8 +88,8 @@ def run_bootstrap(
 def _start_mirror(
     node: SwarmNode, config: RunConfig, state_dir: str | None, interval_s: float
 ) -> StateMirror:
-    """Keep the latest state of the live trainers and serve it to joiners (see swarm/trainer/_joining.py)."""
-    from swarm.trainer._joining import StateMirror
+    """Keep the latest state of the live trainers and serve it to joiners (see swarm/state/_mirror.py)."""
+    from swarm.state import StateMirror
 
     mirror = StateMirror(
         node,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import threading
 from pathlib import Path
@@ -29,12 +28,12 @@ def run_join(
     from peers._compat_check import check_swarm_config
     from swarm.network import NetworkError
     from swarm.state import CheckpointError
-    from swarm.trainer import make_training_peer
+    from swarm.trainer import TrainingPeer
 
     check_swarm_config(config, network)
     output = TrainerOutput(config, history_path)
     try:
-        peer = make_training_peer(
+        peer = TrainingPeer(
             config,
             network,
             public_name=public_name,
@@ -52,18 +51,17 @@ def run_join(
             f"peer {peer.node.peer_id} joined run {config.run.run_id!r} ({members} members visible, "
             f"{peer.n_params:,} parameters on {peer.device}{resumed})"
         )
-        if hasattr(peer, "check_reachability"):  # the hivemind baseline has no dial-back check
-            for line in reachability_lines(peer.check_reachability(), "join"):
-                typer.echo(line)
-        aborting = peer.aborting_on(stop) if hasattr(peer, "aborting_on") else contextlib.nullcontext()
-        with aborting:  # a stalled exchange while joining must not hold a shutdown either
+        for line in reachability_lines(peer.check_reachability(), "join"):
+            typer.echo(line)
+        with peer.aborting_on(stop):  # a stalled exchange while joining must not hold a shutdown either
             peer.join_swarm()
-        if getattr(peer, "joined_state", None):
-            meta = peer.joined_state
+        joined = peer.joined
+        if joined.donors:
+            meta = joined.meta
             typer.echo(
-                f"join: took over the swarm's state from {len(peer.joined_from)} donor(s): "
+                f"join: took over the swarm's state from {len(joined.donors)} donor(s): "
                 f"round {meta.get('round')}, step {meta.get('step')}, samples {meta.get('samples_total')} "
-                f"(digest {peer.joined_digest[:12]})"
+                f"(digest {joined.digest[:12]})"
             )
         with output:
             peer.run(stop)
@@ -81,8 +79,9 @@ def write_summary(peer, path: Path) -> None:
     from swarm.training import evaluate
 
     metrics = peer.gossip_metrics()
+    details = peer.backend.details()
     # pseudo-gradient exchanges only for gossip; every averaging round for the hivemind baseline
-    exchanges = peer.deltas.metrics() if peer.deltas is not None else metrics
+    exchanges = details.get("pseudo_gradient_metrics", metrics)
     summary = {
         "peer_id": peer.node.peer_id,
         "steps": peer.progress.step,
@@ -91,19 +90,23 @@ def write_summary(peer, path: Path) -> None:
         "eval_loss": evaluate(peer.model, peer.eval_set, peer.config.train.eval_batches),
         "eval_loss_unit": f"bits/{peer.eval_set.unit}",
         "tokens_per_second": peer.progress.samples_per_s * peer.config.model.block_size,
+        # everything this peer sent for averaging (both roles, every exchange kind), per round and parameter
+        "wire_bytes_per_param_per_sync": metrics.bytes_sent / max(peer.progress.round, 1) / peer.n_params,
         # what one pseudo-gradient exchange costs on the wire, per parameter and direction
-        "wire_bytes_per_param_per_sync": (
-            exchanges.bytes_sent / max(exchanges.exchanges_ok, 1) / peer.n_params
-        ),
+        "exchange_bytes_per_param": exchanges.bytes_sent / max(exchanges.exchanges_ok, 1) / peer.n_params,
+        "wire_bytes_sent": metrics.bytes_sent,
         "wire_bytes_total": metrics.bytes_sent + metrics.bytes_received,
+        "device_seconds": peer.progress.device_seconds,
+        "compute_seconds": peer.progress.compute_seconds,
+        "rounds_by_role": details.get("rounds_by_role", {}),
         "drift": peer.progress.drift,
         "utilization": peer.progress.utilization(),
         "exchanges_ok": metrics.exchanges_ok,
         "exchanges_clipped": metrics.exchanges_clipped,
         "exchanges_suspect": metrics.exchanges_suspect,
         # partners this peer's pseudo-gradient averager holds bans against, and their strike counts
-        "banned_peers": peer.deltas.banned_peers() if peer.deltas is not None else {},
-        "ban_strikes": peer.deltas.ban_strikes() if peer.deltas is not None else {},
+        "banned_peers": details.get("banned_peers", {}),
+        "ban_strikes": details.get("ban_strikes", {}),
     }
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(summary, indent=2))

@@ -18,8 +18,8 @@ from hivemind.p2p import PeerID
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 
-from swarm._framing import HEADER_LEN
 from swarm.compression import CODEC_NAMES, HEADER_SIZE, get_codec
+from swarm.p2p import HEADER_LEN
 
 T = TypeVar("T")
 CASE_TIMEOUT_S = 5.0

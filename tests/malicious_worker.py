@@ -47,7 +47,7 @@ ATTACKS = {"scaled": scaled, "random": random_update}
 def _install_attack(peer: Any, attack: str) -> None:
     from swarm.gossip._exchange import ExchangeHooks
 
-    averager = peer.deltas
+    averager = peer.backend.deltas
     averager._spec = dataclasses.replace(averager._spec, hooks=ExchangeHooks(tamper=ATTACKS[attack]))
 
 

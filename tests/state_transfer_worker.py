@@ -34,7 +34,8 @@ def flip_byte(index: int, frame: bytes) -> bytes:
 def main() -> None:
     from hivemind.p2p import P2P
 
-    from swarm.state.transfer import ServerHooks, StateServer, make_snapshot
+    from swarm.state import StateServer, make_snapshot
+    from swarm.state._server import ServerHooks
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--run-id", required=True)

@@ -24,14 +24,6 @@ from hivemind.dht.validation import DHTRecord
 from hypothesis import event, given
 from hypothesis import strategies as st
 
-from swarm._framing import (
-    HEADER_LEN,
-    MAX_JSON_DEPTH,
-    ProtocolError,
-    parse_json,
-    read_message,
-    write_message,
-)
 from swarm.compression import (
     CODEC_NAMES,
     HEADER_SIZE,
@@ -44,6 +36,14 @@ from swarm.compression import (
 )
 from swarm.membership import PeerRecord, record_key
 from swarm.membership._record import membership_validators
+from swarm.p2p._framing import (
+    HEADER_LEN,
+    MAX_JSON_DEPTH,
+    ProtocolError,
+    parse_json,
+    read_message,
+    write_message,
+)
 from tests.fuzz_helpers import FakeWriter, Kind, bounded, crafted_frames, fuzz_settings, with_crc
 
 FUZZ = fuzz_settings(120)

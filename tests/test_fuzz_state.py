@@ -30,13 +30,13 @@ import torch
 from hypothesis import event, given
 from hypothesis import strategies as st
 
-import swarm.state.transfer as transfer
-from swarm._framing import HEADER_LEN, ProtocolError
+import swarm.state._server as transfer
 from swarm.compression import DecodeLimits
 from swarm.network._reachability import Kind as ReachKind
 from swarm.network._reachability import ReachabilityChecker
 from swarm.network._reachability import ask as reach_ask
 from swarm.network._reachability import handler_name as reach_handler
+from swarm.p2p import HEADER_LEN, ProtocolError
 from swarm.state import StateServer, StateTransferError, make_snapshot
 from swarm.state._transfer_protocol import (
     Assembly,

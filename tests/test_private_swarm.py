@@ -23,7 +23,6 @@ from typer.testing import CliRunner
 from peers import _common as common
 from peers.cli import app
 from swarm import NodeInfo, SwarmNode
-from swarm._auth import AuthError, authenticate_stream
 from swarm._protocol import PROTOCOL_VERSION
 from swarm.config import RunConfig
 from swarm.gossip import GossipAverager, PartnerInfo, SyncOutcome
@@ -39,7 +38,8 @@ from swarm.network import (
 )
 from swarm.network._dht_auth import MAX_SKEW_S, SharedKeyAuthorizer
 from swarm.network._reachability import check_reachability
-from swarm.state.transfer import StateServer, StateTransferError, download_state, make_snapshot
+from swarm.p2p import AuthError, authenticate_stream
+from swarm.state import StateServer, StateTransferError, download_state, make_snapshot
 from tests._processes import wait_until
 
 RUN = "private-test"
@@ -418,7 +418,7 @@ def test_without_the_key_no_state_is_downloaded(caplog: pytest.LogCaptureFixture
             donors = [(server.peer_id, snapshot.digest)]
             # without a key the client only sees the donor hang up; the donor logs why
             with (
-                caplog.at_level(logging.WARNING, logger="swarm.state.transfer"),
+                caplog.at_level(logging.WARNING, logger="swarm.state"),
                 pytest.raises(StateTransferError, match=f"donor {server.peer_id}"),
             ):
                 download_state(outsider, donors, run_id=RUN, timeout_s=20)

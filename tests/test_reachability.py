@@ -11,7 +11,6 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from peers.bootstrap import JOIN_LINE_PREFIX
-from swarm._framing import read_message, write_message
 from swarm.network._reachability import (
     MAX_ADDRESSES,
     MESSAGE_MAX_BYTES,
@@ -24,6 +23,7 @@ from swarm.network._reachability import (
     handler_name,
     parse_request,
 )
+from swarm.p2p import read_message, write_message
 from tests._processes import swarm_cli, terminate_and_wait, wait_until
 
 RUN = "reach-test"
@@ -80,7 +80,7 @@ def pair() -> Iterator[tuple[Callable, object, object]]:
     (run on the loop, checker's P2P, asker's P2P)."""
     from hivemind.p2p import P2P
 
-    from swarm.gossip._loop import LoopThread
+    from swarm.p2p import LoopThread
 
     loop = LoopThread("reach-test")
     made = []

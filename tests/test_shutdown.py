@@ -54,7 +54,9 @@ def _assert_all_intact(directory: Path, last_saved: int) -> int:
     return newest
 
 
-def _kill(proc, how: str, rng: random.Random) -> None:
+def _kill(proc, how: str, rng: random.Random) -> str:
+    """Kill the writer ``how``; return what happened: ``how``, or ``sigterm`` when the writer had already
+    finished its save and exited after the first of two SIGTERMs (the second then finds no process)."""
     if how == "sigkill":
         os.kill(proc.pid, signal.SIGKILL)
     elif how == "sigterm":
@@ -62,7 +64,11 @@ def _kill(proc, how: str, rng: random.Random) -> None:
     else:  # a second SIGTERM interrupts the save in progress (KeyboardInterrupt)
         os.kill(proc.pid, signal.SIGTERM)
         time.sleep(rng.uniform(0.0, 0.02))  # a random moment to strike again, not synchronisation
-        os.kill(proc.pid, signal.SIGTERM)
+        try:
+            os.kill(proc.pid, signal.SIGTERM)
+        except ProcessLookupError:  # gone (and reaped by its forkserver): the first SIGTERM ended it
+            return "sigterm"
+    return how
 
 
 def _write_and_kill(directory: Path, first_step: int, rng: random.Random) -> tuple[str, int, int, bool]:
@@ -80,8 +86,7 @@ def _write_and_kill(directory: Path, first_step: int, rng: random.Random) -> tup
         stale = [t for t in _temporaries(directory) if _pid_of(t) != proc.pid]
         assert not stale, f"the next save did not clean up after a killed writer: {stale}"
         time.sleep(rng.uniform(0.0, 0.3))  # a random moment to strike, not synchronisation
-        how = rng.choice(["sigkill", "sigterm", "sigterm-twice"])
-        _kill(proc, how, rng)
+        how = _kill(proc, rng.choice(["sigkill", "sigterm", "sigterm-twice"]), rng)
         proc.join(SHUTDOWN_GRACE_S)
         assert proc.exitcode is not None, f"writer still running {SHUTDOWN_GRACE_S}s after {how}"
     finally:

@@ -1,5 +1,5 @@
-"""State transfer (swarm.state.transfer): snapshot digests, parallel verified downloads, the mean of
-donors, corrupt and wrong donors, and publish during a download."""
+"""State transfer (swarm.state: _server, _download, _merge): snapshot digests, parallel verified
+downloads, the mean of donors, corrupt and wrong donors, and publish during a download."""
 
 from __future__ import annotations
 
@@ -13,13 +13,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from swarm.state.transfer import (
-    ServerHooks,
-    StateServer,
-    StateTransferError,
-    download_state,
-    make_snapshot,
-)
+from swarm.state import StateServer, StateTransferError, download_state, make_snapshot
+from swarm.state._server import ServerHooks
 from tests._processes import PeerProcess
 from tests.state_transfer_worker import make_state
 
@@ -78,7 +73,7 @@ def client_p2p() -> Iterator[Callable[[list[str]], object]]:
     """A bare hivemind P2P (own p2pd, no DHT) on a private loop, connected to the given maddrs."""
     from hivemind.p2p import P2P
 
-    from swarm.gossip._loop import LoopThread
+    from swarm.p2p import LoopThread
 
     loop = LoopThread("test-client")
     made = []
@@ -227,7 +222,8 @@ def test_different_donors_give_their_verified_mean(start_donors, client_p2p) -> 
 def test_mean_of_three_donors_resists_one_hostile_state() -> None:
     """With 3+ donors a hostile (but correctly announced) state moves the result by little; with 2 it is
     the plain mean."""
-    from swarm.state.transfer import _mean_snapshot, make_snapshot
+    from swarm.state import make_snapshot
+    from swarm.state._merge import mean_snapshot as _mean_snapshot
 
     generator = torch.Generator().manual_seed(0)
     base = torch.randn(4096, generator=generator)

@@ -177,6 +177,15 @@ class TrainSection(_Section):
     slowdown: float = Field(
         1.0, ge=1, description="Artificial slowdown factor (tests simulate slow peers with it)."
     )
+    step_time_s: float = Field(
+        0.0,
+        ge=0,
+        le=3600,
+        description=(
+            "Emulated accelerator: pad each inner step to at least this many seconds by sleeping, the "
+            "way a process waits on its GPU (benchmarks on one machine; 0 = off)."
+        ),
+    )
     checkpoint_dir: str | None = Field(
         None, description="Directory for local checkpoints; None disables them."
     )
@@ -193,14 +202,24 @@ class TrainSection(_Section):
 class AveragingSection(_Section):
     """Gossip averaging: outer optimizer and exchange policy."""
 
-    backend: Literal["gossip", "hivemind", "none"] = Field(
+    backend: Literal["gossip", "allreduce", "hivemind", "none"] = Field(
         "gossip",
-        description="'gossip': quantized pairwise averaging; 'hivemind': hivemind.Optimizer (baseline); "
+        description="'gossip': quantized pairwise averaging; 'allreduce': group all-reduce of "
+        "pseudo-gradients (OpenDiLoCo, baseline); 'hivemind': hivemind.Optimizer (baseline); "
         "'none': every peer trains alone.",
     )
     sync_every_steps: int = Field(20, ge=1, description="Inner steps between syncs (H of DiLoCo).")
     sync_every_seconds: Annotated[float, Field(gt=0)] | None = Field(
         None, description="Also sync when this many seconds passed since the last one."
+    )
+    max_lag_rounds: int = Field(
+        1,
+        ge=0,
+        le=16,
+        description=(
+            "gossip: our exchange runs in the background while the next round trains; the device "
+            "waits only when it lags this many rounds behind (0 = a blocking sync)."
+        ),
     )
     outer_lr: float = Field(0.7, gt=0, description="Learning rate of the outer SGD on pseudo-gradients.")
     outer_momentum: float = Field(0.9, ge=0, lt=1, description="Momentum of the outer SGD.")

@@ -23,6 +23,7 @@ PER_PEER_KEYS: frozenset[str] = frozenset(
         "train.device",
         "train.micro_batch_size",
         "train.slowdown",
+        "train.step_time_s",
         "train.checkpoint_dir",
         "train.checkpoint_every_s",
         # how often and how much this peer evaluates; does not change what it trains
@@ -36,6 +37,8 @@ PER_PEER_KEYS: frozenset[str] = frozenset(
         "averaging.chunk_timeout_s",
         "averaging.ban_base_s",
         "averaging.ban_max_s",
+        # how far this peer lets its own exchange lag behind its training: a local policy
+        "averaging.max_lag_rounds",
     }
 )
 """Dotted keys (or whole sections) that each peer may set differently; excluded from the hash."""

@@ -5,14 +5,20 @@ See docs/gossip.md for the protocol, the commit rule and the averaging semantics
 
 from swarm.gossip._averager import GossipAverager
 from swarm.gossip._metrics import GossipMetrics, SyncOutcome, SyncResult
+from swarm.gossip._offer import Committed, Offer, Offerer
+from swarm.gossip._options import GossipOptions
 from swarm.gossip._partners import PartnerInfo, PartnerSource
 from swarm.gossip._protocol import PROTOCOL_VERSION, handler_name
 from swarm.gossip._robust import centered_clip, centered_clip_named
 
 __all__ = [
     "PROTOCOL_VERSION",
+    "Committed",
     "GossipAverager",
     "GossipMetrics",
+    "GossipOptions",
+    "Offer",
+    "Offerer",
     "PartnerInfo",
     "PartnerSource",
     "SyncOutcome",

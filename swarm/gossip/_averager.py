@@ -9,163 +9,123 @@ only one touching the registered tensors; a partner that finds it taken gets BUS
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import dataclasses
 import logging
 import random
 import threading
 import time
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
-from hivemind.p2p import P2P, PeerID
 
-from swarm._auth import AuthError, authenticate_stream, swarm_key_of
-from swarm.compression import ErrorFeedback, get_codec
+from swarm.compression import ErrorFeedback
 from swarm.gossip._background import Background, Tensors
-from swarm.gossip._exchange import (
-    ExchangeHooks,
-    ExchangeSpec,
-    Mixed,
-    PartnerRejected,
-    as_named,
-    commit,
-    run_exchange,
-)
-from swarm.gossip._loop import LoopThread
+from swarm.gossip._exchange import ExchangeHooks, Mixed, as_named, commit, in_thread, run_exchange, settle
+from swarm.gossip._handshake import BANNED_REASON, Handshake
 from swarm.gossip._metrics import GossipMetrics, MetricsRecorder, SyncOutcome, SyncResult
-from swarm.gossip._partners import BanList, PartnerInfo, PartnerSource, eligible_partners, pick_order
-from swarm.gossip._protocol import (
-    PROTOCOL_VERSION,
-    Channel,
-    Hello,
-    MsgKind,
-    ProtocolError,
-    handler_name,
-    parse_json,
-)
-from swarm.gossip._robust import ClipPolicy
-from swarm.gossip._setup import check_params, daemon_maddr
-from swarm.gossip._validation import NormPolicy, ValidationError, schema_hash, schema_of
+from swarm.gossip._offer import Committed, Offer, Offerer
+from swarm.gossip._options import GossipOptions
+from swarm.gossip._partners import PartnerInfo, PartnerSource, eligible_partners, pick_order
+from swarm.gossip._protocol import PROTOCOL_VERSION, Channel, Hello, MsgKind, handler_name, parse_json
+from swarm.gossip._reputation import Reputation
+from swarm.gossip._validation import schema_hash, schema_of
+from swarm.p2p import P2PFactory, StreamService
 
 if TYPE_CHECKING:
+    from hivemind.dht import DHT
+
     from swarm.network import SwarmKey
 
 logger = logging.getLogger(__name__)
-BANNED_REASON = "you are temporarily banned"
 
 
 @dataclass
 class _Local:
-    """The tensors this peer averages (the caller's objects, updated in place) and their weight."""
+    """The tensors this peer averages (the caller's objects, updated in place) and their weight; in
+    offer mode, a snapshot the offerer gave for one exchange (``offer``), never written to."""
 
     tensors: dict[str, torch.Tensor]
     weight: float
     schema_hash: str
+    offer: Offer | None = None
 
 
-@dataclass(frozen=True)
-class _Attempt:
-    """A partner that accepted our HELLO, with the open channel and its stated weight."""
-
-    partner: str
-    channel: Channel
-    weight: float
-
-
-class GossipAverager:
+class GossipAverager(StreamService):
     """Averages the registered tensors with random partners; serves partners while alive.
 
     Exactly one of ``dht`` (a running ``hivemind.DHT``; we open our own client to its daemon) or
     ``p2p_factory`` (an async callable returning a ``hivemind.p2p.P2P`` dedicated to this averager)
     must be given. The averager shuts the P2P client it obtained down on :meth:`close`.
-    ``robust_clip`` turns on the pairwise centred clip (``swarm.gossip._robust``) with its strikes;
-    ``respect_bans_of`` makes it also refuse the peers another averager has banned.
-    In a private swarm (``swarm_key``, by default the key ``dht`` was started with) every stream starts
-    with the swarm key handshake (:mod:`swarm._auth`); a peer that fails it is dropped before its HELLO.
+    ``options`` (:class:`GossipOptions`) tunes the exchanges; any of its fields may instead be given
+    by keyword (``codec="fp16"``), overriding ``options``. ``robust_clip`` turns on the pairwise centred
+    clip (``swarm.gossip._robust``) with its strikes; ``respect_bans_of`` makes it also refuse the peers
+    another averager has banned. In a private swarm (``swarm_key``, by default the key ``dht`` was
+    started with) every stream starts with the swarm key handshake (:mod:`swarm.p2p`); a peer that
+    fails it is dropped before its HELLO.
+
+    With an ``offerer`` the averager runs in offer mode (:mod:`swarm.gossip._offer`): each exchange,
+    initiated or served, uses a fresh snapshot from ``offerer.offer()`` and reports its committed
+    result to ``offerer.committed()``; nothing is registered and nothing is written in place.
     """
+
+    what = "gossip exchange"
+    open_timeout_s = None
+    close_timeout_s = 10.0
 
     def __init__(
         self,
         *,
         run_id: str,
         partner_source: PartnerSource,
-        dht: object | None = None,
-        p2p_factory: Callable[[], Awaitable[P2P]] | None = None,
+        dht: DHT | None = None,
+        p2p_factory: P2PFactory | None = None,
+        options: GossipOptions | None = None,
         config_hash: str = "",
-        codec: str = "int8",
-        block_size: int = 64,
-        chunk_bytes: int = 1 << 20,
-        error_feedback: bool = True,
-        exchange_timeout_s: float = 30.0,
-        chunk_timeout_s: float = 10.0,
-        max_norm_ratio: float = 100.0,
-        norm_floor: float = 1.0,
-        ban_base_s: float = 10.0,
-        ban_max_s: float = 600.0,
-        robust_clip: bool = False,
-        clip_ratio: float = 2.0,
-        clip_floor: float = 1e-8,
-        clip_hard_factor: float = 10.0,
-        clip_strikes: int = 2,
         respect_bans_of: GossipAverager | None = None,
-        max_attempts: int = 4,
-        busy_patience_s: float = 5.0,
         client_mode: bool = False,
+        offerer: Offerer | None = None,
         initial_weight: float = 1.0,
         seed: int | None = None,
         swarm_key: SwarmKey | None = None,
         _hooks: ExchangeHooks | None = None,
+        **tuning: Any,
     ) -> None:
-        check_params(run_id, dht, p2p_factory, chunk_bytes, exchange_timeout_s, chunk_timeout_s, max_attempts)
+        opts = self.options = dataclasses.replace(options or GossipOptions(), **tuning)
+        handler = handler_name(run_id)
+        super().__init__(
+            run_id,
+            handler,
+            dht=dht,
+            p2p_factory=p2p_factory,
+            swarm_key=swarm_key,
+            auth_timeout_s=opts.chunk_timeout_s,
+            client_mode=client_mode,
+        )
         self.run_id = run_id
         self.config_hash = config_hash
-        self.client_mode = client_mode
-        self._swarm_key = swarm_key if swarm_key is not None else swarm_key_of(dht)
         self._partner_source = partner_source
-        self._codec_name = codec
-        self._block_size = block_size
-        self._exchange_timeout = exchange_timeout_s
-        self._chunk_timeout = chunk_timeout_s
-        self._max_attempts = max_attempts
-        self._busy_patience = busy_patience_s
-        self._spec = ExchangeSpec(
-            codec=get_codec(codec, block_size=block_size),
-            chunk_bytes=chunk_bytes,
-            policy=NormPolicy(max_norm_ratio=max_norm_ratio, norm_floor=norm_floor),
-            hooks=_hooks,
-            clip=ClipPolicy(clip_ratio, clip_floor, clip_hard_factor) if robust_clip else None,
-        )
-        if clip_strikes < 1:
-            raise ValueError(f"clip_strikes must be at least 1, got {clip_strikes}")
-        self._clip_strikes = clip_strikes
-        self._own_norms: collections.deque[float] = collections.deque(maxlen=8)
-        self._use_ef = error_feedback and not self._spec.codec.lossless
+        self._offerer = offerer
+        self._schema_hash = ""  # of the last tensors we exchanged: error feedback restarts when it changes
+        self._spec = opts.exchange_spec(_hooks)
+        self._handshake = Handshake(run_id, config_hash, handler, self._swarm_key, opts)
+        self._use_ef = opts.error_feedback and not self._spec.codec.lossless
         self._ef: ErrorFeedback | None = None
-        also = respect_bans_of._bans if respect_bans_of is not None else None
-        self._bans = BanList(ban_base_s, ban_max_s, also=also)
         self._metrics = MetricsRecorder()
+        also = respect_bans_of._reputation.bans if respect_bans_of is not None else None
+        self._reputation = Reputation(opts, self._metrics, also)
         self._rng = random.Random(seed)
         self._lock = threading.Lock()
         self._local: _Local | None = None
         self._last_partner: str | None = None
         self._weight = float(initial_weight)
         self._background: Background | None = None
-        self._closed = False
         self._aborted = False
         self._inflight: asyncio.Task[SyncResult] | None = None  # only touched on the loop thread
         self._serving: asyncio.Task[None] | None = None  # the served exchange holding the lock, if any
-        self._handler = handler_name(run_id)
-        control_maddr = daemon_maddr(dht) if dht is not None else None
-        self._loop = LoopThread(name=f"gossip-{run_id}")
-        try:
-            self._p2p = self._loop.run(self._open_p2p(control_maddr, p2p_factory))
-        except BaseException:
-            self._loop.stop()
-            raise
+        self._start(f"gossip-{run_id}")
 
     # ------------------------------------------------------------------ public API
 
@@ -176,7 +136,8 @@ class GossipAverager:
         initiators until replaced, and updated in place only if the exchange commits; otherwise they
         stay bit-identical. ``weight`` is their mass (work behind them); None keeps the current
         weight, which each committed exchange (either role) replaces by the pair's mean weight.
-        ``tensors=None`` syncs the tensors registered earlier.
+        ``tensors=None`` syncs the tensors registered earlier, or in offer mode a fresh offer (SKIPPED
+        when the offerer has nothing to offer).
 
         If every partner tried is BUSY, the call backs off (randomized, exponential) *without* holding
         the exchange lock, so partners can exchange with us meanwhile, and tries again for up to
@@ -184,12 +145,14 @@ class GossipAverager:
         """
         if self._closed:
             raise RuntimeError("the averager is closed")
-        give_up_busy = time.monotonic() + self._busy_patience
+        give_up_busy = time.monotonic() + self.options.busy_patience_s
         backoff, sent, received = 0.01, 0, 0
         while True:
             with self._lock:
-                local = self._register(tensors, weight)
+                local = self._offered() if self._offerer is not None else self._register(tensors, weight)
                 tensors = weight = None
+                if local is None:
+                    return self._result(SyncOutcome.SKIPPED, None, None, 0.0, "nothing to offer")
                 candidates = list(self._partner_source())
                 result = self._loop.run(self._initiate_abortable(local, candidates))
             sent, received = sent + result.bytes_sent, received + result.bytes_received
@@ -205,6 +168,10 @@ class GossipAverager:
 
     def set_tensors(self, tensors: Tensors, weight: float | None = None) -> None:
         """Register (or replace) the tensors to serve to initiating partners, without syncing."""
+        if self._offerer is not None:
+            raise RuntimeError(
+                "an averager in offer mode serves its offerer's snapshots, not registered tensors"
+            )
         with self._lock:
             self._register(tensors, weight)
 
@@ -223,11 +190,11 @@ class GossipAverager:
 
     def banned_peers(self) -> dict[str, float]:
         """Currently banned peer ids and the seconds left on each ban."""
-        return self._bans.banned()
+        return self._reputation.bans.banned()
 
     def ban_strikes(self) -> dict[str, int]:
         """Strikes (bans so far, expired ones included) per peer since its last good exchange."""
-        return self._bans.strikes()
+        return self._reputation.bans.strikes()
 
     def start_background(
         self,
@@ -266,41 +233,12 @@ class GossipAverager:
             if task is not None:
                 task.cancel()
 
-    def close(self) -> None:
-        """Stop syncing and serving, release the P2P client, and stop the loop thread. Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
+    def _stop_work(self) -> None:
+        """On :meth:`close`: abort what is in flight and stop background syncing."""
         self.abort()
         self.stop()
-        with contextlib.suppress(Exception):
-            self._loop.run(self._close_p2p(), timeout=10)
-        self._loop.stop()
 
-    def __enter__(self) -> GossipAverager:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
-
-    # ------------------------------------------------------------------ set-up and state
-
-    async def _open_p2p(self, daemon_maddr: object, factory: Callable[[], Awaitable[P2P]] | None) -> P2P:
-        p2p = await P2P.replicate(daemon_maddr) if factory is None else await factory()
-        self.peer_id: str = p2p.peer_id.to_base58()  # before serving: the handshake names both peers
-        try:
-            if not self.client_mode:
-                await p2p.add_binary_stream_handler(self._handler, self._serve)
-        except BaseException:
-            await p2p.shutdown()
-            raise
-        return p2p
-
-    async def _close_p2p(self) -> None:
-        if not self.client_mode:
-            with contextlib.suppress(Exception):
-                await self._p2p.remove_binary_stream_handler(self._handler)
-        await self._p2p.shutdown()
+    # ------------------------------------------------------------------ state
 
     def _register(self, tensors: Tensors | None, weight: float | None) -> _Local:
         """Called with the lock held."""
@@ -313,100 +251,70 @@ class GossipAverager:
                 raise ValueError("no tensors registered yet: pass tensors to sync() or set_tensors()")
             self._local.weight = self._weight
             return self._local
-        named = as_named(tensors)
-        digest = schema_hash(schema_of(named))
-        if self._local is None or self._local.schema_hash != digest:
-            self._ef = ErrorFeedback(self._spec.codec) if self._use_ef else None
-        self._local = _Local(tensors=named, weight=self._weight, schema_hash=digest)
+        self._local = self._local_of(tensors, self._weight)
         return self._local
 
-    def _hello(self, local: _Local) -> Hello:
-        return Hello(
-            version=PROTOCOL_VERSION,
-            run_id=self.run_id,
-            config_hash=self.config_hash,
-            schema_hash=local.schema_hash,
-            codec=self._codec_name,
-            block_size=self._block_size,
-            weight=local.weight,
-        )
+    def _offered(self) -> _Local | None:
+        """Offer mode: a fresh snapshot from the offerer, or None. Called with the lock held."""
+        offer = self._offerer.offer()
+        if offer is None:
+            return None
+        if not (offer.weight > 0 and offer.weight < float("inf")):
+            raise ValueError(f"offered weight must be a finite positive number, got {offer.weight!r}")
+        return dataclasses.replace(self._local_of(offer.tensors, float(offer.weight)), offer=offer)
 
-    def _channel(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> Channel:
-        return Channel(
-            reader,
-            writer,
-            chunk_timeout_s=self._chunk_timeout,
-            max_data_bytes=self._spec.chunk_bytes + 64 * 1024,
-        )
+    def _local_of(self, tensors: Tensors, weight: float) -> _Local:
+        named = as_named(tensors)
+        digest = schema_hash(schema_of(named))
+        if self._schema_hash != digest:
+            self._schema_hash = digest
+            self._ef = ErrorFeedback(self._spec.codec) if self._use_ef else None
+        return _Local(tensors=named, weight=weight, schema_hash=digest)
+
+    def _hello(self, local: _Local) -> Hello:
+        return self._handshake.hello(local.schema_hash, local.weight)
 
     # ------------------------------------------------------------------ both roles
 
     async def _exchange(
-        self, partner: str, channel: Channel, local: _Local, partner_weight: float
+        self, partner: str, channel: Channel, local: _Local, partner_weight: float, *, initiator: bool
     ) -> SyncResult:
         """Run the data phase under the exchange deadline; commit, or leave everything untouched."""
         started = time.monotonic()
-        blame_partner = True
+        norm_reference = self._reputation.norm_reference()
+        weights = (local.weight, partner_weight)
+        exchange = run_exchange(channel, local.tensors, weights, self._spec, self._ef, norm_reference)
         try:
-            async with asyncio.timeout(self._exchange_timeout):
-                mixed = await run_exchange(
-                    channel,
-                    local.tensors,
-                    (local.weight, partner_weight),
-                    self._spec,
-                    self._ef,
-                    max(self._own_norms, default=0.0),
-                )
-            outcome, reason = SyncOutcome.OK, ""
-        except ValidationError as exc:
-            outcome, reason = SyncOutcome.REJECTED, f"rejected its data: {exc}"
-        except TimeoutError:
-            outcome, reason = SyncOutcome.TIMEOUT, "exchange timed out"
-        except PartnerRejected as exc:
-            outcome, reason = SyncOutcome.FAILED, f"it rejected our data: {exc}"
-        except (ProtocolError, ConnectionError, OSError, asyncio.IncompleteReadError) as exc:
-            outcome, reason = SyncOutcome.FAILED, f"{type(exc).__name__}: {exc}"
-        except Exception as exc:  # our side failed (e.g. NaN in our own tensors): not the partner's fault
-            logger.exception("exchange with %s failed on our side", partner)
-            outcome, reason, blame_partner = SyncOutcome.FAILED, f"local error: {exc}", False
+            ended = await settle(exchange, self.options.exchange_timeout_s, partner)
         except asyncio.CancelledError:  # abort() or shutdown: nothing is committed
             if self._ef is not None:
                 self._ef.discard_pending()
             raise
         latency = time.monotonic() - started
-        if outcome is SyncOutcome.OK:
-            self._commit(partner, local, mixed, latency)
+        if ended.mixed is not None:
+            self._commit(partner, local, ended.mixed, latency)
+            result = self._result(ended.outcome, partner, channel, latency, ended.reason)
+            if local.offer is not None:
+                done = Committed(ended.mixed.tensors, partner_weight, initiator, result)
+                await in_thread(self._offerer.committed, local.offer, done)
+            return result
         else:
             if self._ef is not None:
                 self._ef.discard_pending()
-            if blame_partner:
-                self._bans.ban(partner, reason)
-            self._metrics.count("rejected" if outcome is SyncOutcome.REJECTED else "failed")
-        return self._result(outcome, partner, channel, latency, reason)
+            if ended.blame_partner:
+                self._reputation.failed(partner, ended.reason)
+            self._metrics.count("rejected" if ended.outcome is SyncOutcome.REJECTED else "failed")
+        return self._result(ended.outcome, partner, channel, latency, ended.reason)
 
     def _commit(self, partner: str, local: _Local, mixed: Mixed, latency: float) -> None:
-        """Apply a fully ACKed exchange: tensors in place, weight, error-feedback residuals.
-
-        A partner whose difference was clipped hard is not forgiven but gets a strike instead
-        (``clip_strikes`` in a row ban it); any other committed exchange clears its strikes.
-        """
-        commit(local.tensors, mixed)
-        local.weight = self._weight = mixed.weight
+        """Apply a fully ACKed exchange: tensors in place, weight, error-feedback residuals; then judge
+        the partner (a hard clip is a strike toward a ban, anything else forgives it)."""
+        if local.offer is None:
+            commit(local.tensors, mixed)
+            local.weight = self._weight = mixed.weight
         if self._ef is not None:
             self._ef.commit_all()
-        clip = mixed.clip
-        # no blame before we know our own usual norm (a first, tiny warm-up update looks like a victim)
-        suspect = clip is not None and clip.hard and bool(self._own_norms)
-        if clip is not None:
-            self._own_norms.append(clip.own_norm)
-        if clip is not None and clip.clipped:
-            self._metrics.count("clipped")
-        if suspect:
-            self._metrics.count("suspect")
-            reason = f"its update was {clip.excess:.3g}x our clip radius (clipped to {clip.scale:.3g})"
-            self._bans.suspect(partner, reason, self._clip_strikes)
-        else:
-            self._bans.forgive(partner)
+        self._reputation.committed(partner, mixed.clip)
         self._last_partner = partner
         self._metrics.record_ok(latency)
 
@@ -419,29 +327,17 @@ class GossipAverager:
 
     # ------------------------------------------------------------------ serving side
 
-    async def _serve(
-        self, stream_info: object, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-    ) -> None:
-        peer = stream_info.peer_id.to_base58()
-        channel = self._channel(reader, writer)
+    async def _handle(self, peer: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        channel = self._handshake.channel(reader, writer)
         try:
-            if self._swarm_key is not None:
-                await self._authenticate(reader, writer, peer, initiator=False)
             await self._serve_exchange(peer, channel)
-        except AuthError as exc:
-            logger.warning("refused gossip initiator %s: %s", peer, exc)
-        except (ProtocolError, ConnectionError, OSError, TimeoutError, asyncio.IncompleteReadError) as exc:
-            logger.info("handshake with initiator %s failed: %s: %s", peer, type(exc).__name__, exc)
-        except Exception:
-            logger.exception("serving an exchange with %s failed unexpectedly", peer)
         finally:
-            channel.close()
             self._metrics.add_bytes(channel.bytes_sent, channel.bytes_received)
 
     async def _serve_exchange(self, peer: str, channel: Channel) -> None:
         _, payload = await channel.recv_expect(MsgKind.HELLO)
         theirs = Hello.from_json(parse_json(payload))
-        if self._bans.is_banned(peer):
+        if self._reputation.is_banned(peer):
             await channel.send_json(MsgKind.REJECT, {"reason": BANNED_REASON})
             return
         if self._aborted:
@@ -452,9 +348,9 @@ class GossipAverager:
             return
         self._serving = asyncio.current_task()
         try:
-            local = self._local
+            local = self._local if self._offerer is None else await in_thread(self._offered)
             if local is None:
-                await channel.send_json(MsgKind.BUSY, {"reason": "no tensors registered yet"})
+                await channel.send_json(MsgKind.BUSY, {"reason": "nothing to offer yet"})
                 return
             ours = self._hello(local)
             mismatch = ours.mismatch(theirs)
@@ -462,7 +358,7 @@ class GossipAverager:
                 await channel.send_json(MsgKind.REJECT, {"reason": mismatch})
                 return
             await channel.send_json(MsgKind.ACCEPT, ours.to_json())
-            result = await self._exchange(peer, channel, local, theirs.weight)
+            result = await self._exchange(peer, channel, local, theirs.weight, initiator=False)
             logger.debug("served exchange with %s: %s %s", peer, result.outcome.value, result.reason)
         finally:
             self._serving = None
@@ -493,7 +389,7 @@ class GossipAverager:
             self_id=self.peer_id,
             protocol_version=PROTOCOL_VERSION,
             config_hash=self.config_hash,
-            bans=self._bans,
+            bans=self._reputation.bans,
         )
         if len(eligible) > 1:
             # Never the same partner twice in a row when there is a choice: with back-to-back syncs
@@ -504,9 +400,8 @@ class GossipAverager:
             return self._result(SyncOutcome.NO_PARTNER, None, None, 0.0, "no eligible partner")
         channels: list[Channel] = []
         try:
-            result = await self._try_partners(
-                pick_order(eligible, self._rng, self._max_attempts), local, channels
-            )
+            order = pick_order(eligible, self._rng, self.options.max_attempts)
+            result = await self._try_partners(order, local, channels)
         finally:
             for channel in channels:
                 channel.close()
@@ -518,70 +413,16 @@ class GossipAverager:
     async def _try_partners(
         self, order: Sequence[PartnerInfo], local: _Local, channels: list[Channel]
     ) -> SyncResult:
-        deadline = time.monotonic() + self._exchange_timeout
+        deadline = time.monotonic() + self.options.exchange_timeout_s
         busy, reason = 0, ""
         for info in order:
             if time.monotonic() >= deadline:
                 break
-            attempt, answer = await self._open(info.peer_id, local, channels)
-            if attempt is not None:
-                return await self._exchange(attempt.partner, attempt.channel, local, attempt.weight)
-            busy += answer is MsgKind.BUSY
-            reason = f"{info.peer_id}: {answer.name if isinstance(answer, MsgKind) else answer}"
+            reply = await self._handshake.propose(self._p2p, info.peer_id, self._hello(local), channels)
+            if reply.kind is MsgKind.ACCEPT and reply.channel is not None:
+                return await self._exchange(info.peer_id, reply.channel, local, reply.weight, initiator=True)
+            self._reputation.answered(info.peer_id, reply)
+            busy += reply.kind is MsgKind.BUSY
+            reason = f"{info.peer_id}: {reply.describe()}"
         outcome = SyncOutcome.BUSY if busy else SyncOutcome.FAILED
         return self._result(outcome, None, None, 0.0, reason)
-
-    async def _open(
-        self, partner: str, local: _Local, channels: list[Channel]
-    ) -> tuple[_Attempt | None, MsgKind | str]:
-        """Dial and handshake. Returns (attempt, ACCEPT) or (None, BUSY / REJECT / error text)."""
-        try:
-            async with asyncio.timeout(self._chunk_timeout):
-                _, reader, writer = await self._p2p.call_binary_stream_handler(
-                    PeerID.from_base58(partner), self._handler
-                )
-                channel = self._channel(reader, writer)
-                channels.append(channel)
-                if self._swarm_key is not None:
-                    await self._authenticate(reader, writer, partner, initiator=True)
-                await channel.send_json(MsgKind.HELLO, self._hello(local).to_json())
-                kind, payload = await channel.recv_expect(MsgKind.ACCEPT, MsgKind.BUSY, MsgKind.REJECT)
-                body = parse_json(payload)
-                if kind is MsgKind.ACCEPT:
-                    return self._accepted(partner, channel, local, body), kind
-        except Exception as exc:
-            self._bans.ban(partner, f"dial/handshake failed: {type(exc).__name__}: {exc}")
-            self._metrics.count("failed")
-            return None, f"{type(exc).__name__}: {exc}"
-        channel.close()
-        if kind is MsgKind.BUSY:
-            self._metrics.count("busy")
-        elif body.get("reason") == BANNED_REASON:
-            # it banned us (perhaps for a failure on our side): no evidence against it, and banning it
-            # back would keep the pair apart long after its ban on us expired
-            self._metrics.count("failed")
-        else:
-            self._bans.ban(partner, f"refused the handshake: {body.get('reason')}")
-            self._metrics.count("failed")
-        return None, kind
-
-    async def _authenticate(
-        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, peer: str, *, initiator: bool
-    ) -> None:
-        await authenticate_stream(
-            reader,
-            writer,
-            key=self._swarm_key,
-            initiator=initiator,
-            protocol=self._handler,
-            local_peer=self.peer_id,
-            remote_peer=peer,
-            timeout=self._chunk_timeout,
-        )
-
-    def _accepted(self, partner: str, channel: Channel, local: _Local, body: dict[str, object]) -> _Attempt:
-        theirs = Hello.from_json(body)
-        mismatch = self._hello(local).mismatch(theirs)
-        if mismatch is not None:
-            raise ProtocolError(f"accepted with an incompatible handshake: {mismatch}")
-        return _Attempt(partner=partner, channel=channel, weight=theirs.weight)

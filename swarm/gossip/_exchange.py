@@ -21,18 +21,22 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable, Iterator, Mapping, Sequence
+import logging
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
 
 from swarm.compression import ErrorFeedback, FrameError, TensorStreamDecoder, encode_tensors
+from swarm.gossip._metrics import SyncOutcome
 from swarm.gossip._protocol import Channel, MsgKind, ProtocolError, parse_json
 from swarm.gossip._robust import ClipPolicy, ClipStats, robust_mix
 from swarm.gossip._validation import NormPolicy, Schema, ValidationError, validate_received
+from swarm.p2p import PEER_FAULTS
 
 T = TypeVar("T")
+logger = logging.getLogger(__name__)
 NamedTensors = list[tuple[str, torch.Tensor]]
 
 
@@ -123,6 +127,38 @@ async def run_exchange(
     if kind is MsgKind.NACK:
         raise PartnerRejected(str(parse_json(payload).get("reason", "no reason given")))
     return mixed
+
+
+@dataclass(frozen=True)
+class Settled:
+    """How an exchange ended: OK with its ``mixed`` result, or the outcome, the reason, and whether the
+    partner is to blame (it is not for a failure on our side, e.g. NaN in our own tensors)."""
+
+    outcome: SyncOutcome
+    reason: str = ""
+    mixed: Mixed | None = None
+    blame_partner: bool = True
+
+
+async def settle(exchange: Awaitable[Mixed], timeout: float, partner: str) -> Settled:
+    """Await :func:`run_exchange` within ``timeout`` seconds and classify how it ended.
+
+    Cancellation (``abort()``, shutdown) propagates: the caller discards what is pending.
+    """
+    try:
+        async with asyncio.timeout(timeout):
+            return Settled(SyncOutcome.OK, mixed=await exchange)
+    except ValidationError as exc:
+        return Settled(SyncOutcome.REJECTED, f"rejected its data: {exc}")
+    except TimeoutError:
+        return Settled(SyncOutcome.TIMEOUT, "exchange timed out")
+    except PartnerRejected as exc:
+        return Settled(SyncOutcome.FAILED, f"it rejected our data: {exc}")
+    except PEER_FAULTS as exc:
+        return Settled(SyncOutcome.FAILED, f"{type(exc).__name__}: {exc}")
+    except Exception as exc:
+        logger.exception("exchange with %s failed on our side", partner)
+        return Settled(SyncOutcome.FAILED, f"local error: {exc}", blame_partner=False)
 
 
 async def _cancel(task: asyncio.Task[Any]) -> None:

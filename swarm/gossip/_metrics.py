@@ -27,6 +27,7 @@ class SyncOutcome(enum.Enum):
     REJECTED = "rejected"
     TIMEOUT = "timeout"
     CANCELLED = "cancelled"
+    SKIPPED = "skipped"
 
 
 @dataclass(frozen=True)

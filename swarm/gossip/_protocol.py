@@ -18,7 +18,7 @@ A side commits only after it validated everything it received, sent its ACK, and
 partner's ACK (see docs/gossip.md, "Commit rule").
 
 In a private swarm (a swarm key is set) both sides first run the swarm key handshake of
-:mod:`swarm._auth` on the stream; HELLO is only sent and read once both proved the key.
+:mod:`swarm.p2p` on the stream; HELLO is only sent and read once both proved the key.
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from swarm._framing import HEADER_LEN, ProtocolError, dump_json, parse_json, read_message, write_message
 from swarm._protocol import PROTOCOL_VERSION
+from swarm.p2p import HEADER_LEN, ProtocolError, dump_json, parse_json, read_message, write_message
 
 __all__ = ["CONTROL_MAX_BYTES", "Channel", "Hello", "MsgKind", "ProtocolError", "handler_name", "parse_json"]
 

@@ -1,27 +1,57 @@
-"""Putting a peer on the network: address validation, persistent identity, DHT start-up."""
+"""Putting a peer on the network: address validation, persistent identity, DHT start-up, swarm keys and
+the reachability dial-back.
 
-from swarm.network._addresses import (
-    AddressError,
-    ListenOptions,
-    expand_listen_options,
-    parse_maddr,
-    parse_maddrs,
-)
-from swarm.network._dht import NetworkError, NetworkOptions, start_dht
-from swarm.network._identity import (
-    IDENTITY_FILE_MODE,
-    IdentityError,
-    ensure_identity,
-    load_identity,
-    peer_id_of,
-    peer_id_of_identity,
-)
-from swarm.network._reachability import (
-    ReachabilityChecker,
-    ReachabilityResult,
-    check_reachability,
-)
-from swarm.network._swarm_key import SwarmKey, SwarmKeyError, load_swarm_key
+The names are imported lazily (PEP 562), like :mod:`swarm`'s: importing hivemind imports torch, so
+``import swarm.network`` stays light and each name loads only the module that defines it.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from swarm.network._addresses import (
+        AddressError,
+        ListenOptions,
+        expand_listen_options,
+        parse_maddr,
+        parse_maddrs,
+    )
+    from swarm.network._dht import NetworkError, NetworkOptions, start_dht
+    from swarm.network._identity import (
+        IDENTITY_FILE_MODE,
+        IdentityError,
+        ensure_identity,
+        load_identity,
+        peer_id_of,
+        peer_id_of_identity,
+    )
+    from swarm.network._reachability import ReachabilityChecker, ReachabilityResult, check_reachability
+    from swarm.network._swarm_key import SwarmKey, SwarmKeyError, load_swarm_key
+
+_EXPORTS = {
+    "AddressError": "_addresses",
+    "ListenOptions": "_addresses",
+    "expand_listen_options": "_addresses",
+    "parse_maddr": "_addresses",
+    "parse_maddrs": "_addresses",
+    "NetworkError": "_dht",
+    "NetworkOptions": "_dht",
+    "start_dht": "_dht",
+    "IDENTITY_FILE_MODE": "_identity",
+    "IdentityError": "_identity",
+    "ensure_identity": "_identity",
+    "load_identity": "_identity",
+    "peer_id_of": "_identity",
+    "peer_id_of_identity": "_identity",
+    "ReachabilityChecker": "_reachability",
+    "ReachabilityResult": "_reachability",
+    "check_reachability": "_reachability",
+    "SwarmKey": "_swarm_key",
+    "SwarmKeyError": "_swarm_key",
+    "load_swarm_key": "_swarm_key",
+}
 
 __all__ = [
     "IDENTITY_FILE_MODE",
@@ -45,3 +75,12 @@ __all__ = [
     "peer_id_of_identity",
     "start_dht",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'swarm.network' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value

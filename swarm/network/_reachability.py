@@ -26,20 +26,31 @@ import enum
 import ipaddress
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from hivemind.p2p import P2P, PeerID
 from multiaddr import Multiaddr
 
-from swarm._auth import AuthError, authenticate_stream, swarm_key_of
-from swarm._framing import ProtocolError, dump_json, parse_json, read_message, write_message
 from swarm._protocol import PROTOCOL_VERSION
-from swarm.gossip._loop import LoopThread
-from swarm.gossip._setup import RUN_ID, daemon_maddr
+from swarm.p2p import (
+    P2PFactory,
+    ProtocolError,
+    StreamService,
+    check_run_id,
+    dial,
+    dump_json,
+    parse_json,
+    read_message,
+    run_with_replica,
+    swarm_key_of,
+    write_message,
+)
 
 if TYPE_CHECKING:
+    from hivemind.dht import DHT
+    from hivemind.p2p import P2P
+
     from swarm.network._swarm_key import SwarmKey
 
 logger = logging.getLogger(__name__)
@@ -131,7 +142,7 @@ async def tcp_reachable(host: str, port: int, timeout: float = DIAL_TIMEOUT_S) -
 # ---------------------------------------------------------------------------- checker
 
 
-class ReachabilityChecker:
+class ReachabilityChecker(StreamService):
     """Answers dial-back requests of other members on this peer's P2P daemon.
 
     Give ``dht`` (a running ``hivemind.DHT``: we open our own client to its daemon) or ``p2p_factory``.
@@ -139,62 +150,35 @@ class ReachabilityChecker:
     worker thread and may block for a DHT lookup (bounded by ``IO_TIMEOUT_S``).
     """
 
+    what = "reachability check"
+
     def __init__(
         self,
         announced: AnnouncedAddresses,
-        dht: object | None = None,
+        dht: DHT | None = None,
         run_id: str = "",
         *,
-        p2p_factory: Callable[[], Awaitable[P2P]] | None = None,
+        p2p_factory: P2PFactory | None = None,
         dial_timeout_s: float = DIAL_TIMEOUT_S,
         cooldown_s: float = CHECK_COOLDOWN_S,
         swarm_key: SwarmKey | None = None,
     ) -> None:
-        if not RUN_ID.match(run_id):
-            raise ValueError(f"run_id must match {RUN_ID.pattern}, got {run_id!r}")
-        if (dht is None) == (p2p_factory is None):
-            raise ValueError("give exactly one of dht or p2p_factory")
+        super().__init__(
+            run_id,
+            handler_name(run_id),
+            dht=dht,
+            p2p_factory=p2p_factory,
+            swarm_key=swarm_key,
+            auth_timeout_s=IO_TIMEOUT_S,
+        )
         self._announced, self._dial_timeout, self._cooldown = announced, dial_timeout_s, cooldown_s
-        self._swarm_key = swarm_key if swarm_key is not None else swarm_key_of(dht)
-        self._handler = handler_name(run_id)
         self._last_check: dict[str, float] = {}  # asker -> monotonic time; only touched on the loop
-        self._active = 0
         self.checks = 0
-        maddr = daemon_maddr(dht) if dht is not None else None
-        self._loop = LoopThread(name=f"reach-{run_id}")
-        try:
-            self._p2p: P2P = self._loop.run(self._open(maddr, p2p_factory), timeout=60)
-        except BaseException:
-            self._loop.stop()
-            raise
-        self.peer_id: str = self._p2p.peer_id.to_base58()
-        self._closed = False
+        self._start(f"reach-{run_id}")
 
-    async def _open(self, maddr: object, factory: Callable[[], Awaitable[P2P]] | None) -> P2P:
-        p2p = await P2P.replicate(maddr) if factory is None else await factory()
-        try:
-            await p2p.add_binary_stream_handler(self._handler, self._serve)
-        except BaseException:
-            await p2p.shutdown()
-            raise
-        return p2p
-
-    async def _serve(self, info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _handle(self, peer: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """The one place that reads a request from and writes an answer to an asking peer."""
-        peer = info.peer_id.to_base58()
-        self._active += 1  # only touched on the loop thread
         try:
-            if self._swarm_key is not None:
-                await authenticate_stream(
-                    reader,
-                    writer,
-                    key=self._swarm_key,
-                    initiator=False,
-                    protocol=self._handler,
-                    local_peer=self.peer_id,
-                    remote_peer=peer,
-                    timeout=IO_TIMEOUT_S,
-                )
             kind, payload = await read_message(reader, Kind, lambda kind: MESSAGE_MAX_BYTES, IO_TIMEOUT_S)
             if kind is not Kind.REQUEST:
                 raise RequestRefused(f"expected REQUEST, got {kind.name}")
@@ -204,20 +188,6 @@ class ReachabilityChecker:
             logger.info("refused a reachability check for %s: %s", peer, exc)
             with contextlib.suppress(Exception):
                 await write_message(writer, Kind.ERROR, dump_json({"error": str(exc)[:500]}), IO_TIMEOUT_S)
-        except (
-            AuthError,
-            ProtocolError,
-            ConnectionError,
-            OSError,
-            TimeoutError,
-            asyncio.IncompleteReadError,
-        ) as exc:
-            logger.info("reachability check for %s failed: %s: %s", peer, type(exc).__name__, exc)
-        except Exception:
-            logger.exception("reachability check for %s failed unexpectedly", peer)
-        finally:
-            self._active -= 1
-            writer.close()
 
     async def _answer(self, peer: str, payload: bytes) -> dict[str, list[str]]:
         addresses = parse_request(payload)
@@ -244,26 +214,6 @@ class ReachabilityChecker:
             "reachable": [a for a, ok in zip(addresses, results, strict=True) if ok],
             "unreachable": [a for a, ok in zip(addresses, results, strict=True) if not ok],
         }
-
-    def close(self) -> None:
-        """Stop answering and shut our P2P client down (idempotent)."""
-        if self._closed:
-            return
-        self._closed = True
-        with contextlib.suppress(Exception):
-            self._loop.run(self._close_p2p(), timeout=30)
-        self._loop.stop()
-
-    async def _close_p2p(self) -> None:
-        with contextlib.suppress(Exception):
-            await self._p2p.remove_binary_stream_handler(self._handler)
-        await self._p2p.shutdown()
-
-    def __enter__(self) -> ReachabilityChecker:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 async def _false() -> bool:
@@ -296,7 +246,7 @@ class ReachabilityResult:
 
 
 def check_reachability(
-    source: object,
+    source: DHT | P2P,
     run_id: str,
     checkers: Sequence[str],
     addresses: Sequence[str],
@@ -312,34 +262,29 @@ def check_reachability(
     swarm (``swarm_key``, by default the key ``source`` was started with) each check starts with the
     swarm key handshake.
     """
-    if not RUN_ID.match(run_id):
-        raise ValueError(f"run_id must match {RUN_ID.pattern}, got {run_id!r}")
+    check_run_id(run_id)
     addresses = list(dict.fromkeys(addresses))[:MAX_ADDRESSES]
     chosen = list(dict.fromkeys(checkers))[:max_checkers]
     if not chosen or not addresses:
         return ReachabilityResult("skipped", tuple(addresses))
-    maddr = source.daemon_listen_maddr if isinstance(source, P2P) else daemon_maddr(source)
     key = swarm_key if swarm_key is not None else swarm_key_of(source)
-    loop = LoopThread(name=f"reach-ask-{run_id}")
-    try:
-        answers = loop.run(_ask_all(maddr, handler_name(run_id), chosen, addresses, key), timeout=timeout_s)
-    finally:
-        loop.stop()
+
+    async def ask_all(p2p: P2P) -> list[tuple[str, dict[str, Any] | str]]:
+        return await _ask_all(p2p, handler_name(run_id), chosen, addresses, key)
+
+    answers = run_with_replica(
+        source, ask_all, name=f"reach-ask-{run_id}", open_timeout_s=IO_TIMEOUT_S, timeout_s=timeout_s
+    )
     return _summarize(addresses, answers)
 
 
 async def _ask_all(
-    maddr: Any, handler: str, checkers: list[str], addresses: list[str], key: SwarmKey | None
+    p2p: P2P, handler: str, checkers: list[str], addresses: list[str], key: SwarmKey | None
 ) -> list[tuple[str, dict[str, Any] | str]]:
-    p2p = await asyncio.wait_for(P2P.replicate(maddr), IO_TIMEOUT_S)
-    try:
-        replies = await asyncio.gather(
-            *(ask(p2p, handler, checker, addresses, swarm_key=key) for checker in checkers),
-            return_exceptions=True,
-        )
-    finally:
-        with contextlib.suppress(Exception):
-            await p2p.shutdown()
+    replies = await asyncio.gather(
+        *(ask(p2p, handler, checker, addresses, swarm_key=key) for checker in checkers),
+        return_exceptions=True,
+    )
     return [
         (checker, reply if isinstance(reply, dict) else f"{type(reply).__name__}: {reply}")
         for checker, reply in zip(checkers, replies, strict=True)
@@ -351,21 +296,8 @@ async def ask(
 ) -> dict[str, Any]:
     """One check: the checker's REPLY as a dict; ProtocolError (with its reason) when it refused or
     answered something other than a list of at most :data:`MAX_ADDRESSES` address strings."""
-    _, reader, writer = await asyncio.wait_for(
-        p2p.call_binary_stream_handler(PeerID.from_base58(checker), handler), IO_TIMEOUT_S
-    )
+    reader, writer = await dial(p2p, checker, handler, swarm_key, IO_TIMEOUT_S)
     try:
-        if swarm_key is not None:
-            await authenticate_stream(
-                reader,
-                writer,
-                key=swarm_key,
-                initiator=True,
-                protocol=handler,
-                local_peer=p2p.peer_id.to_base58(),
-                remote_peer=checker,
-                timeout=IO_TIMEOUT_S,
-            )
         await write_message(writer, Kind.REQUEST, dump_json({"addresses": list(addresses)}), IO_TIMEOUT_S)
         kind, payload = await read_message(
             reader, Kind, lambda kind: MESSAGE_MAX_BYTES, IO_TIMEOUT_S + DIAL_TIMEOUT_S

@@ -27,10 +27,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
-from hivemind.p2p import P2P, PeerID
 
-from swarm._auth import authenticate_stream
-from swarm._framing import ProtocolError, dump_json, parse_json, read_message, write_message
 from swarm._protocol import PROTOCOL_VERSION
 from swarm.compression import (
     DecodeLimits,
@@ -41,8 +38,11 @@ from swarm.compression import (
     encode_tensors,
     get_codec,
 )
+from swarm.p2p import ProtocolError, dial, dump_json, parse_json, read_message, write_message
 
 if TYPE_CHECKING:
+    from hivemind.p2p import P2P
+
     from swarm.network import SwarmKey
 
 REQUEST_MAX_BYTES = 4096
@@ -253,22 +253,9 @@ async def fetch_part(
     """One stream: request part ``part`` of ``parts``, verify the header, verify and decode each frame.
 
     With ``swarm_key`` the stream starts with the swarm key handshake; a donor that fails it raises
-    :class:`~swarm._auth.AuthError`."""
-    _, reader, writer = await asyncio.wait_for(
-        p2p.call_binary_stream_handler(PeerID.from_base58(donor), handler), IO_TIMEOUT_S
-    )
+    :class:`~swarm.p2p.AuthError`."""
+    reader, writer = await dial(p2p, donor, handler, swarm_key, IO_TIMEOUT_S)
     try:
-        if swarm_key is not None:
-            await authenticate_stream(
-                reader,
-                writer,
-                key=swarm_key,
-                initiator=True,
-                protocol=handler,
-                local_peer=p2p.peer_id.to_base58(),
-                remote_peer=donor,
-                timeout=IO_TIMEOUT_S,
-            )
         await send(writer, Kind.REQUEST, Request(assembly.digest, part, parts).encode(), IO_TIMEOUT_S)
         kind, payload = await recv(reader, HEADER_MAX_BYTES, IO_TIMEOUT_S)
         if kind is Kind.ERROR:

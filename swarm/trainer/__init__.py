@@ -1,7 +1,21 @@
-"""A training peer: the library's composition of network, membership, gossip and training."""
+"""A training peer: the library's composition of network, membership, averaging and training.
 
-from swarm.trainer._factory import make_training_peer
+:class:`TrainingPeer` is the core (model, data, inner loop, progress, node, status, checkpoints);
+an :class:`AveragingBackend` (gossip, the hivemind baseline, solo) keeps it in agreement with the swarm.
+"""
+
+from swarm.trainer._backend import AveragingBackend, BackendContext, JoinResult, RoundResult
+from swarm.trainer._factory import make_backend
 from swarm.trainer._peer import SyncReport, TrainingPeer
 from swarm.trainer._progress import Progress
 
-__all__ = ["Progress", "SyncReport", "TrainingPeer", "make_training_peer"]
+__all__ = [
+    "AveragingBackend",
+    "BackendContext",
+    "JoinResult",
+    "Progress",
+    "RoundResult",
+    "SyncReport",
+    "TrainingPeer",
+    "make_backend",
+]

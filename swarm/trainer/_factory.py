@@ -1,22 +1,36 @@
-"""Pick the training peer class for the configured averaging backend."""
+"""Pick the averaging backend for ``averaging.backend``."""
 
 from __future__ import annotations
 
-from typing import Any
-
-from swarm.config import RunConfig
 from swarm.network import NetworkOptions
-from swarm.trainer._peer import TrainingPeer
+from swarm.trainer._backend import AveragingBackend, BackendContext
 
 
-def make_training_peer(config: RunConfig, network: NetworkOptions, **kwargs: Any):
-    """A :class:`TrainingPeer` (``gossip``, ``none``) or a ``HivemindTrainingPeer`` (``hivemind``).
+def make_backend(context: BackendContext, network: NetworkOptions) -> AveragingBackend:
+    """The backend ``context.config.averaging.backend`` names, built on the core's parts.
 
-    ``kwargs`` are the peers' shared keyword arguments (``public_name``, ``resume``, ``on_sync``).
-    The hivemind module is imported only when asked for: it is a baseline, not the normal path.
+    ``gossip``: quantized gossip DiLoCo (:mod:`swarm.trainer._gossip`); ``none``: a solo peer;
+    ``hivemind``: the ``hivemind.Optimizer`` baseline; ``allreduce``: group all-reduce of
+    pseudo-gradients (:mod:`swarm.trainer._allreduce`). Baselines are imported only when asked for.
     """
-    if config.averaging.backend == "hivemind":
-        from swarm.trainer._hivemind import HivemindTrainingPeer
+    name = context.config.averaging.backend
+    if name == "gossip":
+        from swarm.trainer._gossip import GossipBackend
 
-        return HivemindTrainingPeer(config, network, **kwargs)
-    return TrainingPeer(config, network, **kwargs)
+        return GossipBackend(context)
+    if name == "none":
+        from swarm.trainer._solo import SoloBackend
+
+        return SoloBackend(context)
+    if name in ("hivemind", "allreduce") and network.swarm_key is not None:
+        # hivemind's averaging RPCs take no authorizer: they would be open to anyone
+        raise ValueError(f"averaging.backend {name!r} cannot run in a private swarm; use 'gossip'")
+    if name == "hivemind":
+        from swarm.trainer._hivemind import HivemindBackend
+
+        return HivemindBackend(context)
+    if name == "allreduce":
+        from swarm.trainer._allreduce import AllReduceBackend
+
+        return AllReduceBackend(context)
+    raise ValueError(f"unknown averaging.backend {name!r}")

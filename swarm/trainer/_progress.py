@@ -21,15 +21,23 @@ class Progress:
     eval_loss: float | None = None
     drift: float | None = None
     compute_seconds: float = 0.0
+    device_seconds: float = 0.0
     started: float = field(default_factory=time.monotonic)
     _rate: float = 0.0
 
-    def record_step(self, samples: int, loss: float, seconds: float, compute_seconds: float) -> None:
-        """Count one inner step; loss and samples/s are smoothed so the record does not jitter."""
+    def record_step(
+        self, samples: int, loss: float, seconds: float, compute_seconds: float, device_seconds: float = 0.0
+    ) -> None:
+        """Count one inner step; loss and samples/s are smoothed so the record does not jitter.
+
+        ``compute_seconds``: real forward/backward/update time; ``device_seconds``: how long the
+        (possibly emulated, ``train.step_time_s``) device was busy, at least the compute.
+        """
         self.step += 1
         self.samples_total += samples
         self.samples_since_sync += samples
         self.compute_seconds += compute_seconds
+        self.device_seconds += max(device_seconds, compute_seconds)
         self.loss = loss if self.loss is None else 0.9 * self.loss + 0.1 * loss
         rate = samples / max(seconds, 1e-9)
         self._rate = rate if self._rate == 0.0 else 0.9 * self._rate + 0.1 * rate
@@ -39,11 +47,12 @@ class Progress:
         return self._rate
 
     def utilization(self) -> float:
-        """Share of wall time spent computing (forward, backward, optimizer) since start."""
-        return self.compute_seconds / max(time.monotonic() - self.started, 1e-9)
+        """Share of wall time the device was busy (forward, backward, optimizer) since start."""
+        return self.device_seconds / max(time.monotonic() - self.started, 1e-9)
 
     def checkpoint_state(self) -> dict[str, Any]:
-        return {k: v for k, v in asdict(self).items() if k not in ("started", "_rate", "compute_seconds")}
+        volatile = ("started", "_rate", "compute_seconds", "device_seconds")
+        return {k: v for k, v in asdict(self).items() if k not in volatile}
 
     def restore(self, state: dict[str, Any]) -> None:
         for key, value in state.items():

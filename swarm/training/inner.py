@@ -11,11 +11,14 @@ learning rate the swarm is at, instead of warming up again from zero.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -141,8 +144,10 @@ def auto_micro_batch_size(
 class StepStats:
     """What one inner step did.
 
-    ``seconds`` is wall time including the artificial slowdown; ``compute_seconds`` is the part
-    spent in forward, backward and the optimizer step.
+    ``seconds`` is wall time including any padding; ``compute_seconds`` is the part really spent in
+    forward, backward and the optimizer step; ``device_seconds`` is how long the (possibly emulated)
+    device was busy: the compute, or ``train.step_time_s`` when that is longer, times
+    ``train.slowdown``.
     """
 
     loss: float
@@ -151,6 +156,7 @@ class StepStats:
     compute_seconds: float
     lr: float
     grad_norm: float
+    device_seconds: float = 0.0
 
 
 class InnerTrainer:
@@ -187,12 +193,23 @@ class InnerTrainer:
             group["lr"] = lr
 
     def step(
-        self, batch_iter: Iterator[tuple[torch.Tensor, torch.Tensor]], *, lr: float | None = None
+        self,
+        batch_iter: Iterator[tuple[torch.Tensor, torch.Tensor]],
+        *,
+        lr: float | None = None,
+        guard: Callable[[], AbstractContextManager[Any]] | None = None,
     ) -> StepStats:
         """One optimizer step on the next batch of ``batch_iter``, at ``lr`` when given.
 
-        ``train.slowdown`` (a test knob, 1 = off) then sleeps ``slowdown - 1`` times the compute
-        time, so that one machine can host a "slow" and a "fast" peer of the same model.
+        ``guard()`` is entered around the optimizer's in-place parameter update only (forward and
+        backward only read the parameters), so that another thread may copy them meanwhile. An
+        optimizer that talks to the network inside ``step`` (the hivemind baseline) says how long it
+        waited in its ``communication_seconds`` attribute; that time is not device time.
+
+        An emulated device (``train.step_time_s``, 0 = off) pads the step by sleeping until it took at
+        least that long, the way a process sits idle while its accelerator works; ``train.slowdown``
+        (1 = off) then stretches the device time by that factor, so that one machine can host "slow"
+        and "fast" peers of the same model.
         """
         if lr is not None:
             self.set_lr(lr)
@@ -212,11 +229,15 @@ class InnerTrainer:
             (loss * (len(xs) / samples)).backward()
             total_loss += loss.detach() * len(xs)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
-        self.optimizer.step()
-        mean_loss = float(total_loss / samples)  # also waits for the device to finish
-        compute = time.perf_counter() - compute_started
-        if self.cfg.slowdown > 1:
-            time.sleep((self.cfg.slowdown - 1) * compute)
+        waited = getattr(self.optimizer, "communication_seconds", 0.0)
+        with guard() if guard is not None else contextlib.nullcontext():
+            self.optimizer.step()
+            mean_loss = float(total_loss / samples)  # also waits for the device to finish
+        waited = getattr(self.optimizer, "communication_seconds", 0.0) - waited
+        compute = time.perf_counter() - compute_started - waited
+        device = max(compute, self.cfg.step_time_s) * self.cfg.slowdown
+        if device > compute:
+            time.sleep(device - compute)
         self.steps += 1
         return StepStats(
             loss=mean_loss,
@@ -225,4 +246,5 @@ class InnerTrainer:
             compute_seconds=compute,
             lr=self.optimizer.param_groups[0]["lr"],
             grad_norm=float(grad_norm),
+            device_seconds=device,
         )

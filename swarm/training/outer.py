@@ -76,14 +76,21 @@ class OuterOptimizer:
     @torch.no_grad()
     def apply(self, averaged: Mapping[str, torch.Tensor]) -> None:
         """Outer step from the anchor along ``averaged``; write the result into the model and re-anchor."""
-        if set(averaged) != set(self._params):
-            missing = sorted(set(self._params) - set(averaged))
-            extra = sorted(set(averaged) - set(self._params))
-            raise ValueError(
-                f"pseudo-gradient names differ from the model's: missing {missing}, extra {extra}"
-            )
+        self.advance(averaged)
         for name, param in self._params.items():
-            anchor = self.anchor[name]
+            param.copy_(self.anchor[name])
+
+    @torch.no_grad()
+    def advance(self, averaged: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Outer step of the anchor (and momentum) along ``averaged``, leaving the model alone.
+
+        Returns how far each anchor tensor moved (``new - old``, float32, on the anchor's device), so
+        that a caller that kept training since it took its pseudo-gradient can move its parameters by
+        the same amount and keep that local progress (docs/training.md, "The update rule").
+        """
+        self._check_names(averaged)
+        moves = {}
+        for name, anchor in self.anchor.items():
             grad = averaged[name].to(anchor.device, torch.float32)
             if grad.shape != anchor.shape:
                 raise ValueError(
@@ -96,9 +103,19 @@ class OuterOptimizer:
                 else:
                     buffer.mul_(self.momentum).add_(grad)
                 grad = grad.add(buffer, alpha=self.momentum) if self.nesterov else buffer
-            anchor.sub_(grad, alpha=self.lr)
-            param.copy_(anchor)
+            move = grad.mul(-self.lr)
+            anchor.add_(move)
+            moves[name] = move
         self.rounds += 1
+        return moves
+
+    def _check_names(self, averaged: Mapping[str, torch.Tensor]) -> None:
+        if set(averaged) != set(self._params):
+            missing = sorted(set(self._params) - set(averaged))
+            extra = sorted(set(averaged) - set(self._params))
+            raise ValueError(
+                f"pseudo-gradient names differ from the model's: missing {missing}, extra {extra}"
+            )
 
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to continue: hyper-parameters, rounds, anchor and momentum (CPU copies)."""

@@ -1,4 +1,5 @@
-"""Length-prefixed messages on a p2p stream, shared by swarm's protocols (gossip, state transfer).
+"""Length-prefixed messages on a p2p stream, shared by swarm's protocols (gossip, state transfer,
+reachability), and the strict JSON parser of their control messages.
 
 A message is one kind byte, a 4-byte big-endian payload length, then the payload. The reader checks
 the kind and bounds the length before reading the payload, so a peer cannot make us allocate more

@@ -1,4 +1,4 @@
-"""A private event loop in a daemon thread: the averager's P2P client and stream handlers live here."""
+"""A private event loop in a daemon thread: where a service's P2P replica and stream handlers live."""
 
 from __future__ import annotations
 

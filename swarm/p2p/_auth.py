@@ -24,19 +24,22 @@ import hashlib
 import hmac
 import secrets
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-from swarm._framing import ProtocolError, read_message, write_message
-
-if TYPE_CHECKING:
-    from swarm.network._swarm_key import SwarmKey
+from swarm.p2p._framing import ProtocolError, read_message, write_message
 
 NONCE_BYTES = 32
 PROOF_BYTES = 32
 _DOMAIN = b"swarm-stream-auth-v1"
 
 
-def swarm_key_of(dht: object) -> SwarmKey | None:
+class StreamKey(Protocol):
+    """What the handshake needs of a swarm key (:class:`swarm.network.SwarmKey`): derived sub-keys."""
+
+    def derive(self, purpose: str) -> bytes: ...
+
+
+def swarm_key_of(dht: object) -> StreamKey | None:
     """The swarm key a DHT was started with (:func:`swarm.network.start_dht`); None for a public swarm."""
     return getattr(dht, "swarm_key", None)
 
@@ -56,7 +59,7 @@ async def authenticate_stream(
     reader: asyncio.StreamReader,
     writer: asyncio.StreamWriter,
     *,
-    key: SwarmKey,
+    key: StreamKey,
     initiator: bool,
     protocol: str,
     local_peer: str,

@@ -1,0 +1,51 @@
+"""Offer mode: the averager asks its owner for a fresh snapshot per exchange and hands the result back.
+
+In the default mode an averager mixes *registered* tensors in place. That suits a caller that does
+nothing else with them. A trainer keeps training while its exchanges run, so it gives the averager an
+:class:`Offerer` instead (docs/gossip.md, "Offer mode"):
+
+* for every exchange, initiated or served, the averager calls :meth:`Offerer.offer` with its exchange
+  lock held; the offer's tensors belong to the averager for that exchange (a copy, never live state);
+  ``None`` means nothing to offer now: a partner gets BUSY, our own ``sync`` returns SKIPPED;
+* when the exchange commits (both ACKs, the same rule as always), the averager calls
+  :meth:`Offerer.committed` with the mixed tensors, the partner's weight and which side we were;
+  nothing is written anywhere else. An exchange that does not commit calls nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from swarm.gossip._metrics import SyncResult
+
+
+@dataclass(frozen=True)
+class Offer:
+    """One exchange's tensors (owned by the averager until it ends) and their weight; ``token`` is
+    the offerer's own bookkeeping, handed back on commit."""
+
+    tensors: dict[str, torch.Tensor]
+    weight: float
+    token: Any = None
+
+
+@dataclass(frozen=True)
+class Committed:
+    """A committed exchange: the mixed values (fresh tensors, the offerer's to keep), the partner's
+    stated weight, whether we initiated, and the exchange's result."""
+
+    mixed: dict[str, torch.Tensor]
+    partner_weight: float
+    initiator: bool
+    result: SyncResult
+
+
+class Offerer(Protocol):
+    """What an averager in offer mode asks of its owner. Both calls may come from any thread."""
+
+    def offer(self) -> Offer | None: ...
+
+    def committed(self, offer: Offer, exchange: Committed) -> None: ...

@@ -1,0 +1,79 @@
+"""GossipOptions: how an averager exchanges (codec, sizes, timeouts, checks, bans, robust clip, retries)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from swarm.compression import get_codec
+from swarm.gossip._exchange import ExchangeHooks, ExchangeSpec
+from swarm.gossip._robust import ClipPolicy
+from swarm.gossip._validation import NormPolicy
+
+
+@dataclass(frozen=True)
+class GossipOptions:
+    """The tuning of a :class:`~swarm.gossip.GossipAverager`; every field can also be given to the
+    averager by keyword. The trainer maps ``RunConfig.averaging`` / ``.compression`` onto these."""
+
+    codec: str = "int8"
+    """Wire codec of the tensors (any :mod:`swarm.compression` codec); both sides must use the same."""
+    block_size: int = 64
+    """Block size of the quantizing codecs."""
+    chunk_bytes: int = 1 << 20
+    """Largest DATA frame payload we send (at least 4096)."""
+    error_feedback: bool = True
+    """Keep each exchange's quantization error and send it again next time (lossy codecs only)."""
+    exchange_timeout_s: float = 30.0
+    """Bound on one whole exchange, and on looking for a partner that accepts."""
+    chunk_timeout_s: float = 10.0
+    """Bound on dialling, the handshake, and every message read or write."""
+    max_norm_ratio: float = 100.0
+    """A received tensor may be at most this many times the norm of ours (docs/gossip.md)."""
+    norm_floor: float = 1.0
+    """Absolute floor (L2 over the whole model) of the reference norm, for an all-zero local state."""
+    ban_base_s: float = 10.0
+    """First ban of a partner that failed or cheated; each further strike doubles it."""
+    ban_max_s: float = 600.0
+    """Longest ban."""
+    robust_clip: bool = False
+    """Mix with the pairwise centred clip (``swarm.gossip._robust``) and count hard clips as strikes."""
+    clip_ratio: float = 2.0
+    """Clip radius as a multiple of the smaller of the two norms."""
+    clip_floor: float = 1e-8
+    """Smallest norm the clip radius is computed from."""
+    clip_hard_factor: float = 10.0
+    """A difference this many times our own clip radius makes the partner suspect."""
+    clip_strikes: int = 2
+    """Suspicious exchanges in a row that ban a partner."""
+    max_attempts: int = 4
+    """Partners tried per sync before giving up."""
+    busy_patience_s: float = 5.0
+    """How long a sync keeps retrying while every partner answers BUSY."""
+
+    def __post_init__(self) -> None:
+        if self.chunk_bytes < 4096:
+            raise ValueError(f"chunk_bytes must be at least 4096, got {self.chunk_bytes}")
+        if self.exchange_timeout_s <= 0 or self.chunk_timeout_s <= 0:
+            raise ValueError("timeouts must be positive")
+        if self.max_attempts < 1:
+            raise ValueError(f"max_attempts must be at least 1, got {self.max_attempts}")
+        if self.clip_strikes < 1:
+            raise ValueError(f"clip_strikes must be at least 1, got {self.clip_strikes}")
+
+    @property
+    def max_data_bytes(self) -> int:
+        """The largest DATA message we accept: a chunk plus room for the frame header."""
+        return self.chunk_bytes + 64 * 1024
+
+    def exchange_spec(self, hooks: ExchangeHooks | None = None) -> ExchangeSpec:
+        """What every exchange of the averager uses: codec, chunking, norm checks, clip policy."""
+        clip = None
+        if self.robust_clip:
+            clip = ClipPolicy(self.clip_ratio, self.clip_floor, self.clip_hard_factor)
+        return ExchangeSpec(
+            codec=get_codec(self.codec, block_size=self.block_size),
+            chunk_bytes=self.chunk_bytes,
+            policy=NormPolicy(max_norm_ratio=self.max_norm_ratio, norm_floor=self.norm_floor),
+            hooks=hooks,
+            clip=clip,
+        )

@@ -1,0 +1,152 @@
+"""The serving side: a protocol handler on a peer's p2p daemon, with its own replica and loop thread.
+
+Gossip, state transfer and the reachability check each serve one raw hivemind binary stream per
+request. :class:`StreamService` is what they share: it opens its own P2P replica of the daemon (or
+takes one from a factory) on its own :class:`~swarm.p2p.LoopThread`, registers the handler, runs the
+swarm key handshake before the subclass reads anything, logs what a peer did wrong uniformly, closes
+the stream, and shuts everything down once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any, ClassVar, Self
+
+from swarm.p2p._auth import AuthError, StreamKey, authenticate_stream, swarm_key_of
+from swarm.p2p._framing import ProtocolError
+from swarm.p2p._loop import LoopThread
+from swarm.p2p._setup import check_run_id, daemon_maddr, replicate
+
+if TYPE_CHECKING:
+    from hivemind.dht import DHT
+    from hivemind.p2p import P2P
+
+logger = logging.getLogger(__name__)
+
+PEER_FAULTS = (ProtocolError, AuthError, ConnectionError, OSError, TimeoutError, asyncio.IncompleteReadError)
+"""What a peer can make a stream fail with (broken protocol or handshake, a dropped connection, a
+stall): expected, logged briefly, never with a traceback. Anything else is a bug on our side."""
+
+P2PFactory = Callable[[], Awaitable["P2P"]]
+"""An async callable returning a ``hivemind.p2p.P2P`` dedicated to one service (e.g. ``P2P.create``)."""
+
+
+class StreamService:
+    """Serves one handler on our own P2P replica; subclasses implement :meth:`_handle`.
+
+    Exactly one of ``dht`` (a running ``hivemind.DHT``: we open our own client to its daemon) or
+    ``p2p_factory`` must be given. In a private swarm (``swarm_key``, by default the key ``dht`` was
+    started with) every stream starts with the swarm key handshake (:mod:`swarm.p2p._auth`), bounded by
+    ``auth_timeout_s``; a peer that fails it never reaches :meth:`_handle`. With ``client_mode`` no
+    handler is registered: the service only dials out.
+
+    Construction is two-phase: ``__init__`` checks and records the arguments, and :meth:`_start` opens
+    the replica and registers the handler. Serving begins there, so a subclass calls it last, once
+    everything its handler touches exists. :meth:`close` is idempotent; the service is a context manager.
+    """
+
+    what: ClassVar[str] = "stream"
+    """What one stream is, for log lines ("refused state request from ...")."""
+    open_timeout_s: ClassVar[float | None] = 60.0
+    close_timeout_s: ClassVar[float] = 30.0
+
+    def __init__(
+        self,
+        run_id: str,
+        handler: str,
+        *,
+        dht: DHT | None,
+        p2p_factory: P2PFactory | None,
+        swarm_key: StreamKey | None,
+        auth_timeout_s: float,
+        client_mode: bool = False,
+    ) -> None:
+        check_run_id(run_id)
+        if (dht is None) == (p2p_factory is None):
+            raise ValueError("give exactly one of dht= or p2p_factory=")
+        self.client_mode = client_mode
+        self._handler = handler
+        self._swarm_key = swarm_key if swarm_key is not None else swarm_key_of(dht)
+        self._auth_timeout = auth_timeout_s
+        self._dht, self._p2p_factory = dht, p2p_factory
+        self._active = 0  # streams being served now; only touched on the loop thread
+        self._closed = False
+
+    def _start(self, thread_name: str) -> None:
+        """Open our replica on a new loop thread named ``thread_name`` and start serving."""
+        maddr = daemon_maddr(self._dht) if self._dht is not None else None
+        self._loop = LoopThread(name=thread_name)
+        try:
+            self._p2p: P2P = self._loop.run(self._open_replica(maddr), timeout=self.open_timeout_s)
+        except BaseException:
+            self._loop.stop()
+            raise
+
+    async def _open_replica(self, maddr: Any) -> P2P:
+        p2p = await replicate(maddr) if self._p2p_factory is None else await self._p2p_factory()
+        self.peer_id: str = p2p.peer_id.to_base58()  # before serving: the handshake names both peers
+        try:
+            if not self.client_mode:
+                await p2p.add_binary_stream_handler(self._handler, self._serve)
+        except BaseException:
+            await p2p.shutdown()
+            raise
+        return p2p
+
+    async def _serve(self, info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        peer = info.peer_id.to_base58()
+        self._active += 1
+        try:
+            if self._swarm_key is not None:
+                await authenticate_stream(
+                    reader,
+                    writer,
+                    key=self._swarm_key,
+                    initiator=False,
+                    protocol=self._handler,
+                    local_peer=self.peer_id,
+                    remote_peer=peer,
+                    timeout=self._auth_timeout,
+                )
+            await self._handle(peer, reader, writer)
+        except AuthError as exc:
+            logger.warning("refused %s from %s: %s", self.what, peer, exc)
+        except PEER_FAULTS as exc:
+            logger.info("%s from %s failed: %s: %s", self.what, peer, type(exc).__name__, exc)
+        except Exception:
+            logger.exception("%s from %s failed unexpectedly", self.what, peer)
+        finally:
+            self._active -= 1
+            writer.close()
+
+    async def _handle(self, peer: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """Serve one stream from ``peer`` (authenticated already); the base class closes it afterwards."""
+        raise NotImplementedError
+
+    def _stop_work(self) -> None:
+        """Called once by :meth:`close` before the replica shuts down: stop what the subclass runs."""
+
+    def close(self) -> None:
+        """Stop serving, shut our replica down and stop the loop thread. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._stop_work()
+        with contextlib.suppress(Exception):
+            self._loop.run(self._close_replica(), timeout=self.close_timeout_s)
+        self._loop.stop()
+
+    async def _close_replica(self) -> None:
+        if not self.client_mode:
+            with contextlib.suppress(Exception):
+                await self._p2p.remove_binary_stream_handler(self._handler)
+        await self._p2p.shutdown()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()

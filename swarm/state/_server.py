@@ -1,0 +1,170 @@
+"""StateServer: a donor serves its latest published snapshot to joiners, in verified parts.
+
+See docs/state-sync.md and the wire protocol in :mod:`swarm.state._transfer_protocol`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from swarm.p2p import P2PFactory, ProtocolError, StreamService
+from swarm.state._transfer_protocol import (
+    IO_TIMEOUT_S,
+    REQUEST_MAX_BYTES,
+    Kind,
+    Request,
+    StateSnapshot,
+    build_snapshot,
+    handler_name,
+    header_json,
+    recv,
+    send,
+    send_json,
+)
+
+if TYPE_CHECKING:
+    from hivemind.dht import DHT
+
+    from swarm.network import SwarmKey
+
+logger = logging.getLogger(__name__)
+
+MAX_CONCURRENT_STREAMS = 8
+"""A donor serves at most this many requests at once; further ones get ``{"error": "busy"}``."""
+
+
+@dataclass
+class ServeStats:
+    requests: int = 0
+    parts_served: int = 0
+    frames_sent: int = 0
+    refused: int = 0
+
+
+@dataclass(frozen=True)
+class ServerHooks:
+    """Test-only: ``before_frame(index)`` runs in a worker thread before each frame is sent (it may
+    block); ``corrupt(index, frame)`` replaces the frame's bytes."""
+
+    before_frame: Callable[[int], None] | None = None
+    corrupt: Callable[[int, bytes], bytes] | None = None
+
+
+@dataclass(frozen=True)
+class _Published:
+    snapshot: StateSnapshot
+    hashes_hex: list[str]
+
+
+class StateServer(StreamService):
+    """Serves the latest published snapshot on ``swarm.state.v{PROTOCOL_VERSION}.{run_id}``.
+
+    Give ``dht`` (a running ``hivemind.DHT``: we open our own client to its daemon) or ``p2p_factory``
+    (an async callable returning a P2P dedicated to this server). A request pins the snapshot it
+    started on: a ``publish`` during a download never mixes two states into one stream. In a private
+    swarm (``swarm_key``, by default the key ``dht`` was started with) a client must pass the swarm key
+    handshake before its request is read.
+    """
+
+    what = "state request"
+
+    def __init__(
+        self,
+        dht: DHT | None = None,
+        run_id: str = "",
+        *,
+        p2p_factory: P2PFactory | None = None,
+        swarm_key: SwarmKey | None = None,
+        _hooks: ServerHooks | None = None,
+    ) -> None:
+        super().__init__(
+            run_id,
+            handler_name(run_id),
+            dht=dht,
+            p2p_factory=p2p_factory,
+            swarm_key=swarm_key,
+            auth_timeout_s=IO_TIMEOUT_S,
+        )
+        self._hooks = _hooks
+        self._lock = threading.Lock()
+        self._published: _Published | None = None
+        self._stats = ServeStats()
+        self._start(f"state-{run_id}")
+
+    def publish(self, snapshot: StateSnapshot) -> None:
+        """Serve ``snapshot`` from now on (atomically replaces the previous one)."""
+        if not snapshot.frames:
+            snapshot = build_snapshot(snapshot.tensors, snapshot.meta, snapshot.chunk_bytes)
+        published = _Published(snapshot, [f.sha256.hex() for f in snapshot.frames])
+        with self._lock:
+            self._published = published
+
+    @property
+    def digest(self) -> str | None:
+        with self._lock:
+            return None if self._published is None else self._published.snapshot.digest
+
+    def stats(self) -> ServeStats:
+        with self._lock:
+            return ServeStats(**vars(self._stats))
+
+    def _count(self, **deltas: int) -> None:
+        with self._lock:
+            for key, delta in deltas.items():
+                setattr(self._stats, key, getattr(self._stats, key) + delta)
+
+    async def _handle(self, peer: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        kind, payload = await recv(reader, REQUEST_MAX_BYTES, IO_TIMEOUT_S)
+        if kind is not Kind.REQUEST:
+            raise ProtocolError(f"expected REQUEST, got {kind.name}")
+        request = Request.parse(payload)
+        self._count(requests=1)
+        with self._lock:
+            published = self._published
+        error = None
+        if published is None or published.snapshot.digest != request.digest:
+            error = {
+                "error": "digest mismatch",
+                "digest": None if published is None else published.snapshot.digest,
+            }
+        elif self._active > MAX_CONCURRENT_STREAMS:
+            error = {"error": "busy"}
+        if error is not None:
+            self._count(refused=1)
+            await send_json(writer, Kind.ERROR, error, IO_TIMEOUT_S)
+            return
+        sent = await self._send_part(writer, published, request)
+        logger.info(
+            "served part %d/%d of %s (%d frames) to %s",
+            request.part,
+            request.parts,
+            request.digest[:12],
+            sent,
+            peer,
+        )
+
+    async def _send_part(self, writer: asyncio.StreamWriter, published: _Published, request: Request) -> int:
+        snapshot = published.snapshot
+        indices = request.indices(len(snapshot.frames))
+        header = header_json(snapshot, published.hashes_hex, len(indices))
+        await send_json(writer, Kind.HEADER, header, IO_TIMEOUT_S)
+        for index in indices:
+            data = await asyncio.to_thread(self._frame, snapshot, index)
+            await send(writer, Kind.FRAME, data, IO_TIMEOUT_S)
+            self._count(frames_sent=1)
+        self._count(parts_served=1)
+        return len(indices)
+
+    def _frame(self, snapshot: StateSnapshot, index: int) -> bytes:
+        hooks = self._hooks
+        if hooks is not None and hooks.before_frame is not None:
+            hooks.before_frame(index)
+        data = snapshot.frame(index)
+        if hooks is not None and hooks.corrupt is not None:
+            data = hooks.corrupt(index, data)
+        return data

@@ -1,0 +1,129 @@
+"""What a trainer's core needs from whatever keeps the peers' models in agreement.
+
+A :class:`~swarm.trainer.TrainingPeer` owns the model, the data, the inner optimizer, the progress
+counters, the swarm node, status, evaluation and checkpoints, and runs the loop. Everything about
+averaging lives behind :class:`AveragingBackend`: the gossip backend (``averaging.backend: gossip``),
+the ``hivemind.Optimizer`` baseline, a solo peer (``none``), and whatever comes next plug in here
+without touching the core. The core calls, in this order::
+
+    backend = make_backend(context)              # the model and the node exist
+    inner optimizer = backend.inner_optimizer()  # None: the core's own AdamW
+    backend.load_checkpoint_state(...)           # --resume only
+    backend.join(fresh)                          # before the first step
+    loop:  inner step, its parameter update inside backend.update_guard()
+           rounds = backend.after_step(samples)  # rounds completed in the background, applied now
+           if backend.sync_due(): rounds += backend.sync_round()
+           each completed round: evaluate, announce, report, maybe checkpoint
+    backend.abort() (on stop), backend.finish(), backend.close()
+"""
+
+from __future__ import annotations
+
+import contextlib
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+
+from swarm.config import RunConfig
+from swarm.gossip import GossipMetrics
+from swarm.trainer._progress import Progress
+
+if TYPE_CHECKING:
+    from swarm._node import SwarmNode
+
+
+@dataclass(frozen=True)
+class RoundResult:
+    """One completed averaging round, as the core reports it (one trainer line, one history row).
+
+    ``outcome``: ``ok`` (averaged with someone), ``solo`` (an outer step on our own update), or why
+    no averaging happened (``no_partner``, ``busy``, ``failed``, ``no_group``...). ``role`` says who
+    started it: ``initiator``, ``responder`` (a partner dialled us and we applied the result too) or
+    ``local``. ``weight``: the samples behind our side of the round.
+    """
+
+    outcome: str
+    partner: str | None = None
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    weight: float = 0.0
+    role: str = "initiator"
+    drift: float | None = None
+
+
+@dataclass(frozen=True)
+class JoinResult:
+    """How a fresh peer took over the swarm's state (empty when it kept its own)."""
+
+    donors: tuple[str, ...] = ()
+    meta: dict[str, int] = field(default_factory=dict)
+    digest: str = ""
+
+
+@dataclass
+class BackendContext:
+    """The core's parts a backend may use. ``progress`` is shared: backends set ``drift``."""
+
+    config: RunConfig
+    model: torch.nn.Module
+    device: torch.device
+    node: SwarmNode
+    progress: Progress
+
+
+class AveragingBackend(Protocol):
+    """The averaging half of a trainer. Every method is called from the training thread."""
+
+    def inner_optimizer(self) -> torch.optim.Optimizer | None:
+        """The inner optimizer to train with, if this backend wraps its own; None for the core's AdamW."""
+
+    def update_guard(self) -> AbstractContextManager[Any]:
+        """Held around each in-place parameter update of the inner optimizer."""
+
+    def join(self, fresh: bool) -> JoinResult:
+        """Before the first step: take over the swarm's state if this peer is ``fresh`` (not resumed)."""
+
+    def after_step(self, samples: int) -> list[RoundResult]:
+        """After each inner step of ``samples`` samples; returns the rounds that completed meanwhile."""
+
+    def sync_due(self) -> bool:
+        """Whether the core should call :meth:`sync_round` now."""
+
+    def sync_round(self) -> list[RoundResult]:
+        """Run (or start) one round; returns the rounds completed by the time it returns."""
+
+    def on_client_mode(self) -> None:
+        """Nobody can dial this peer (failed reachability check): stop serving anything."""
+
+    def status(self) -> dict[str, Any]:
+        """Record fields this backend owns (e.g. ``state_hash``)."""
+
+    def metrics(self) -> GossipMetrics:
+        """Wire and exchange counters, both roles."""
+
+    def details(self) -> dict[str, Any]:
+        """Extra numbers for the peer's summary (bans, per-kind exchange counts...)."""
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        """What a checkpoint must hold to resume this backend (saved beside the core's state)."""
+
+    def load_checkpoint_state(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`checkpoint_state` (``--resume``)."""
+
+    def abort(self) -> None:
+        """Cancel what is in flight without applying it, refuse new exchanges; thread-safe."""
+
+    def finish(self) -> list[RoundResult]:
+        """At the end of the loop: apply what already completed, start nothing new."""
+
+    def close(self) -> None:
+        """Release network resources (the node is closed by the core afterwards). Idempotent."""
+
+
+class NoGuard:
+    """Mixin for backends whose parameters nobody else reads during training."""
+
+    def update_guard(self) -> AbstractContextManager[Any]:
+        return contextlib.nullcontext()

@@ -1,0 +1,306 @@
+"""``averaging.backend: gossip``: quantized gossip DiLoCo with overlapped, mass-conserving exchanges.
+
+A round ends after ``sync_every_steps`` inner steps (or ``sync_every_seconds``). Then the sync worker
+exchanges our pseudo-gradient with one random live partner in the background while the training
+thread goes on with the next round; the result is applied one round late, keeping the local progress
+made meanwhile (:mod:`swarm.trainer._live`). A partner that dials us gets a snapshot and we apply the
+result too (:mod:`swarm.trainer._offers`): every exchange is a round for both sides. The device waits
+only when our own exchange lags more than ``averaging.max_lag_rounds`` rounds behind (0: a blocking
+sync). Every ``param_sync_every`` rounds, and every round while drifting, the worker also averages
+anchors with a partner, which measures the drift and pulls it back. The backend also owns the state
+server that joiners download from, and joining itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import time
+from contextlib import AbstractContextManager
+from typing import Any
+
+import torch
+
+from swarm.gossip import GossipMetrics, PartnerInfo, SyncOutcome
+from swarm.state import StateServer, StateTransferError, download_state
+from swarm.trainer._backend import BackendContext, JoinResult, RoundResult
+from swarm.trainer._joining import adopt, choose_donors, progress_of, snapshot_of, state_limits
+from swarm.trainer._live import LiveModel, Update
+from swarm.trainer._offers import AnchorOffers, DeltaOffers
+from swarm.trainer._sync import SyncWorker, make_averager
+from swarm.training import OuterOptimizer
+
+logger = logging.getLogger(__name__)
+
+JOIN_WEIGHT = 1e-9
+"""A joiner's weight in its first anchor exchange: it takes over its partner's parameters."""
+
+
+class GossipBackend:
+    """Pseudo-gradient gossip with random partners, outer Nesterov steps, anchor consensus."""
+
+    def __init__(self, context: BackendContext) -> None:
+        self._context, self._config, self._node = context, context.config, context.node
+        avg = context.config.averaging
+        self.outer = OuterOptimizer.from_config(context.model, avg)
+        self.live = LiveModel(context.model, self.outer, context.config.train.batch_size)
+        self._delta_offers, self._anchor_offers = DeltaOffers(self.live), AnchorOffers(self.live)
+        self._every_steps, self._every_seconds = avg.sync_every_steps, avg.sync_every_seconds
+        self._max_lag = avg.max_lag_rounds
+        self._last_request = time.monotonic()
+        self._own_rounds = 0
+        self._rounds = dict.fromkeys(("initiator", "responder", "local"), 0)
+        self.stalled_seconds = 0.0
+        self._state_hash = ""
+        self._publish_due = False
+        self.deltas = self.params = self.state_server = None
+        self._worker: SyncWorker | None = None
+        try:
+            self._make_averagers(client_mode=None)
+            self.state_server = StateServer(self._node.dht, self._config.run.run_id)
+            self._worker = SyncWorker(self._own_round)
+        except BaseException:
+            self.close()
+            raise
+
+    def _make_averagers(self, client_mode: bool | None) -> None:
+        config, dht = self._config, self._node.dht
+        self.deltas = make_averager(config, dht, self._partners, self._delta_offers, client_mode=client_mode)
+        self.params = make_averager(
+            config,
+            dht,
+            self._partners,
+            self._anchor_offers,
+            suffix=".params",
+            codec=config.averaging.param_codec,
+            client_mode=client_mode,
+            respect_bans_of=self.deltas,  # a peer banned for its updates is not trusted with parameters
+        )
+
+    def _partners(self) -> list[PartnerInfo]:
+        return [
+            PartnerInfo(m.peer_id, m.record.protocol_version, m.record.config_hash, m.record.client_mode)
+            for m in self._node.members()
+            if m.record.role == "trainer"
+        ]
+
+    def inner_optimizer(self) -> torch.optim.Optimizer | None:
+        return None
+
+    def update_guard(self) -> AbstractContextManager[Any]:
+        return self.live.updating()
+
+    # ------------------------------------------------------------------ joining
+
+    def join(self, fresh: bool) -> JoinResult:
+        """A fresh peer takes over the swarm's state: the donors' announced state, or else one partner's
+        anchor through an anchor exchange at a negligible weight. Fresh or resumed, it then starts
+        serving its own state to later joiners."""
+        joined = self._download_state() if fresh else None
+        if fresh and joined is None:
+            self._adopt_a_partner()
+        self._publish_state()
+        return joined or JoinResult()
+
+    def _adopt_a_partner(self) -> None:
+        if not self._other_trainers():
+            logger.info("no other trainers and no kept state: starting from the config seed")
+            return
+        self._anchor_offers.weight = JOIN_WEIGHT
+        try:
+            result = self.params.sync()
+        finally:
+            self._anchor_offers.weight = 1.0
+        if not self.live.apply_pending():
+            logger.warning(
+                "could not fetch state from a live peer (%s); starting from the config seed", result.reason
+            )
+            return
+        logger.info("adopted the parameters of %s", result.partner)
+
+    def _other_trainers(self) -> list[Any]:
+        """Live trainers other than us that can be dialled (not in client mode)."""
+        return [
+            m
+            for m in self._node.members()
+            if m.record.role == "trainer" and m.peer_id != self._node.peer_id and not m.record.client_mode
+        ]
+
+    def _download_state(self, attempts: int = 3) -> JoinResult | None:
+        """Download the donors' announced state; retry with fresh records when a donor moved on meanwhile.
+
+        Donors are live trainers; a bootstrap that keeps the state (``--serve-state``) when no trainer
+        announces one, and for the retries (a trainer that just left is still listed until its record
+        expires; the bootstrap's copy is a stable fallback).
+        """
+        model = self._context.model
+        for attempt in range(1, attempts + 1):
+            roles = ("trainer", "bootstrap") if attempt == 1 else ("bootstrap", "trainer")
+            donors = choose_donors(self._node.members(), self._node.peer_id, roles=roles)
+            if not donors:
+                return None
+            try:
+                snapshot = download_state(
+                    self._node.dht, donors, run_id=self._config.run.run_id, limits=state_limits(model)
+                )
+                progress = progress_of(snapshot.meta)
+                with self.live.lock:
+                    adopt(model, self.outer, snapshot)
+            except (StateTransferError, ValueError) as exc:
+                logger.warning("state download attempt %d/%d failed: %s", attempt, attempts, exc)
+                continue
+            self.live.reset()
+            logger.info("took over the state of %d donor(s), digest %s", len(donors), snapshot.digest[:12])
+            return JoinResult(tuple(peer for peer, _ in donors), progress, snapshot.digest)
+        return None
+
+    def _publish_state(self) -> None:
+        if self.state_server is not None:
+            snapshot = snapshot_of(self.outer, self._context.progress)
+            self.state_server.publish(snapshot)
+            self._state_hash = snapshot.digest
+            self._node.announce_now()  # joiners ask for the digest in our record: keep it current
+
+    # ------------------------------------------------------------------ rounds (training thread)
+
+    def after_step(self, samples: int) -> list[RoundResult]:
+        if self._publish_due:  # the core booked the last rounds: the published progress includes them
+            self._publish_due = False
+            self._publish_state()
+        return self._apply()
+
+    def sync_due(self) -> bool:
+        """A round is due; and either no exchange of ours is running, or it lags too far behind."""
+        steps = self.live.steps
+        timed = (
+            self._every_seconds is not None and time.monotonic() - self._last_request >= self._every_seconds
+        )
+        if steps == 0 or not (steps >= self._every_steps or timed):
+            return False
+        return not self._worker.busy or steps >= self._every_steps * (1 + self._max_lag)
+
+    def sync_round(self) -> list[RoundResult]:
+        """Start our exchange in the background; wait only when blocking or lagging too far."""
+        if self._worker.request():
+            self._last_request = time.monotonic()
+            if self._max_lag > 0:
+                return []
+        started = time.monotonic()
+        self._worker.wait_idle()
+        self.stalled_seconds += time.monotonic() - started
+        return self._apply()
+
+    def _apply(self) -> list[RoundResult]:
+        rounds = []
+        for update in self.live.apply_pending():
+            info = update.info
+            if update.kind == "anchor":
+                self._context.progress.drift = info.get("drift")
+                continue
+            rounds.append(_round_of(update))
+            self._rounds[rounds[-1].role] += 1
+        if rounds:
+            self._publish_due = True
+        return rounds
+
+    # ------------------------------------------------------------------ our own round (sync worker)
+
+    def _own_round(self) -> None:
+        """One pseudo-gradient exchange as initiator; an outer step on our own when nobody took part."""
+        self._own_rounds += 1
+        result = self.deltas.sync()
+        if result.outcome is SyncOutcome.SKIPPED:
+            logger.debug("own round skipped: %s", result.reason)  # a partner's exchange used our steps
+        elif result.outcome is not SyncOutcome.OK and result.outcome is not SyncOutcome.CANCELLED:
+            logger.info(
+                "sync without a partner (%s): outer step on our own pseudo-gradient", result.outcome.value
+            )
+            if not self.live.has_pending():
+                info = {"outcome": "solo", "reason": result.outcome.value, "role": "local"}
+                self.live.queue(Update("solo", info={**info, "bytes_sent": result.bytes_sent}))
+        if self._anchor_exchange_due():
+            self.params.sync()
+
+    def _anchor_exchange_due(self) -> bool:
+        avg, drift = self._config.averaging, self._context.progress.drift
+        return (drift is not None and drift > avg.max_drift) or self._own_rounds % avg.param_sync_every == 0
+
+    # ------------------------------------------------------------------ status and lifecycle
+
+    def on_client_mode(self) -> None:
+        """Recreate the averagers without a handler, and stop serving state."""
+        for service in (self.state_server, self.params, self.deltas):
+            if service is not None:
+                service.close()
+        self.state_server = None
+        self._state_hash = ""
+        self._make_averagers(client_mode=True)
+
+    def status(self) -> dict[str, Any]:
+        return {"state_hash": self._state_hash}
+
+    def metrics(self) -> GossipMetrics:
+        """Both averagers' counters added up (latencies are the pseudo-gradient averager's)."""
+        parts = [a.metrics() for a in (self.deltas, self.params) if a is not None]
+        return add_metrics(parts) if parts else GossipMetrics()
+
+    def details(self) -> dict[str, Any]:
+        deltas = self.deltas
+        return {
+            "pseudo_gradient_metrics": deltas.metrics() if deltas is not None else GossipMetrics(),
+            "banned_peers": deltas.banned_peers() if deltas is not None else {},
+            "ban_strikes": deltas.ban_strikes() if deltas is not None else {},
+            "rounds_by_role": dict(self._rounds),
+            "stalled_seconds": self.stalled_seconds,
+        }
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        return {"outer_optimizer": self.outer.state_dict(), "steps": self.live.steps}
+
+    def load_checkpoint_state(self, state: dict[str, Any]) -> None:
+        self.outer.load_state_dict(state["outer_optimizer"])
+        self.live.reset()
+        self.live.steps = int(state.get("steps", 0))
+
+    def abort(self) -> None:
+        for averager in (self.deltas, self.params):
+            if averager is not None:
+                averager.abort()
+
+    def finish(self) -> list[RoundResult]:
+        """Let our running exchange end (quickly, after :meth:`abort`) and apply what committed."""
+        if self._worker is not None:
+            self._worker.wait_idle(self._config.averaging.exchange_timeout_s * 2)
+        return self._apply()
+
+    def close(self) -> None:
+        self.abort()
+        if self._worker is not None:
+            self._worker.stop()
+        for service in (self.state_server, self.params, self.deltas):
+            if service is not None:
+                with contextlib.suppress(Exception):
+                    service.close()
+
+
+def _round_of(update: Update) -> RoundResult:
+    info = update.info
+    return RoundResult(
+        str(info.get("outcome", "ok")),
+        partner=info.get("partner"),
+        bytes_sent=int(info.get("bytes_sent", 0)),
+        bytes_received=int(info.get("bytes_received", 0)),
+        weight=float(info.get("weight", 0.0)),
+        role=str(info.get("role", "initiator")),
+    )
+
+
+def add_metrics(parts: list[GossipMetrics]) -> GossipMetrics:
+    """Counters added up; latencies are the first part's."""
+    counters = {
+        f.name: sum(getattr(p, f.name) for p in parts)
+        for f in dataclasses.fields(GossipMetrics)
+        if not f.name.endswith("latency_s")
+    }
+    return dataclasses.replace(parts[0], **counters)

@@ -1,0 +1,170 @@
+"""The model a gossip trainer keeps training while its exchanges run: snapshots out, updates in.
+
+Two threads meet here. The training thread runs inner steps; exchanges (ours, started by the sync
+worker, and partners' that dial us) run on the averagers' threads. The rules:
+
+* **Snapshots, never live tensors.** An exchange gets a *copy* of our pseudo-gradient
+  (``anchor - params``) or of our anchor, taken under :attr:`LiveModel.lock`. The training thread
+  holds that lock only around the inner optimizer's in-place update (:meth:`updating`), so a
+  partner that dials us never stops our training, and we never wait for it.
+* **The training thread is the only writer.** A committed exchange only queues an :class:`Update`;
+  the training thread applies it at its next step boundary (:meth:`apply_pending`), under the lock.
+  Anchor, momentum and parameters therefore always change together, between two steps.
+* **Every step is used once.** A pseudo-gradient snapshot carries the steps it holds. While an
+  update is queued and not yet applied, no new pseudo-gradient snapshot is given out (it would
+  contain steps already used); once applied, the steps it consumed leave the count, and the steps
+  taken since the snapshot stay in the model as the start of the next round (kept local progress).
+
+The update rule (docs/training.md): with anchor ``θ``, parameters ``φ`` and a snapshot ``Δs = θ - φs``
+mixed into the outer gradient ``g``, the training thread sets ``θ' = outer(θ, g)`` and
+``φ' = φ + (θ' - θ) + Δs``, i.e. ``φ' = θ' + (φ - φs)``: the new anchor plus whatever it trained since.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from swarm.training import OuterOptimizer
+
+Tensors = dict[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class DeltaSnapshot:
+    """Our pseudo-gradient per sample (``(anchor - params) / samples``) and the steps it holds."""
+
+    mean: Tensors
+    steps: int
+    samples: int
+
+
+@dataclass
+class Update:
+    """A committed exchange's result, waiting for the training thread.
+
+    ``kind="delta"``: ``gradient`` is the outer gradient (the pair's mean pseudo-gradient in sum units)
+    and ``consumed`` our snapshot's pseudo-gradient with its ``steps``. ``kind="anchor"``: ``shift`` is
+    how far the exchange moved our anchor snapshot. ``kind="solo"``: an outer step on our own, whole
+    pseudo-gradient (no partner). ``info`` is for the round's report.
+    """
+
+    kind: str
+    gradient: Tensors = field(default_factory=dict)
+    consumed: Tensors = field(default_factory=dict)
+    steps: int = 0
+    shift: Tensors = field(default_factory=dict)
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+class LiveModel:
+    """The parameters, the outer optimizer and the bookkeeping of steps and pending updates."""
+
+    def __init__(self, model: torch.nn.Module, outer: OuterOptimizer, samples_per_step: int) -> None:
+        self.outer = outer
+        self.lock = threading.Lock()
+        self.steps = 0
+        """Inner steps in the current pseudo-gradient, i.e. taken since the anchor and not yet used."""
+        self._params = dict(model.named_parameters())
+        self._samples_per_step = samples_per_step
+        self._pending: list[Update] = []
+        self._pending_kinds: set[str] = set()
+
+    @contextlib.contextmanager
+    def updating(self) -> Iterator[None]:
+        """Around the inner optimizer's update: snapshots wait for it, and it counts as one step."""
+        with self.lock:
+            yield
+            self.steps += 1
+
+    # ------------------------------------------------------------------ snapshots (any thread)
+
+    def delta_snapshot(self) -> DeltaSnapshot | None:
+        """Our pseudo-gradient per sample, or None when there is nothing new to give.
+
+        None while a committed update waits to be applied (its steps are in the model still) or
+        before the first step since the last one.
+        """
+        with self.lock:
+            if self._pending_kinds & {"delta", "solo"} or self.steps == 0:
+                return None
+            samples = self.steps * self._samples_per_step
+            mean = {name: delta.div_(samples) for name, delta in self._pseudo_gradient().items()}
+            return DeltaSnapshot(mean, self.steps, samples)
+
+    def anchor_snapshot(self) -> Tensors | None:
+        """A copy of our anchor, or None while an anchor update waits to be applied."""
+        with self.lock:
+            if "anchor" in self._pending_kinds:
+                return None
+            return {name: t.clone() for name, t in self.outer.anchor.items()}
+
+    # ------------------------------------------------------------------ updates
+
+    def queue(self, update: Update) -> None:
+        """Called when an exchange committed (any thread); applied by :meth:`apply_pending`."""
+        with self.lock:
+            self._pending.append(update)
+            self._pending_kinds.add(update.kind)
+
+    def has_pending(self) -> bool:
+        with self.lock:
+            return bool(self._pending)
+
+    @torch.no_grad()
+    def apply_pending(self) -> list[Update]:
+        """Apply the queued updates in order; call from the training thread between steps."""
+        with self.lock:
+            updates, self._pending = self._pending, []
+            self._pending_kinds.clear()
+            for update in updates:
+                self._apply(update)
+        return updates
+
+    def _apply(self, update: Update) -> None:
+        if update.kind == "delta":
+            moves = self.outer.advance(update.gradient)
+            self._move_params(moves, update.consumed)
+            self.steps -= update.steps
+        elif update.kind == "solo":
+            own = self._pseudo_gradient()
+            self._move_params(self.outer.advance(own), own)
+            update.steps, self.steps = self.steps, 0
+            update.info["weight"] = update.steps * self._samples_per_step
+        elif update.kind == "anchor":
+            for name, anchor in self.outer.anchor.items():
+                anchor.add_(update.shift[name])
+            self._move_params(update.shift, None)
+        else:
+            raise ValueError(f"unknown update kind {update.kind!r}")
+
+    def _pseudo_gradient(self) -> Tensors:
+        return {
+            name: self.outer.anchor[name] - param.detach().to(self.outer.anchor[name].device, torch.float32)
+            for name, param in self._params.items()
+        }
+
+    def _move_params(self, moves: Tensors, consumed: Tensors | None) -> None:
+        """``φ += move (+ consumed)``: the anchor's move, plus the snapshot's steps that the update used."""
+        for name, param in self._params.items():
+            step = moves[name] if consumed is None else moves[name] + consumed[name]
+            param.add_(step.to(param.device, param.dtype))
+
+    def reset(self) -> None:
+        """After loading new parameters and anchor (joining): nothing is pending, no steps are held."""
+        with self.lock:
+            self._pending, self.steps = [], 0
+            self._pending_kinds.clear()
+
+
+def relative_norm(shift: Tensors, reference: Tensors) -> float:
+    """``||shift|| / ||reference||`` over all tensors (float64 sums)."""
+    num = sum(float(t.double().pow(2).sum()) for t in shift.values())
+    den = sum(float(t.double().pow(2).sum()) for t in reference.values())
+    return math.sqrt(num) / max(math.sqrt(den), 1e-12)

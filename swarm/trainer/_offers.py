@@ -1,0 +1,77 @@
+"""What a gossip trainer offers to an exchange, and what it does with a committed result.
+
+The averagers run in offer mode (docs/gossip.md, "Offer mode"): for every exchange, initiated or
+served, they ask for a fresh snapshot and report the mixed result back instead of writing into live
+tensors. Both sides of an exchange use what they received.
+
+Units (docs/training.md): a pseudo-gradient is a *sum* over the steps since the anchor. On the wire
+it travels as a per-sample mean ``x = Δ / w`` with weight ``w`` = its samples, so means of peers that
+took different numbers of steps are comparable (the robust clip compares their norms). The mix of a
+pair is ``x' = (w x + v y) / (w + v)``; the outer gradient each side applies is ``x' (w + v) / 2 =
+(Δ_a + Δ_b) / 2``: the pair's mean pseudo-gradient, in sum units, so every sample counts once.
+"""
+
+from __future__ import annotations
+
+from swarm.gossip import Committed, Offer
+from swarm.trainer._live import LiveModel, Update, relative_norm
+
+
+class DeltaOffers:
+    """Offers our pseudo-gradient snapshot; a committed exchange becomes a ``delta`` update."""
+
+    def __init__(self, live: LiveModel) -> None:
+        self._live = live
+
+    def offer(self) -> Offer | None:
+        snapshot = self._live.delta_snapshot()
+        if snapshot is None:
+            return None
+        return Offer(tensors=snapshot.mean, weight=float(snapshot.samples), token=snapshot)
+
+    def committed(self, offer: Offer, exchange: Committed) -> None:
+        snapshot = offer.token
+        pair_weight = (offer.weight + exchange.partner_weight) / 2
+        gradient = {name: t.mul_(pair_weight) for name, t in exchange.mixed.items()}
+        consumed = {name: t.mul_(snapshot.samples) for name, t in snapshot.mean.items()}
+        info = _info(exchange, weight=offer.weight)
+        self._live.queue(
+            Update("delta", gradient=gradient, consumed=consumed, steps=snapshot.steps, info=info)
+        )
+
+
+class AnchorOffers:
+    """Offers a copy of our anchor; a committed exchange shifts our anchor (and model) by its pull.
+
+    ``weight`` is 1 between peers (the pair's mean); a joiner sets a tiny weight to take over its
+    partner's parameters. The shift also measures drift: with partner share ``s = v / (w + v)``, the
+    distance to the partner before the exchange is ``|shift| / s``, reported relative to our anchor.
+    """
+
+    def __init__(self, live: LiveModel) -> None:
+        self._live = live
+        self.weight = 1.0
+
+    def offer(self) -> Offer | None:
+        anchor = self._live.anchor_snapshot()
+        return None if anchor is None else Offer(tensors=anchor, weight=self.weight)
+
+    def committed(self, offer: Offer, exchange: Committed) -> None:
+        shift = {name: exchange.mixed[name].sub_(before) for name, before in offer.tensors.items()}
+        share = exchange.partner_weight / (offer.weight + exchange.partner_weight)
+        drift = relative_norm(shift, offer.tensors) / max(share, 1e-12)
+        self._live.queue(
+            Update("anchor", shift=shift, info=_info(exchange, weight=offer.weight, drift=drift))
+        )
+
+
+def _info(exchange: Committed, **extra: object) -> dict[str, object]:
+    result = exchange.result
+    return {
+        "outcome": result.outcome.value,
+        "partner": result.partner,
+        "bytes_sent": result.bytes_sent,
+        "bytes_received": result.bytes_received,
+        "role": "initiator" if exchange.initiator else "responder",
+        **extra,
+    }

@@ -1,0 +1,161 @@
+"""Offer mode (swarm.gossip._offer) and the trainer's use of it, with real p2p daemons in this process:
+both sides of an exchange use it, a dialled peer never stops training, a cancelled exchange applies
+nothing, and steps are used once."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+import torch
+
+from swarm.gossip import GossipAverager, PartnerInfo, SyncOutcome
+from swarm.gossip._exchange import ExchangeHooks
+from swarm.gossip._protocol import PROTOCOL_VERSION
+from swarm.trainer._live import LiveModel
+from swarm.trainer._offers import DeltaOffers
+from swarm.training import OuterOptimizer
+from tests.gossip_helpers import p2pd_pids, wait_no_leak
+
+BATCH = 4
+
+
+class _Trainer:
+    """A LiveModel with fake inner steps (known moves), offering its pseudo-gradient to an averager."""
+
+    def __init__(self, seed: int, width: int = 64) -> None:
+        torch.manual_seed(seed)
+        self.model = torch.nn.Linear(width, width)
+        self.start = {n: p.detach().clone() for n, p in self.model.named_parameters()}
+        self.live = LiveModel(self.model, OuterOptimizer(self.model, lr=1.0, momentum=0.0), BATCH)
+        self.offers = DeltaOffers(self.live)
+        self.produced = {n: torch.zeros_like(p) for n, p in self.start.items()}
+        self._generator = torch.Generator().manual_seed(seed)
+
+    def step(self) -> None:
+        moves = {n: torch.randn(p.shape, generator=self._generator) * 1e-3 for n, p in self.start.items()}
+        with self.live.updating(), torch.no_grad():
+            for name, param in self.model.named_parameters():
+                param.add_(moves[name])
+        self.last = {name: -move for name, move in moves.items()}  # a pseudo-gradient has a gradient's sign
+        for name, delta in self.last.items():
+            self.produced[name] += delta
+
+
+@pytest.fixture
+def pair() -> Iterator[Callable[..., tuple[GossipAverager, GossipAverager]]]:
+    """Two averagers in offer mode on their own daemons, each seeing the other as its only partner."""
+    from hivemind.p2p import P2P
+
+    before = p2pd_pids()
+    made: list[GossipAverager] = []
+
+    def make(first_offers, second_offers, *, codec: str = "fp32", hooks=None, **options):
+        first = GossipAverager(
+            run_id="offer", partner_source=list, p2p_factory=P2P.create, offerer=first_offers,
+            codec=codec, chunk_bytes=4096, _hooks=hooks, **options,
+        )  # fmt: skip
+        made.append(first)
+        maddrs = first._loop.run(first._p2p.get_visible_maddrs(), timeout=10)
+
+        async def connected() -> P2P:
+            return await P2P.create(initial_peers=maddrs)
+
+        second = GossipAverager(
+            run_id="offer", partner_source=list, p2p_factory=connected, offerer=second_offers,
+            codec=codec, chunk_bytes=4096, **options,
+        )  # fmt: skip
+        made.append(second)
+        first._partner_source = lambda: [PartnerInfo(second.peer_id, PROTOCOL_VERSION, "")]
+        second._partner_source = lambda: [PartnerInfo(first.peer_id, PROTOCOL_VERSION, "")]
+        return first, second
+
+    yield make
+    for averager in made:
+        averager.close()
+    assert not wait_no_leak(before, pgids=[], parent=os.getpid())
+
+
+def _wait(condition: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def test_both_sides_apply_the_pair_mean_and_every_step_counts_once(pair) -> None:
+    a, b = _Trainer(0), _Trainer(1)
+    for _ in range(5):
+        a.step()
+    for _ in range(2):  # the dialled peer took fewer steps: it weighs less, in the same units
+        b.step()
+    first, _ = pair(a.offers, b.offers)
+    result = first.sync()
+    assert result.outcome is SyncOutcome.OK, result
+    _wait(b.live.has_pending, 10, "the dialled side's commit")  # it lands when our final ACK arrives
+    a.step()  # progress after the snapshot must survive the update
+    for trainer in (a, b):
+        assert trainer.live.delta_snapshot() is None, "offered again before the update was applied"
+        assert [u.kind for u in trainer.live.apply_pending()] == ["delta"]
+    mean = {n: (a.produced[n] + b.produced[n] - a.last[n]) / 2 for n in a.start}
+    for name, param in a.model.named_parameters():
+        # both anchors moved by the pair's mean pseudo-gradient (lr 1, no momentum, fp32: exact) ...
+        assert torch.allclose(a.live.outer.anchor[name], a.start[name] - mean[name], atol=1e-6)
+        assert torch.allclose(b.live.outer.anchor[name], b.start[name] - mean[name], atol=1e-6)
+        # ... so together they moved by every step taken before the snapshots, once
+        moved = (a.start[name] - a.live.outer.anchor[name]) + (b.start[name] - b.live.outer.anchor[name])
+        assert torch.allclose(moved, a.produced[name] + b.produced[name] - a.last[name], atol=1e-6)
+        # and the step taken after the snapshot is still in the model
+        assert torch.allclose(param.detach(), a.live.outer.anchor[name] - a.last[name], atol=1e-6)
+    assert a.live.steps == 1 and b.live.steps == 0
+
+
+def test_nothing_to_offer_is_skipped_locally_and_busy_for_a_partner(pair) -> None:
+    a, b = _Trainer(0), _Trainer(1)
+    first, _ = pair(a.offers, b.offers, busy_patience_s=0.2)
+    assert first.sync().outcome is SyncOutcome.SKIPPED  # no step yet: nothing to offer, no dial
+    assert first.metrics().bytes_sent == 0
+    a.step()
+    refused = first.sync()  # the partner has nothing to offer either: BUSY, nothing committed
+    assert refused.outcome is SyncOutcome.BUSY, refused
+    assert not a.live.has_pending() and not b.live.has_pending()
+
+
+def test_a_dialled_peer_trains_through_a_stalled_exchange_and_a_cancelled_one_applies_nothing(pair) -> None:
+    a, b = _Trainer(0), _Trainer(1)
+    a.step()
+    b.step()
+    stalled = threading.Event()
+    first, second = pair(a.offers, b.offers, hooks=ExchangeHooks(stall_after_frames=1, on_stall=stalled.set))
+    results: list = []
+    initiator = threading.Thread(target=lambda: results.append(first.sync()))
+    initiator.start()
+    stop = threading.Event()
+
+    def train() -> None:
+        while not stop.is_set():
+            b.step()
+
+    trainer = threading.Thread(target=train)
+    try:
+        assert stalled.wait(20), "the exchange never reached the stall"
+        trainer.start()
+        at_stall = b.live.steps
+        # the exchange B serves is stuck mid-data; B's training must go on regardless
+        _wait(lambda: b.live.steps >= at_stall + 50, 20, "the dialled peer's steps during the stall")
+        assert initiator.is_alive() and not results, "the exchange ended before the check"
+    finally:
+        stop.set()
+        first.abort()
+        initiator.join(10)
+        if trainer.is_alive():
+            trainer.join(10)
+    assert results and results[0].outcome is SyncOutcome.CANCELLED
+    second.abort()  # the served side gives up too: neither side applies anything
+    anchors = {n: t.clone() for n, t in b.live.outer.anchor.items()}
+    assert a.live.apply_pending() == [] and b.live.apply_pending() == []
+    assert all(torch.equal(b.live.outer.anchor[n], anchors[n]) for n in anchors)
+    assert all(torch.equal(a.live.outer.anchor[n], a.start[n]) for n in a.start)
