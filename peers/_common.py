@@ -2,25 +2,28 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
 import logging
 import os
 import re
 import signal
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 import typer
 
-from peers.config_cmd import load_config_or_exit
-from swarm.config import NetworkSection, RunConfig
+from swarm.config import ConfigError, NetworkSection, RunConfig, load_config
 
 if TYPE_CHECKING:  # the network stack imports torch and hivemind: load it only for commands that need it
     from swarm import NodeInfo, SwarmNode
     from swarm.network import NetworkOptions, ReachabilityResult
+
+R = TypeVar("R")
 
 CONFIG_OPTION = typer.Option(None, "--config", "-c", help="Run config YAML file (defaults if omitted).")
 SET_OPTION = typer.Option(
@@ -33,19 +36,6 @@ INITIAL_PEERS_OPTION = typer.Option(
     "several may also be given in one value separated by spaces or commas.",
     show_default=False,
 )
-HOST_MADDRS_OPTION = typer.Option(None, "--host-maddrs", help="Multiaddr to listen on. Repeatable.")
-ANNOUNCE_MADDRS_OPTION = typer.Option(
-    None, "--announce-maddrs", help="Multiaddr other peers should dial (e.g. behind NAT). Repeatable."
-)
-PORT_OPTION = typer.Option(None, "--port", help="Listen on this TCP port on all interfaces (IPv4 and IPv6).")
-PUBLIC_IP_OPTION = typer.Option(None, "--public-ip", help="Announce this public IP (needs --port).")
-IDENTITY_OPTION = typer.Option(
-    None, "--identity-path", help="Private key file fixing the peer id; created (mode 0600) if missing."
-)
-CLIENT_MODE_OPTION = typer.Option(
-    None, "--client-mode/--no-client-mode", help="Only dial out; others cannot dial this peer."
-)
-PUBLIC_NAME_OPTION = typer.Option("", "--public-name", help="A name shown in records and the monitor.")
 
 SHUTDOWN_GRACE_S = 10.0
 """Peers must exit within this long after SIGINT/SIGTERM."""
@@ -62,6 +52,86 @@ class NetworkFlags:
     public_ip: str | None = None
     identity_path: str | None = None
     client_mode: bool | None = None
+    public_name: str = ""
+
+
+# The network options of the peer commands (`swarm bootstrap` and `swarm join`), declared once: the
+# parameter name (a field of NetworkFlags), its type, and its typer option.
+NETWORK_OPTIONS: tuple[tuple[str, Any, Any], ...] = (
+    ("initial_peers", list[str] | None, INITIAL_PEERS_OPTION),
+    (
+        "host_maddrs",
+        list[str] | None,
+        typer.Option(None, "--host-maddrs", help="Multiaddr to listen on. Repeatable."),
+    ),
+    (
+        "announce_maddrs",
+        list[str] | None,
+        typer.Option(
+            None, "--announce-maddrs", help="Multiaddr other peers should dial (e.g. behind NAT). Repeatable."
+        ),
+    ),
+    (
+        "port",
+        int | None,
+        typer.Option(None, "--port", help="Listen on this TCP port on all interfaces (IPv4 and IPv6)."),
+    ),
+    (
+        "public_ip",
+        str | None,
+        typer.Option(None, "--public-ip", help="Announce this public IP (needs --port)."),
+    ),
+    (
+        "identity_path",
+        Path | None,
+        typer.Option(
+            None,
+            "--identity-path",
+            help="Private key file fixing the peer id; created (mode 0600) if missing.",
+        ),
+    ),
+    (
+        "client_mode",
+        bool | None,
+        typer.Option(
+            None, "--client-mode/--no-client-mode", help="Only dial out; others cannot dial this peer."
+        ),
+    ),
+    ("public_name", str, typer.Option("", "--public-name", help="A name shown in records and the monitor.")),
+)
+
+
+def with_network_options(command: Callable[..., R]) -> Callable[..., R]:
+    """Give a typer command the network options (:data:`NETWORK_OPTIONS`) in one parameter.
+
+    The command declares ``network_flags: NetworkFlags`` where the options belong in its ``--help``
+    (any default: it is replaced); typer sees the options themselves there instead, and the command is
+    called with what the user typed gathered in a :class:`NetworkFlags`. So `swarm bootstrap` and
+    `swarm join` take exactly the same network flags, with the same help.
+    """
+    signature = inspect.signature(command, eval_str=True)
+    parameters: list[inspect.Parameter] = []
+    for parameter in signature.parameters.values():
+        if parameter.name != "network_flags":
+            parameters.append(parameter)
+            continue
+        parameters += [
+            inspect.Parameter(name, parameter.kind, default=option, annotation=annotation)
+            for name, annotation, option in NETWORK_OPTIONS
+        ]
+    if len(parameters) != len(signature.parameters) + len(NETWORK_OPTIONS) - 1:
+        raise TypeError(f"{command.__name__} needs one parameter named network_flags")
+
+    @functools.wraps(command)
+    def with_flags(**kwargs: Any) -> R:
+        given = {name: kwargs.pop(name) for name, _, _ in NETWORK_OPTIONS}
+        identity = given.pop("identity_path")
+        flags = NetworkFlags(**given, identity_path=str(identity) if identity else None)
+        return command(**kwargs, network_flags=flags)
+
+    with_flags.__signature__ = signature.replace(parameters=parameters)  # type: ignore[attr-defined]
+    with_flags.__annotations__ = {p.name: p.annotation for p in parameters}
+    return with_flags
 
 
 def split_addresses(values: Sequence[str] | None) -> list[str] | None:
@@ -71,8 +141,18 @@ def split_addresses(values: Sequence[str] | None) -> list[str] | None:
     return [part for value in values for part in re.split(r"[\s,]+", value) if part]
 
 
+def load_config_or_exit(path: str | os.PathLike[str] | None, overrides: Sequence[str] = ()) -> RunConfig:
+    """Load a config; on any problem print each error line to stderr and exit with status 2."""
+    try:
+        return load_config(path, overrides=tuple(overrides))
+    except ConfigError as exc:
+        for line in exc.errors:
+            typer.echo(f"error: {line}", err=True)
+        raise typer.Exit(2) from None
+
+
 def load_run_config(path: Path | None, overrides: Sequence[str] | None) -> RunConfig:
-    """Load the run config or exit 2 with every problem named (see :mod:`peers.config_cmd`)."""
+    """Load the run config or exit 2 with every problem named."""
     return load_config_or_exit(path, tuple(overrides or ()))
 
 
@@ -102,7 +182,7 @@ def resolve_network(config: RunConfig, flags: NetworkFlags) -> NetworkOptions:
         fail(str(exc))
 
 
-def fail(message: str, status: int = 2) -> typer.Exit:
+def fail(message: str, status: int = 2) -> NoReturn:
     """Print ``error: message`` to stderr and exit with ``status`` (2: bad input, 1: runtime failure)."""
     typer.echo(f"error: {message}", err=True)
     raise typer.Exit(status)

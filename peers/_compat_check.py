@@ -64,8 +64,7 @@ def initial_peer_ids(network: NetworkOptions) -> list[str]:
 
 def look_at_swarm(node: SwarmNode, network: NetworkOptions, run_id: str | None) -> SwarmView:
     """Find the run (``run_id``, else the one the initial peers host), its published config, its members."""
-    from swarm.membership import list_members
-    from swarm.membership._run_config import choose_published, discover_run_id, list_published_configs
+    from swarm.membership import choose_published, discover_run_id, list_members, list_published_configs
 
     run_id = run_id or discover_run_id(node.dht, initial_peer_ids(network), LOOKUP_TIMEOUT_S)
     if run_id is None:
@@ -83,7 +82,7 @@ def check_swarm_config(config: RunConfig, network: NetworkOptions) -> None:
     The run looked at is the one the initial peers publish, so a different ``run.run_id`` is reported
     as a differing key instead of silently starting a separate, empty run.
     """
-    from swarm.membership._compat import compatibility_problems
+    from swarm.membership import compatibility_problems
 
     with open_probe(network, config) as node:
         view = look_at_swarm(node, network, None)

@@ -9,11 +9,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from rich.console import Group, RenderableType
+from rich.console import Group, JustifyMethod, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from swarm.metrics import PeerView, SwarmSnapshot
+from swarm.metrics import PeerView, StageView, SwarmSnapshot
 
 STATE_STYLES = {
     "training": "green",
@@ -29,7 +29,7 @@ class Column:
     title: str
     width: int
     cell: Callable[[PeerView, float], str]
-    justify: str = "left"
+    justify: JustifyMethod = "left"
 
 
 def si(value: float | None, unit: str = "") -> str:
@@ -73,6 +73,7 @@ COLUMNS = (
     Column("down", 9, lambda p, now: si(p.download_bps, "B/s"), "right"),
     Column("role", 9, lambda p, now: p.role),
     Column("conn", 6, lambda p, now: p.connectivity),
+    Column("stage", 5, lambda p, now: str(p.stage), "right"),
     Column("version", 7, lambda p, now: p.package_version or "-"),
     Column("device", 14, lambda p, now: p.device or "-"),
 )
@@ -80,7 +81,8 @@ COLUMNS = (
 
 def columns_for(width: int, snapshot: SwarmSnapshot | None = None) -> list[Column]:
     """The leading columns of :data:`COLUMNS` that fit ``width`` (measured on ``snapshot``'s cells)."""
-    chosen, used = [], 0
+    chosen: list[Column] = []
+    used = 0
     for column in COLUMNS:
         used += _measure(column, snapshot) + 3
         if used > width + 1 and len(chosen) >= 3:
@@ -125,7 +127,17 @@ def header_lines(snapshot: SwarmSnapshot) -> list[Text]:
                 f"ETA {duration(t.eta_s)}"
             )
         )
+    lines.extend(_stage_line(stage) for stage in snapshot.stages)
     return lines
+
+
+def _stage_line(stage: StageView) -> Text:
+    mark = "  <- bottleneck" if stage.bottleneck else ""
+    return Text(
+        f"stage {stage.stage}: {stage.peers} peers, {si(stage.samples_per_s)} samples/s, "
+        f"capacity {si(stage.capacity)} samples/s{mark}",
+        style="bold yellow" if stage.bottleneck else "",
+    )
 
 
 def peer_table(snapshot: SwarmSnapshot, width: int) -> Table:

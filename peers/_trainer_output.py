@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
 from swarm.config import RunConfig
 
@@ -38,7 +38,7 @@ class TrainerOutput:
     def __init__(self, config: RunConfig, history: Path | None = None):
         self.console = Console(highlight=False)
         self._progress: Progress | None = None
-        self._task = None
+        self._task: TaskID | None = None
         if sys.stdout.isatty():
             self._progress = Progress(
                 TextColumn("[bold]training"),
@@ -74,7 +74,7 @@ class TrainerOutput:
     def on_sync(self, report: SyncReport, record=None) -> None:
         """Print the sync line, advance the bar, append the peer's own snapshot to the history."""
         self.echo(format_sync_line(report))
-        if self._progress is not None:
+        if self._progress is not None and self._task is not None:
             eval_text = f"eval {report.eval_loss:.3f}" if report.eval_loss is not None else ""
             self._progress.update(
                 self._task, completed=report.step, status=f"round {report.round} {eval_text}"

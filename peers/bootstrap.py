@@ -20,7 +20,7 @@ from swarm.config import RunConfig
 from swarm.network import NetworkOptions
 
 if TYPE_CHECKING:
-    from swarm.membership._run_config import ConfigPublisher
+    from swarm.membership import ConfigPublisher
     from swarm.state import StateMirror, StateSnapshot
 
 JOIN_LINE_PREFIX = "swarm join --initial-peers "
@@ -114,7 +114,7 @@ def _print_kept_state(snapshot: StateSnapshot) -> None:
 
 def _start_publisher(node: SwarmNode, config: RunConfig) -> ConfigPublisher:
     """Publish the run config now (so a joiner can pull it once the join line is out) and keep it fresh."""
-    from swarm.membership._run_config import ConfigPublisher
+    from swarm.membership import ConfigPublisher
 
     publisher = ConfigPublisher(
         node.dht,

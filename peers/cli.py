@@ -1,4 +1,4 @@
-"""The ``swarm`` command: config tools and the peer programs (bootstrap, join, local, monitor)."""
+"""The ``swarm`` command: config tools, the peer programs (bootstrap, join, local, monitor), export."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import typer
 
 from peers import _common as common
 from peers.config_cmd import config_app
+from peers.export_cmd import export, generate
 from peers.monitor import monitor_app
 
 app = typer.Typer(
@@ -20,30 +21,12 @@ app.add_typer(config_app, name="config")
 app.add_typer(monitor_app, name="monitor")
 
 
-def _flags(initial_peers, host_maddrs, announce_maddrs, port, public_ip, identity_path, client_mode):
-    return common.NetworkFlags(
-        initial_peers=initial_peers,
-        host_maddrs=host_maddrs,
-        announce_maddrs=announce_maddrs,
-        port=port,
-        public_ip=public_ip,
-        identity_path=str(identity_path) if identity_path else None,
-        client_mode=client_mode,
-    )
-
-
 @app.command()
+@common.with_network_options
 def bootstrap(
     config: Path | None = common.CONFIG_OPTION,
     set_: list[str] | None = common.SET_OPTION,
-    initial_peers: list[str] | None = common.INITIAL_PEERS_OPTION,
-    host_maddrs: list[str] | None = common.HOST_MADDRS_OPTION,
-    announce_maddrs: list[str] | None = common.ANNOUNCE_MADDRS_OPTION,
-    port: int | None = common.PORT_OPTION,
-    public_ip: str | None = common.PUBLIC_IP_OPTION,
-    identity_path: Path | None = common.IDENTITY_OPTION,
-    client_mode: bool | None = common.CLIENT_MODE_OPTION,
-    public_name: str = common.PUBLIC_NAME_OPTION,
+    network_flags: common.NetworkFlags = common.NetworkFlags(),  # the network options (peers/_common.py)
     serve_state: bool = typer.Option(
         False, "--serve-state", help="Keep the live trainers' latest model state and serve it to joiners."
     ),
@@ -58,15 +41,14 @@ def bootstrap(
     from peers.bootstrap import run_bootstrap
 
     cfg = common.load_run_config(config, set_)
-    flags = _flags(initial_peers, host_maddrs, announce_maddrs, port, public_ip, identity_path, client_mode)
-    network = common.resolve_network(cfg, flags)
+    network = common.resolve_network(cfg, network_flags)
     if state_dir is not None and not serve_state:
         common.fail("--state-dir needs --serve-state")
     with common.shutdown_on_signals() as stop:
         run_bootstrap(
             cfg,
             network,
-            public_name=public_name,
+            public_name=network_flags.public_name,
             config_path=_str(config),
             stop=stop,
             serve_state=serve_state,
@@ -76,40 +58,37 @@ def bootstrap(
 
 
 @app.command()
+@common.with_network_options
 def join(
     config: Path | None = common.CONFIG_OPTION,
     set_: list[str] | None = common.SET_OPTION,
-    initial_peers: list[str] | None = common.INITIAL_PEERS_OPTION,
-    host_maddrs: list[str] | None = common.HOST_MADDRS_OPTION,
-    announce_maddrs: list[str] | None = common.ANNOUNCE_MADDRS_OPTION,
-    port: int | None = common.PORT_OPTION,
-    public_ip: str | None = common.PUBLIC_IP_OPTION,
-    identity_path: Path | None = common.IDENTITY_OPTION,
-    client_mode: bool | None = common.CLIENT_MODE_OPTION,
-    public_name: str = common.PUBLIC_NAME_OPTION,
+    network_flags: common.NetworkFlags = common.NetworkFlags(),  # the network options (peers/_common.py)
     resume: bool = typer.Option(False, "--resume", help="Continue from the newest valid checkpoint."),
     summary: Path | None = typer.Option(None, "--summary", help="Write this peer's final numbers as JSON."),
     history: Path | None = typer.Option(
         None, "--history", help="Append this peer's snapshot (monitor schema) per sync; plot it later."
+    ),
+    stage: str = typer.Option(
+        "auto", "--stage", help="Pipeline runs: the stage to serve, or 'auto' (the least served one)."
     ),
 ) -> None:
     """Join a swarm through an initial peer and train in it."""
     from peers.join import run_join
 
     cfg = common.load_run_config(config, set_)
-    flags = _flags(initial_peers, host_maddrs, announce_maddrs, port, public_ip, identity_path, client_mode)
-    network = common.resolve_network(cfg, flags)
+    network = common.resolve_network(cfg, network_flags)
     if not network.initial_peers:
         common.fail("swarm join needs --initial-peers (the line `swarm bootstrap` printed)")
     with common.shutdown_on_signals() as stop:
         run_join(
             cfg,
             network,
-            public_name=public_name,
+            public_name=network_flags.public_name,
             resume=resume,
             summary_path=summary,
             history_path=history,
             stop=stop,
+            stage=stage,
         )
 
 
@@ -128,6 +107,9 @@ def local(
         None, "--log-dir", help="Where peer logs go (default runs/local-<time>)."
     ),
     summary: Path | None = typer.Option(None, "--summary", help="Also write the final summary as JSON here."),
+    stages: str = typer.Option(
+        "round-robin", "--stages", help="Pipeline runs: 'round-robin' (peer i: stage i-1 mod S) or 'auto'."
+    ),
 ) -> None:
     """Launch a bootstrap and N trainers on loopback; stop them all at the end or on Ctrl+C."""
     from peers.local import run_local
@@ -144,8 +126,13 @@ def local(
             log_dir=log_dir,
             summary_path=summary,
             stop=stop,
+            stages=stages,
         )
     raise typer.Exit(status)
+
+
+app.command("export")(export)
+app.command("generate")(generate)
 
 
 def _str(path: Path | None) -> str | None:

@@ -1,5 +1,4 @@
-"""`swarm config show|check|pull|keygen`: print, validate or fetch a run config, make a swarm key;
-the config loader other commands share.
+"""`swarm config show|check|pull|keygen`: print, validate or fetch a run config, make a swarm key.
 
 This module is imported by every command, so it stays cheap: torch and hivemind are imported inside
 the commands that need them.
@@ -9,14 +8,14 @@ from __future__ import annotations
 
 import os
 import tempfile
-from collections.abc import Sequence
 from pathlib import Path
 
 import typer
 from rich.console import Console
 from rich.syntax import Syntax
 
-from swarm.config import ConfigError, RunConfig, load_config
+from peers import _common as common
+from swarm.config import RunConfig
 
 config_app = typer.Typer(
     help="Inspect and validate run configs (YAML file < SWARM_* environment < --set).",
@@ -34,20 +33,10 @@ SET_OPTION = typer.Option(
 )
 
 
-def load_config_or_exit(path: str | os.PathLike[str] | None, overrides: Sequence[str] = ()) -> RunConfig:
-    """Load a config; on any problem print each error line to stderr and exit with status 2."""
-    try:
-        return load_config(path, overrides=tuple(overrides))
-    except ConfigError as exc:
-        for line in exc.errors:
-            typer.echo(f"error: {line}", err=True)
-        raise typer.Exit(2) from None
-
-
 @config_app.command("show")
 def show(file: str = FILE_ARGUMENT, set_: list[str] | None = SET_OPTION) -> None:
     """Print the fully resolved config as YAML, then its config hash."""
-    config = load_config_or_exit(file, set_ or ())
+    config = common.load_config_or_exit(file, set_ or ())
     console = Console()
     text = config.to_yaml()
     if console.is_terminal:
@@ -70,13 +59,24 @@ def check(
     Then estimate what one peer needs: GPU memory (CPU memory when run on the CPU) and bytes on the
     wire per sync, see docs/hosting.md.
     """
-    config = load_config_or_exit(file, set_ or ())
+    config = common.load_config_or_exit(file, set_ or ())
+    from swarm.pipeline import plan_stages
+
+    try:
+        plan_stages(config)  # a pipeline section that cannot cut this model (or fit its budget)
+    except ValueError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
     typer.echo(f"OK: {file} (config hash {config.config_hash()})")
     if estimate:
+        from swarm.pipeline import describe_stages
         from swarm.training.estimate import describe_estimate, estimate_peer
 
         device = "cpu" if config.train.device == "cpu" else "cuda"
-        for line in describe_estimate(estimate_peer(config, device)):
+        checkpointing = config.train.activation_checkpointing
+        for line in describe_estimate(estimate_peer(config, device), checkpointing):
+            typer.echo(line)
+        for line in describe_stages(config, device):  # pipelined runs: what each stage peer needs
             typer.echo(line)
 
 
@@ -94,7 +94,6 @@ def pull(
     ),
 ) -> None:
     """Fetch the swarm's published run config, verify its hash, write it (exit 2 if none is published)."""
-    from peers import _common as common
     from peers._compat_check import look_at_swarm, open_probe
 
     defaults = RunConfig()
@@ -118,7 +117,7 @@ def keygen(
     Copy the file to every peer over a secure channel and point network.swarm_key_file at it
     (or put its content in SWARM_KEY). See docs/security.md.
     """
-    from swarm.network._swarm_key import write_new_key
+    from swarm.network import write_new_key
 
     try:
         key = write_new_key(output)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import resource
 import threading
 from pathlib import Path
 
@@ -23,8 +24,28 @@ def run_join(
     summary_path: Path | None,
     history_path: Path | None = None,
     stop: threading.Event,
+    stage: str = "auto",
 ) -> None:
-    """Train in the swarm until ``stop`` is set or the run's step/sample limit is reached."""
+    """Train in the swarm until ``stop`` is set or the run's step/sample limit is reached.
+
+    With ``pipeline.num_stages > 1`` the peer serves one pipeline stage instead (``stage``: ``auto`` or
+    its index; peers/stage.py)."""
+    stages = _stages(config)
+    if stages > 1:
+        from peers.stage import parse_stage, run_stage_peer
+
+        run_stage_peer(
+            config,
+            network,
+            stage=parse_stage(stage, stages),
+            public_name=public_name,
+            summary_path=summary_path,
+            history_path=history_path,
+            stop=stop,
+        )
+        return
+    if stage != "auto":
+        fail(f"--stage {stage}: this run has no pipeline (pipeline.num_stages is 1)")
     from peers._compat_check import check_swarm_config
     from swarm.network import NetworkError
     from swarm.state import CheckpointError
@@ -74,6 +95,16 @@ def run_join(
         peer.close()
 
 
+def _stages(config: RunConfig) -> int:
+    """How many stages the run cuts the model into; exits 2 when the pipeline section cannot work."""
+    from swarm.pipeline import plan_stages
+
+    try:
+        return len(plan_stages(config))
+    except ValueError as exc:
+        fail(str(exc))
+
+
 def write_summary(peer, path: Path) -> None:
     """Final numbers of this peer, for `swarm local`'s summary table."""
     from swarm.training import evaluate
@@ -97,6 +128,8 @@ def write_summary(peer, path: Path) -> None:
         "wire_bytes_sent": metrics.bytes_sent,
         "wire_bytes_total": metrics.bytes_sent + metrics.bytes_received,
         "device_seconds": peer.progress.device_seconds,
+        # the largest resident set this process had (Linux reports KiB): to check the memory estimate
+        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "compute_seconds": peer.progress.compute_seconds,
         "rounds_by_role": details.get("rounds_by_role", {}),
         "drift": peer.progress.drift,

@@ -1,8 +1,10 @@
 """`swarm local`: a whole swarm on this machine, a bootstrap and N peers as subprocesses.
 
-Each child runs in its own process group so that stopping it also stops what it started (the DHT
-worker process and its ``p2pd``). Children also get ``PR_SET_PDEATHSIG`` so that they go down with the
-launcher even if the launcher itself is killed with SIGKILL.
+Each child runs in its own session, so that what it started (the DHT worker process and its ``p2pd``)
+can be found: at the end each peer gets SIGTERM and must take all of it down by itself (see
+:meth:`LocalSwarm.stop`); whatever outlives its peer is killed, named, and makes the command exit 1.
+Children also get ``PR_SET_PDEATHSIG`` so that they go down with the launcher even if the launcher
+itself is killed with SIGKILL.
 """
 
 from __future__ import annotations
@@ -16,10 +18,11 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import psutil
 import typer
 from rich.live import Live
 from rich.table import Table
@@ -32,6 +35,8 @@ from swarm.config import RunConfig
 from swarm.network import NetworkOptions
 
 _PR_SET_PDEATHSIG = 1
+ORPHAN_WAIT_S = 30.0
+"""How long the DHT worker and ``p2pd`` of a peer that has exited may take to end by themselves."""
 
 
 @dataclass
@@ -60,10 +65,14 @@ class LocalSwarm:
     def alive(self) -> list[str]:
         return [name for name, proc in self.processes if proc.poll() is None]
 
-    def stop(self) -> None:
-        """SIGTERM every peer, wait for the grace period, then SIGKILL whatever is left of each group.
+    def stop(self) -> list[str]:
+        """Stop every peer; return what outlived its own peer (then SIGKILLed), as descriptions.
 
-        Only the peer's main process gets SIGTERM: it stops its own DHT worker and daemon in order.
+        Only a peer's main process gets SIGTERM: it stops its own DHT worker and daemon in order. One
+        still running after the grace period is SIGKILLed alone (said on stderr): its DHT worker then
+        notices and stops ``p2pd`` by itself. Either way, once a peer's main process is gone nothing
+        of its session may remain: what is still there after :data:`ORPHAN_WAIT_S` is a leak, and
+        only that is killed.
         """
         for _, proc in self.processes:
             if proc.poll() is None:
@@ -72,20 +81,32 @@ class LocalSwarm:
         for _, proc in self.processes:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-        for _, proc in self.processes:
-            _signal_group(proc, signal.SIGKILL)  # also reaps the group's p2pd/DHT leftovers, if any
-            proc.wait()
+        for name, proc in self.processes:
+            if proc.poll() is None:
+                typer.echo(f"[local] {name} did not stop within {SHUTDOWN_GRACE_S:g} s; killed it", err=True)
+                proc.kill()
+                proc.wait()
+        sessions = {proc.pid for _, proc in self.processes}
+        deadline = time.monotonic() + ORPHAN_WAIT_S
+        while (left := _session_processes(sessions)) and time.monotonic() < deadline:
+            time.sleep(0.1)  # a DHT worker finishing its daemon's shutdown; nothing to wait on but the table
+        outlived = [_describe(p) for p in left]
+        for p in left:
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+        psutil.wait_procs(left, timeout=10)
+        return outlived
 
 
-def cpu_threads_env(peers: int, environ: dict[str, str] | None = None) -> dict[str, str]:
+def cpu_threads_env(peers: int, environ: Mapping[str, str] | None = None) -> dict[str, str]:
     """``OMP_NUM_THREADS`` for each of ``peers`` processes sharing this machine's cores.
 
     torch uses one thread per core by default; N peers doing that on the same cores oversubscribe
     them, and a tiny model's step then takes several times longer (measured: 10x with 6 processes
     on 2 busy cores). A value the user set is kept.
     """
-    environ = os.environ if environ is None else environ
-    if "OMP_NUM_THREADS" in environ:
+    env: Mapping[str, str] = os.environ if environ is None else environ
+    if "OMP_NUM_THREADS" in env:
         return {}
     return {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // max(1, peers)))}
 
@@ -95,9 +116,23 @@ def _die_with_parent() -> None:
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
-def _signal_group(proc: subprocess.Popen, signum: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, signum)
+def _session_processes(sessions: set[int]) -> list[psutil.Process]:
+    """Live (non-zombie) processes in one of ``sessions`` (each peer leads its own)."""
+    found = []
+    for proc in psutil.process_iter(["status"]):
+        try:
+            if proc.info["status"] != psutil.STATUS_ZOMBIE and os.getsid(proc.pid) in sessions:
+                found.append(proc)
+        except (ProcessLookupError, PermissionError, psutil.Error):
+            continue
+    return found
+
+
+def _describe(proc: psutil.Process) -> str:
+    try:
+        return f"{proc.name()} (pid {proc.pid})"
+    except psutil.Error:
+        return f"pid {proc.pid}"
 
 
 def wait_for_join_line(log_path: Path, proc: subprocess.Popen, timeout_s: float) -> str:
@@ -123,27 +158,45 @@ def run_local(
     log_dir: Path,
     summary_path: Path | None = None,
     stop: threading.Event,
+    stages: str = "round-robin",
 ) -> int:
-    """Run a bootstrap and ``peers`` trainers until they finish, ``duration_s`` passes or ``stop`` is set."""
+    """Run a bootstrap and ``peers`` trainers until they finish, ``duration_s`` passes or ``stop`` is set.
+
+    A pipelined run (``pipeline.num_stages > 1``) gives peer ``i`` stage ``(i - 1) mod S`` (``stages``
+    ``round-robin``), or lets each choose the least served one as it joins (``auto``)."""
     log_dir.mkdir(parents=True, exist_ok=True)
     common = (["--config", config_path] if config_path else []) + [a for o in overrides for a in ("--set", o)]
     swarm = LocalSwarm(log_dir, env=cpu_threads_env(peers))
+    status, outlived = 1, []
     try:
         boot = swarm.spawn("bootstrap", ["bootstrap", *common, "--public-name", "local-bootstrap"])
         maddr = wait_for_join_line(log_dir / "bootstrap.log", boot, timeout_s=60)
         typer.echo(f"[local] bootstrap up at {maddr}")
         for index in range(1, peers + 1):
-            swarm.spawn(f"peer-{index}", _trainer_args(common, maddr, index, log_dir))
+            args = _trainer_args(common, maddr, index, log_dir) + _stage_args(config, index, stages)
+            swarm.spawn(f"peer-{index}", args)
         typer.echo(f"[local] started {peers} peers; logs in {log_dir}")
         observer_network = NetworkOptions(initial_peers=[maddr], client_mode=True)
         with open_node(observer_network, observer_info(config), config, announce=False) as observer:
             status = _supervise(swarm, duration_s, stop, observer.members)
     finally:
         typer.echo("[local] stopping all peers")
-        swarm.stop()
+        outlived = swarm.stop()
+        if outlived:
+            typer.echo(f"[local] outlived their peer, killed: {', '.join(outlived)}", err=True)
         typer.echo("[local] all peers stopped")
     _finish(config, log_dir, peers, summary_path)
-    return status
+    return 1 if outlived else status
+
+
+def _stage_args(config: RunConfig, index: int, stages: str) -> list[str]:
+    """``--stage`` for peer ``index`` of a pipelined run (none otherwise)."""
+    from swarm.pipeline import resolve_num_stages
+
+    count = resolve_num_stages(config)
+    if count <= 1:
+        return []
+    return ["--stage", "auto" if stages == "auto" else str((index - 1) % count)]
 
 
 def _trainer_args(common: list[str], maddr: str, index: int, log_dir: Path) -> list[str]:
@@ -236,10 +289,12 @@ def _progress_line(members: list) -> str:
     if not trainers:
         return "waiting for trainers"
     parts = []
+    staged = any(m.record.stage for m in trainers)  # a pipelined run: say which stage each serves
     for m in trainers:
         r = m.record
         evaluation = f"{r.eval_loss:.2f}" if r.eval_loss is not None else "-"
-        parts.append(f"{r.public_name or m.peer_id[-6:]}: step {r.step} eval {evaluation}")
+        stage = f" stage {r.stage}" if staged else ""
+        parts.append(f"{r.public_name or m.peer_id[-6:]}:{stage} step {r.step} eval {evaluation}")
     return f"{len(trainers)} trainers | " + " | ".join(parts)
 
 

@@ -16,7 +16,7 @@ import typer
 
 from peers import _common as common
 from swarm.config import RunConfig
-from swarm.metrics._policy import DEFAULT_MAX_DRIFT
+from swarm.metrics import DEFAULT_MAX_DRIFT
 
 if TYPE_CHECKING:
     from swarm import Member, NodeInfo, SwarmNode

@@ -5,17 +5,18 @@ Phases (one progress line each on stderr, with the elapsed time):
 
 1. codecs: ``scripts/bench_codecs.py --json`` (or ``--codecs-json FILE``, a saved last line);
 2. averaging: ``scripts/bench_averaging.py --json`` (or ``--averaging-json FILE``);
-3. training over the testbed (scripts/bench_testbed.py, needs root): 4 trainer hosts plus a
-   bootstrap host, every link shaped to 50 Mbit/s, trainer 4 three times slower in compute
-   (``train.slowdown=3``); swarm gossip int8 and int4 (and fp32 without ``--quick``),
-   ``hivemind.Optimizer`` and one solo peer, same model, data, learning rate and wall-time budget;
-4. scaling: swarm throughput with 2, 4, 6 equal gossip peers, added in stages in one lab.
+3. training over the testbed (needs root; scripts/bench_scaling.py says what runs): in the bench
+   regime (per-peer batch 1, emulated devices of ``train.step_time_s``, links shaped so that one int8
+   exchange takes at least half a round), the comparison of gossip int8 and int4, all-reduce,
+   data-parallel, hivemind.Optimizer and solo with 4 trainers, one 3x slower; the speed-up over one
+   device with N = 1, 2, 4, 8; with ``--sweep``, gossip's outer settings. Runs go several at a time
+   (``--parallel`` trainers at most), each in its own lab.
 
 Writes the generated part of docs/benchmarks.md (between its ``bench_report`` markers; the
 hand-written measurements around them are kept) and docs/img/training_loss.png, docs/img/scaling.png.
 Without root the testbed phases are skipped with the reason, in the JSON and the markdown.
 
-    .venv/bin/python scripts/bench_report.py --quick          # under 10 minutes on 2 cores
+    .venv/bin/python scripts/bench_report.py --quick --json   # under 10 minutes on 2 cores
     .venv/bin/python scripts/bench_report.py --json           # full; last line is one JSON object
     .venv/bin/python scripts/bench_report.py --from-json r.json   # only rewrite the doc and plots
 """
@@ -36,9 +37,10 @@ from pathlib import Path
 from typing import Any
 
 try:  # imported as scripts.bench_report (tests) or run as python scripts/bench_report.py
-    from scripts import bench_testbed, bench_training, netlab
+    from scripts import bench_scaling, bench_testbed, bench_training, netlab
     from scripts.bench_report_doc import write_outputs
 except ImportError:  # pragma: no cover - depends on how the caller was started
+    import bench_scaling
     import bench_testbed
     import bench_training
     import netlab
@@ -48,8 +50,6 @@ REPO = bench_training.REPO
 SCRIPTS = REPO / "scripts"
 DOC = REPO / "docs" / "benchmarks.md"
 IMG = REPO / "docs" / "img"
-RATE = "50mbit"
-SLOWDOWN = 3.0
 SLOW_PEER = 4
 
 
@@ -68,15 +68,8 @@ def run_json_script(script: str, args: list[str], log: Path, timeout_s: float) -
     command = [sys.executable, str(SCRIPTS / script), *args, "--json"]
     try:
         with log.open("w") as err:
-            done = subprocess.run(
-                command,
-                cwd=REPO,
-                stdout=subprocess.PIPE,
-                stderr=err,
-                text=True,
-                timeout=timeout_s,
-                check=False,
-            )
+            pipe = subprocess.PIPE
+            done = subprocess.run(command, cwd=REPO, stdout=pipe, stderr=err, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired:
         return {"error": f"{script} took over {timeout_s:.0f} s; see {log}"}
     lines = done.stdout.strip().splitlines()
@@ -97,50 +90,88 @@ def load_json(path: Path) -> dict[str, Any]:
         raise SystemExit(f"{path}: the last line is not JSON ({exc})") from exc
 
 
-def training_phase(args: argparse.Namespace, root: Path, say: Progress) -> dict[str, Any]:
-    """The comparison over the testbed, or ``{"skipped": reason}`` without root."""
-    reason = netlab.unavailable_reason()
-    if reason is not None:
-        say(f"training over the testbed skipped: {reason}")
-        return {"skipped": reason}
-    plans = bench_testbed.comparison_plans(args.peers, args.sync_every, SLOW_PEER, fp32=not args.quick)
-    rows = []
-    for plan in plans:
-        say(f"training: {plan.name} ({plan.peers} trainer(s)), budget {args.budget:.0f} s")
-        row = bench_testbed.run_plan(
-            plan, root=root, rate=RATE, budget_s=args.budget, target=args.target, slowdown=SLOWDOWN, say=say
-        )
-        say(f"training: {plan.name} done: {_brief(row)}")
-        rows.append(row)
+def regime() -> dict[str, Any]:
+    """The settings every testbed run shares, with the link rate they imply."""
+    n_params = bench_training.n_params()
+    h = int(bench_scaling.GOSSIP["sync_every_steps"])
+    step = bench_training.REGIME["step_time_s"]
+    rate = bench_scaling.link_rate(n_params, h, step)
     return {
-        "rows": rows,
-        "rate": RATE,
-        "peers": args.peers,
-        "slow_peer": SLOW_PEER,
-        "slowdown": SLOWDOWN,
-        "budget_s": args.budget,
-        "target": args.target,
-        "sync_every": args.sync_every,
-        "n_params": bench_training.n_params(),
+        **bench_training.REGIME,
+        **bench_scaling.GOSSIP,
+        "rate": rate,
+        "n_params": n_params,
         "config": bench_training.CONFIG,
+        "half_round_s": h * step / 2,
+        "eval_seconds": bench_scaling.EVAL_SECONDS,
     }
 
 
-def scaling_phase(args: argparse.Namespace, root: Path, say: Progress) -> dict[str, Any]:
+def schedule(plans: list[bench_testbed.Plan], parallel: int) -> list[list[bench_testbed.Plan]]:
+    """Groups of plans to run at once, at most ``parallel`` trainers each: first fit, longest budgets
+    and then most trainers first, so that runs of about the same length share a group."""
+    groups: list[list[bench_testbed.Plan]] = []
+    for plan in sorted(plans, key=lambda p: (-p.budget_s, -p.peers)):
+        group = next((g for g in groups if sum(p.peers for p in g) + plan.peers <= parallel), None)
+        if group is None:
+            groups.append([plan])
+        else:
+            group.append(plan)
+    return groups
+
+
+def run_all(plans: list[bench_testbed.Plan], args: argparse.Namespace, root: Path, say: Progress) -> dict:
+    """Every plan's row by name, the groups run one after the other."""
+    rows: dict[str, dict[str, Any]] = {}
+    target, rate = args.target, regime()["rate"]
+    for group in schedule(plans, args.parallel):
+        names = ", ".join(f"{p.name} ({p.peers})" for p in group)
+        say(f"testbed: {names} over {rate} links")
+        done = bench_testbed.run_plans(group, root=root, rate=rate, target=target, say=say)
+        rows |= {plan.name: row for plan, row in zip(group, done, strict=True)}
+    return rows
+
+
+def testbed_phases(args: argparse.Namespace, root: Path, say: Progress) -> dict[str, Any]:
+    """training (the comparison), scaling and sweep, or each ``{"skipped": reason}`` without root."""
     reason = netlab.unavailable_reason()
     if reason is not None:
-        say(f"scaling skipped: {reason}")
-        return {"skipped": reason}
-    say(f"scaling: gossip int8 with {', '.join(map(str, args.scaling))} peers, {args.window:.0f} s windows")
-    return bench_testbed.run_scaling(args.scaling, root=root, rate=RATE, window_s=args.window, say=say)
+        say(f"training over the testbed skipped: {reason}")
+        return {"training": {"skipped": reason}, "scaling": {"skipped": reason}, "sweep": {"skipped": reason}}
+    comparison = bench_scaling.comparison_plans(args.peers, args.budget, SLOW_PEER)
+    scaling = bench_scaling.scaling_plans(args.scaling, args.cap) if args.scaling else []
+    sweep = bench_scaling.sweep_plans(bench_scaling.SWEEP, args.peers, args.budget) if args.sweep else []
+    rows = run_all([*comparison, *scaling, *sweep], args, root, say)
+    setting = {"target": args.target, **regime()}
+    training = {
+        "rows": [rows[p.name] for p in comparison],
+        "peers": args.peers,
+        "slow_peer": SLOW_PEER,
+        "slowdown": comparison[0].slowdown,
+        "budget_s": args.budget,
+        **setting,
+    }
+    training |= bench_scaling.equal_samples(training["rows"])
+    return {
+        "training": training,
+        "scaling": _scaling(args, scaling, rows, setting),
+        "sweep": _sweep(sweep, rows, args, setting),
+    }
 
 
-def _brief(row: dict[str, Any]) -> str:
-    if "error" in row:
-        return f"error: {row['error']}"
-    reached = row.get("seconds_to_target")
-    to_target = "not reached" if reached is None else f"{reached:.1f} s"
-    return f"to target {to_target}, final eval {row['final_eval_loss']:.3f}, util {row['utilization']:.0%}"
+def _scaling(args, plans: list, rows: dict[str, dict[str, Any]], setting: dict[str, Any]) -> dict[str, Any]:
+    if not plans:
+        return {"skipped": "no device counts (--scaling)"}
+    runs = [rows[p.name] for p in plans]
+    points = bench_scaling.scaling_points(runs)
+    return {"points": points, "runs": runs, "counts": args.scaling, "cap_s": args.cap, **setting}
+
+
+def _sweep(plans: list, rows: dict[str, dict[str, Any]], args, setting: dict[str, Any]) -> dict[str, Any]:
+    if not plans:
+        return {"skipped": "not run (--sweep)"}
+    sweep = {"rows": [rows[p.name] for p in plans], "budget_s": args.budget, **setting}
+    return sweep | bench_scaling.equal_samples(sweep["rows"])
 
 
 def machine() -> dict[str, Any]:
@@ -159,28 +190,29 @@ def machine() -> dict[str, Any]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="shorter budgets, no fp32 row (under 10 min)")
+    parser.add_argument("--quick", action="store_true", help="shorter budgets (under 10 min on 2 cores)")
     parser.add_argument("--json", action="store_true", help="print one JSON object on the last line")
     parser.add_argument("--codecs-json", type=Path, help="reuse a saved `bench_codecs.py --json` output")
-    parser.add_argument(
-        "--averaging-json", type=Path, help="reuse a saved `bench_averaging.py --json` output"
-    )
+    parser.add_argument("--averaging-json", type=Path, help="reuse a saved `bench_averaging.py --json`")
     parser.add_argument("--from-json", type=Path, help="reuse a saved report (--json): only rewrite outputs")
+    parser.add_argument("--sweep-json", type=Path, help="take the sweep from a saved report (--json)")
     parser.add_argument("--note", help="a sentence for the report's header (e.g. what else ran meanwhile)")
     parser.add_argument("--skip-training", action="store_true", help="codecs and averaging only")
     parser.add_argument("--peers", type=int, default=4, help="trainers in the comparison (4)")
-    parser.add_argument("--budget", type=float, help="seconds of training per backend (150; quick 40)")
-    parser.add_argument("--target", type=float, default=4.5, help="target eval loss, bits/byte (4.5)")
-    parser.add_argument("--sync-every", type=int, default=10, help="H: local steps between syncs (10)")
-    parser.add_argument("--scaling", type=int, nargs="*", help="peer counts (2 4 6); none: skip")
-    parser.add_argument("--window", type=float, help="seconds per scaling measurement (40; quick 15)")
+    parser.add_argument("--budget", type=float, help="seconds of training per comparison run (150; quick 90)")
+    parser.add_argument("--target", type=float, default=bench_training.REGIME["target"], help="bits/byte")
+    parser.add_argument("--scaling", type=int, nargs="*", help="device counts (1 2 4 8); none: skip")
+    parser.add_argument("--cap", type=float, help="longest a scaling run may take (300 s; quick 150)")
+    parser.add_argument("--sweep", action="store_true", help="also sweep gossip's outer lr, momentum and H")
+    parser.add_argument("--parallel", type=int, help="trainers running at once, at most (9; quick 13)")
     parser.add_argument("--doc", type=Path, default=DOC, help="markdown file to (re)write")
     parser.add_argument("--img-dir", type=Path, default=IMG, help="where the PNGs go")
     parser.add_argument("--logs-dir", type=Path, default=REPO / "runs", help="parent of this run's logs")
     args = parser.parse_args(argv)
-    args.budget = args.budget or (40.0 if args.quick else 150.0)
-    args.window = args.window or (15.0 if args.quick else 40.0)
-    args.scaling = [2, 4, 6] if args.scaling is None else args.scaling
+    args.budget = args.budget or (90.0 if args.quick else 150.0)
+    args.parallel = args.parallel or (13 if args.quick else 9)
+    args.cap = args.cap or (150.0 if args.quick else 300.0)
+    args.scaling = [1, 2, 4, 8] if args.scaling is None else args.scaling
     return args
 
 
@@ -208,11 +240,11 @@ def collect(args: argparse.Namespace, argv: list[str], say: Progress) -> dict[st
         say("averaging: " + " ".join(["bench_averaging.py", *quick, "--json"]))
         report["averaging"] = run_json_script("bench_averaging.py", quick, root / "averaging.log", 900)
     if args.skip_training:
-        report["training"] = report["scaling"] = {"skipped": "--skip-training"}
+        report |= {key: {"skipped": "--skip-training"} for key in ("training", "scaling", "sweep")}
     else:
-        report["training"] = training_phase(args, root, say)
-        report["scaling"] = scaling_phase(args, root, say) if args.scaling else {"skipped": "no peer counts"}
+        report |= testbed_phases(args, root, say)
     report["machine"]["load_average_at_end"] = machine()["load_average_at_start"]
+    report["wall_seconds"] = round(time.monotonic() - say.started, 1)
     return report
 
 
@@ -226,6 +258,8 @@ def main(argv: list[str] | None = None) -> int:
     say = Progress()
     try:
         report = load_json(args.from_json) if args.from_json else collect(args, argv, say)
+        if args.sweep_json:
+            report["sweep"] = {**load_json(args.sweep_json)["sweep"], "reused": str(args.sweep_json)}
         if args.note:
             report["note"] = args.note
     except KeyboardInterrupt:

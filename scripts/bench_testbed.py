@@ -2,16 +2,22 @@
 
 One run = one lab: a bootstrap in host 0 and one trainer per further host, each started with
 ``swarm bootstrap`` / ``swarm join`` inside its namespace and listening on the host's 10.77.0.x address,
-every link shaped to the same rate. The wall-time budget starts at the first trainer's join line (as
-in scripts/bench_training.py, whose log parsing and summary numbers are reused) and ends with SIGTERM
-to every trainer, which then writes its summary. The lab tears itself down even on Ctrl+C.
+every link shaped to the same rate. Time starts at the first trainer's join line; a run ends after its
+budget, or as soon as the mean held-out loss reaches the target when the plan says so, with SIGTERM to
+every trainer, which then writes its summary. Several runs may go at once (:func:`run_plans`), each in
+its own lab: the trainers' devices are emulated (``train.step_time_s``), so they mostly sleep, and each
+row says how much real compute a step took and how loaded the machine was. The labs tear themselves
+down even on Ctrl+C.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
+import statistics
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -24,19 +30,29 @@ except ImportError:  # pragma: no cover - depends on how the caller was started
     import bench_training
     import netlab
 
-START_TIMEOUT_S = 180.0  # on a busy 2-core machine four trainers importing torch take a while
+START_TIMEOUT_S = 240.0  # on a busy 2-core machine eight trainers importing torch take a while
 STOP_GRACE_S = 30.0
+POLL_S = 0.25
+
+Say = Callable[[str], None]
 
 
 @dataclass(frozen=True)
 class Plan:
-    """One training run: backend name, number of trainers, ``--set`` overrides, the slowed-down trainer."""
+    """One training run: what it is called, how many trainers, their ``--set`` overrides, when it ends."""
 
-    name: str
-    peers: int
+    name: str  # unique within a report (the log folder)
+    backend: str  # what the report calls it: gossip-int8, dataparallel, ...
+    peers: int  # trainer processes
     sets: list[str]
-    slow_peer: int | None = None  # 1-based trainer index that gets train.slowdown
     label: str = ""
+    slow_peer: int | None = None  # 1-based trainer index that also gets train.slowdown
+    slowdown: float = 3.0
+    budget_s: float = 60.0
+    until_target: bool = False  # stop as soon as the target is reached
+    batch: int = 1  # samples per inner step of one trainer, for the swarm's sample count
+    devices: int = 0  # emulated devices it stands for (0: one per trainer)
+    rate: str | None = ""  # its links: "" the report's rate, None unshaped
 
 
 @dataclass
@@ -45,69 +61,66 @@ class Run:
 
     log_dir: Path
     processes: dict[str, subprocess.Popen] = field(default_factory=dict)
+    loads: list[float] = field(default_factory=list)
 
 
-def comparison_plans(peers: int, sync_every: int, slow_peer: int | None, fp32: bool) -> list[Plan]:
-    """gossip int8 and int4 (and fp32), hivemind.Optimizer and solo, as in bench_training.backends."""
-    by_name = {name: (n, sets) for name, n, sets in bench_training.backends(peers, sync_every)}
-    gossip_n, gossip_sets = by_name["gossip"]
-    plans = [
-        Plan("gossip-int8", gossip_n, gossip_sets, slow_peer, "swarm gossip, int8"),
-        Plan("gossip-int4", gossip_n, _codec(gossip_sets, "int4"), slow_peer, "swarm gossip, int4"),
-    ]
-    if fp32:
-        fp32_sets = _codec(gossip_sets, "fp32")
-        plans.append(Plan("gossip-fp32", gossip_n, fp32_sets, slow_peer, "swarm gossip, fp32"))
-    plans.append(Plan("hivemind", *by_name["hivemind"], slow_peer, "hivemind.Optimizer, int8 blockwise"))
-    plans.append(Plan("solo", *by_name["solo"], None, "solo (one peer, no averaging)"))
-    return plans
+def run_plans(plans: list[Plan], *, root: Path, rate: str, target: float, say: Say) -> list[dict[str, Any]]:
+    """Run ``plans`` at the same time, each in its own lab; their rows in the same order."""
+    rows: list[dict[str, Any]] = [{} for _ in plans]
+
+    def one(index: int) -> None:
+        rows[index] = run_plan(plans[index], root=root, rate=rate, target=target, say=say)
+
+    threads = [threading.Thread(target=one, args=(i,), name=p.name, daemon=True) for i, p in enumerate(plans)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return rows
 
 
-def _codec(sets: list[str], codec: str) -> list[str]:
-    return [s for s in sets if not s.startswith("compression.codec=")] + [f"compression.codec={codec}"]
-
-
-def run_plan(
-    plan: Plan,
-    *,
-    root: Path,
-    rate: str,
-    budget_s: float,
-    target: float,
-    slowdown: float,
-    say: Callable[[str], None],
-) -> dict[str, Any]:
+def run_plan(plan: Plan, *, root: Path, rate: str, target: float, say: Say) -> dict[str, Any]:
     """Run ``plan`` in a fresh lab; return its row (with ``curve``), or a row with ``error``."""
     run = Run(root / plan.name)
     run.log_dir.mkdir(parents=True, exist_ok=True)
-    row: dict[str, Any] = {"backend": plan.name, "label": plan.label, "peers": plan.peers}
+    row: dict[str, Any] = {"name": plan.name, "backend": plan.backend, "label": plan.label or plan.backend}
+    row |= {"peers": plan.peers, "devices": plan.devices or plan.peers, "slow_peer": plan.slow_peer}
+    row |= {
+        "slowdown": plan.slowdown if plan.slow_peer else 1.0,
+        "sets": plan.sets,
+        "budget_s": plan.budget_s,
+    }
+    row["rate"] = rate = rate if plan.rate == "" else plan.rate
     with netlab.NetLab(hosts=plan.peers + 1, rate=rate) as lab:
         try:
-            watcher, seconds = _train(lab, run, plan, budget_s, target, slowdown, say)
+            watcher, seconds = _train(lab, run, plan, target, say)
         except RuntimeError as exc:
             _stop(run)
             return {**row, "error": str(exc)}
-    return {**row, **_numbers(run, plan, watcher, seconds, slowdown)}
+    numbers = measured_numbers(run, plan, watcher, seconds, target)
+    say(f"{plan.name}: {brief(numbers)}")
+    return {**row, **numbers}
 
 
-def _train(lab, run: Run, plan: Plan, budget_s: float, target: float, slowdown: float, say) -> tuple:
+def _train(lab, run: Run, plan: Plan, target: float, say: Say) -> tuple:
     common = _common_args(plan.sets)
     maddr = _start_bootstrap(lab, run, common)
     for index in range(1, plan.peers + 1):
-        extra = ["--set", f"train.slowdown={slowdown}"] if index == plan.slow_peer else []
+        extra = ["--set", f"train.slowdown={plan.slowdown}"] if index == plan.slow_peer else []
         _start_trainer(lab, run, index, maddr, [*common, *extra])
-    watcher = bench_training.LogWatcher(run.log_dir, plan.peers)
+    watcher = bench_training.LogWatcher(run.log_dir, plan.peers, plan.batch)
     deadline = time.monotonic() + START_TIMEOUT_S
     while watcher.started is None:
         _check(run, deadline, "no trainer joined")
         watcher.poll(time.monotonic(), target)
-        time.sleep(0.5)  # polling log files that other processes append to
-    say(f"{plan.name}: first trainer joined; training for {budget_s:.0f} s over {lab.rate} links")
-    end = watcher.started + budget_s
-    while time.monotonic() < end:
-        _check(run, end + 1.0, "")
+        time.sleep(POLL_S)  # polling log files that other processes append to
+    say(f"{plan.name}: first trainer joined; up to {plan.budget_s:.0f} s over {lab.rate or 'unshaped'} links")
+    end = watcher.started + plan.budget_s
+    while time.monotonic() < end and not (plan.until_target and watcher.reached is not None):
+        _check(run, end + START_TIMEOUT_S, "")
         watcher.poll(time.monotonic(), target)
-        time.sleep(0.5)
+        run.loads.append(os.getloadavg()[0])
+        time.sleep(POLL_S)
     seconds = time.monotonic() - watcher.started
     _stop(run)
     watcher.poll(time.monotonic(), target)
@@ -115,8 +128,7 @@ def _train(lab, run: Run, plan: Plan, budget_s: float, target: float, slowdown: 
 
 
 def _common_args(sets: list[str]) -> list[str]:
-    common = ["--config", bench_training.CONFIG, "--set", "train.max_steps=1000000"]
-    return common + [a for s in sets for a in ("--set", s)]
+    return ["--config", bench_training.CONFIG, *[a for s in sets for a in ("--set", s)]]
 
 
 def _start_bootstrap(lab, run: Run, common: list[str]) -> str:
@@ -125,13 +137,14 @@ def _start_bootstrap(lab, run: Run, common: list[str]) -> str:
 
     host = lab.hosts[0]
     boot = _start(run, host, "bootstrap", ["bootstrap", *common, "--host-maddrs", host.maddr()])
-    return wait_for_join_line(run.log_dir / "bootstrap.log", boot, timeout_s=90)
+    return wait_for_join_line(run.log_dir / "bootstrap.log", boot, timeout_s=START_TIMEOUT_S)
 
 
 def _start_trainer(lab, run: Run, index: int, maddr: str, common: list[str]) -> None:
     host = lab.hosts[index]
     args = ["join", *common, "--initial-peers", maddr, "--host-maddrs", host.maddr()]
-    _start(run, host, f"peer-{index}", [*args, *_peer_files(run, index)])
+    timers = run.log_dir / f"peer-{index}.timers.json"
+    _start(run, host, f"peer-{index}", [*args, *_peer_files(run, index)], timers=timers)
 
 
 def _peer_files(run: Run, index: int) -> list[str]:
@@ -141,12 +154,14 @@ def _peer_files(run: Run, index: int) -> list[str]:
     return [*names, "--set", f"train.checkpoint_dir={checkpoints}"]
 
 
-def _start(run: Run, host, name: str, args: list[str]) -> subprocess.Popen:
+def _start(run: Run, host, name: str, args: list[str], timers: Path | None = None) -> subprocess.Popen:
+    """``swarm ARGS`` in ``host``; with ``timers``, through :func:`timed_cli`."""
     from peers.local import _die_with_parent
 
+    entry = ["-m", "peers.cli"] if timers is None else ["-m", "scripts.bench_testbed", str(timers)]
     with (run.log_dir / f"{name}.log").open("wb") as log:
         proc = host.popen(
-            [sys.executable, "-m", "peers.cli", *args],
+            [sys.executable, *entry, *args],
             cwd=bench_training.REPO,
             env=bench_training.child_env(),
             stdout=log,
@@ -179,122 +194,135 @@ def _stop(run: Run) -> None:
                 proc.wait(timeout=max(0.1, deadline - time.monotonic()))
 
 
-class StepWatcher(bench_training.LogWatcher):
-    """Also keeps, per peer, ``(when seen, step)`` of its latest sync line."""
-
-    def __init__(self, log_dir: Path, peers: int):
-        super().__init__(log_dir, peers)
-        self.steps: list[tuple[float, int] | None] = [None] * peers
-
-    def _line(self, index: int, line: str, now: float) -> None:
-        super()._line(index, line, now)
-        match = bench_training.SYNC_LINE.match(line)
-        if match:
-            self.steps[index] = (now, int(match.group(2)))
-
-
-SCALING_SETS = ["averaging.backend=gossip", "compression.codec=int8"]
-
-
-def run_scaling(
-    counts: list[int], *, root: Path, rate: str, window_s: float, say: Callable[[str], None]
+def measured_numbers(
+    run: Run, plan: Plan, watcher: bench_training.LogWatcher, seconds: float, target: float
 ) -> dict[str, Any]:
-    """Swarm throughput (samples/s) of gossip int8 with equal peers, growing in one lab.
-
-    Trainers are added in stages (``counts``, e.g. 2, 4, 6); once every trainer of a stage has
-    printed a sync line, the swarm's rate is measured over ``window_s``: per trainer, steps between
-    its latest sync lines at the window's start and end, times the batch size, over the time between
-    them; summed. One lab saves the start-up of separate runs, which dominates on 2 cores.
-    """
-    run = Run(root / "scaling")
-    run.log_dir.mkdir(parents=True, exist_ok=True)
-    watcher = StepWatcher(run.log_dir, max(counts))
-    points: list[dict[str, Any]] = []
-    result: dict[str, Any] = {"sets": SCALING_SETS, "window_s": window_s, "rate": rate, "points": points}
-    with netlab.NetLab(hosts=max(counts) + 1, rate=rate) as lab:
-        try:
-            common = _common_args(SCALING_SETS)
-            maddr = _start_bootstrap(lab, run, common)
-            running = 0
-            for count in sorted(counts):
-                for index in range(running + 1, count + 1):
-                    _start_trainer(lab, run, index, maddr, common)
-                running = count
-                samples_per_s = _measure_window(run, watcher, count, window_s)
-                say(f"scaling: {count} peers, {samples_per_s:.0f} samples/s over {window_s:.0f} s")
-                points.append({"peers": count, "samples_per_second": samples_per_s})
-        except RuntimeError as exc:
-            result["error"] = str(exc)
-        finally:
-            _stop(run)
-    result["logs"] = str(run.log_dir)
-    return result
-
-
-def _measure_window(run: Run, watcher: StepWatcher, peers: int, window_s: float) -> float:
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while any(step is None for step in watcher.steps[:peers]):
-        _check(run, deadline, f"not all {peers} trainers synced")
-        watcher.poll(time.monotonic(), 0.0)
-        time.sleep(0.5)  # polling log files that other processes append to
-    begin = list(watcher.steps[:peers])
-    end_at = time.monotonic() + window_s
-    while time.monotonic() < end_at:
-        _check(run, end_at + 1.0, "")
-        watcher.poll(time.monotonic(), 0.0)
-        time.sleep(0.5)
-    batch = _batch_size()
-    total = 0.0
-    for (t0, s0), (t1, s1) in zip(begin, watcher.steps[:peers], strict=True):
-        if t1 > t0:
-            total += (s1 - s0) * batch / (t1 - t0)
-    return total
-
-
-def _batch_size() -> int:
-    from swarm.config import load_config
-
-    return load_config(bench_training.REPO / bench_training.CONFIG, overrides=[], env={}).train.batch_size
-
-
-def _numbers(run: Run, plan: Plan, watcher, seconds: float, slowdown: float) -> dict[str, Any]:
-    from peers._local_summary import collect, swarm_summary
+    """A run's row from the trainers' summaries and timers, the watcher's timestamps, the load samples."""
+    from peers._local_summary import collect
 
     paths = [run.log_dir / f"peer-{i}.summary.json" for i in range(1, plan.peers + 1)]
     per_peer = collect(paths)
     if len(per_peer) < plan.peers:
         return {"error": f"{plan.peers - len(per_peer)} trainer(s) wrote no summary; see {run.log_dir}"}
     for peer in per_peer:
-        # the slowdown sleep stands for a slower device's compute: count it as compute
-        factor = slowdown if peer["name"] == f"peer-{plan.slow_peer}" else 1.0
-        peer["utilization_measured"] = peer["utilization"]
-        peer["utilization"] = min(1.0, peer["utilization"] * factor)
-    summary = swarm_summary(per_peer, baseline_unigram_loss())
+        peer["time_split"] = read_timers(run.log_dir / f"{peer['name']}.timers.json")
+    step_time = _set_value(plan.sets, "train.step_time_s", 0.0)
+    joins = [t for t in watcher.joined if t is not None]
+    curve = _curve(watcher, seconds)
     return {
-        "seconds_to_target": watcher.reached,
-        **bench_training.summary_numbers(summary),
+        "seconds_to_target": crossing(curve, target, 0),
+        "samples_to_target": crossing(curve, target, 1),
+        **bench_training.summary_numbers(per_peer),
+        **training_thread(per_peer),
+        "step_time_s": step_time,
+        "emulation_overrun": emulation_overrun(per_peer, step_time, plan),
+        "load_average": {"mean": _mean(run.loads), "max": max(run.loads, default=None)},
+        "join_spread_s": max(joins) - min(joins) if joins else None,
         "samples_per_second": sum(p.get("samples", 0) for p in per_peer) / seconds,
         "seconds": seconds,
-        "curve": [[round(t, 2), round(loss, 4)] for t, loss in watcher.curve if t <= seconds],
-        "per_peer": [{k: p.get(k) for k in _PER_PEER_KEYS} for p in per_peer],
+        "curve": curve,
+        "per_peer": [{k: p.get(k) for k in PER_PEER_KEYS} for p in per_peer],
         "logs": str(run.log_dir),
     }
 
 
-_PER_PEER_KEYS = ("name", "steps", "rounds", "samples", "eval_loss", "utilization", "utilization_measured")
+def _curve(watcher: bench_training.LogWatcher, seconds: float) -> list[list[float]]:
+    """The watcher's curve, ending with the swarm's samples at the stop (its eval then is the latest)."""
+    points = [[round(t, 2), n, round(loss, 4)] for t, n, loss in watcher.curve if t <= seconds]
+    if points and watcher.samples() > points[-1][1]:
+        points.append([round(seconds, 2), watcher.samples(), points[-1][2]])
+    return points
 
 
-def baseline_unigram_loss() -> float | None:
-    """The unigram model's held-out bits/byte on the benchmark's data (what `swarm local` prints)."""
-    global _BASELINE
-    if _BASELINE is None:
-        from swarm.config import load_config
-        from swarm.training import open_source, unigram_bits
+PER_PEER_KEYS = (
+    "name",
+    "steps",
+    "rounds",
+    "samples",
+    "eval_loss",
+    "utilization",
+    "compute_seconds",
+    "device_seconds",
+    "rounds_by_role",
+    "time_split",
+)
 
-        config = load_config(bench_training.REPO / bench_training.CONFIG, overrides=[], env={})
-        source = open_source(config.data)
-        _BASELINE = unigram_bits(source.train, source.eval) if hasattr(source, "train") else None
-    return _BASELINE
+
+def crossing(curve: list[list[float]], target: float, axis: int) -> float | None:
+    """Where the eval curve first reaches ``target``, on ``axis`` (0: seconds, 1: samples), linearly
+    interpolated from the point before (evaluations are seconds apart); None if it never does."""
+    for index, point in enumerate(curve):
+        if point[2] <= target:
+            if index == 0:
+                return point[axis]
+            before = curve[index - 1]
+            share = (before[2] - target) / (before[2] - point[2])
+            return before[axis] + share * (point[axis] - before[axis])
+    return None
 
 
-_BASELINE: float | None = None
+def read_timers(path: Path) -> dict[str, float] | None:
+    """A trainer's :func:`timed_cli` totals, or None when it wrote none."""
+    import json
+
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def training_thread(per_peer: list[dict[str, Any]]) -> dict[str, Any]:
+    """``utilization``: device seconds over the wall time of the training loop (from the first inner
+    step to the stop; start-up and joining left out), mean over trainers; ``time_split``: the share of
+    that wall time each part of ``bench_training.TIMED_PARTS`` took, and ``other``; means over trainers."""
+    splits = [p["time_split"] for p in per_peer if p.get("time_split") and p["time_split"].get("run")]
+    if not splits:
+        return {"utilization": None, "time_split": None}
+    shares = {
+        part: _mean([s.get(part, 0.0) / s["run"] for s in splits]) for part in bench_training.TIMED_PARTS
+    }
+    shares["other"] = max(0.0, 1.0 - sum(shares.values()))
+    return {"utilization": shares["device"], "time_split": shares}
+
+
+def emulation_overrun(per_peer: list[dict[str, Any]], step_time: float, plan: Plan) -> float | None:
+    """How much longer the device time was than the emulated step times: 0 when every step's real
+    compute fitted in ``train.step_time_s`` (the emulation held)."""
+    if not step_time:
+        return None
+    emulated = 0.0
+    for peer in per_peer:
+        factor = plan.slowdown if peer["name"] == f"peer-{plan.slow_peer}" else 1.0
+        emulated += peer.get("steps", 0) * step_time * factor
+    device = sum(p.get("device_seconds", 0.0) for p in per_peer)
+    return device / emulated - 1 if emulated else None
+
+
+def _set_value(sets: list[str], key: str, default: float) -> float:
+    values = [s.split("=", 1)[1] for s in sets if s.startswith(f"{key}=")]
+    return float(values[-1]) if values else default
+
+
+def _mean(values: list[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return statistics.fmean(present) if present else None
+
+
+def brief(row: dict[str, Any]) -> str:
+    """One line: time to target, final eval, utilization, real compute per step, load."""
+    if "error" in row:
+        return f"error: {row['error']}"
+    reached = row.get("seconds_to_target")
+    to_target = "not reached" if reached is None else f"{reached:.1f} s"
+    util = row.get("utilization")
+    compute = row.get("compute_per_step_s")
+    load = (row.get("load_average") or {}).get("mean")
+    parts = [f"to target {to_target}", f"final eval {row['final_eval_loss']:.3f}"]
+    parts.append("util -" if util is None else f"util {util:.0%}")
+    parts.append("compute -" if compute is None else f"compute {1000 * compute:.0f} ms/step")
+    parts.append("load -" if load is None else f"load {load:.1f}")
+    return ", ".join(parts)
+
+
+if __name__ == "__main__":  # a trainer of a run: python -m scripts.bench_testbed TIMERS_JSON join ...
+    bench_training.timed_cli(sys.argv[1], sys.argv[2:])

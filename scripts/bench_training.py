@@ -2,20 +2,21 @@
 """Training benchmark on loopback: swarm gossip (int8) vs hivemind.Optimizer vs one solo peer.
 
 Each backend runs as ``swarm local --peers N --config configs/local-tiny.yaml --duration S`` (a
-bootstrap and N trainer processes), with the same model, data, learning rate and wall-time budget.
-``train.max_steps`` is raised so that the budget, not a step count, ends every run (the learning
-rate is then flat after the warm-up, the same for all).
+bootstrap and N trainer processes), with the same model, data, learning rate, wall-time budget and
+emulated device (:data:`REGIME`: ``train.step_time_s``, every inner step padded to the same device
+time, so that peers sharing this machine's cores do not measure CPU contention). ``train.max_steps``
+is raised so that the budget, not a step count, ends every run.
 
-* gossip: ``averaging.backend=gossip``, int8 pseudo-gradients every H local steps (local-tiny: 10).
+* gossip: ``averaging.backend=gossip``, int8 pseudo-gradients every H local steps.
 * hivemind: ``averaging.backend=hivemind``, ``sync_every_steps = N * H``, so that each peer averages
   about every H of its own steps (an epoch is N * H * batch samples of the whole swarm).
 * solo: ``averaging.backend=none``, one peer.
 
 Reported per backend: ``seconds_to_target`` (from the first trainer's join line until the mean of
 the peers' latest held-out eval losses, read live from their per-sync log lines, is at or below
-``--target`` bits/byte; null if never), ``final_eval_loss`` (mean over peers at shutdown),
-``wire_bytes_per_param_per_sync`` (bytes the peers sent, all averaging traffic, per parameter and
-per sync round of a peer), ``utilization`` (share of wall time in forward/backward/optimizer).
+``--target`` bits/byte; null if never), ``final_eval_loss`` (mean over peers at shutdown), the
+trainers' own summary numbers (:func:`summary_numbers`). scripts/bench_report.py runs the same
+comparison over the emulated internet.
 
     .venv/bin/python scripts/bench_training.py                 # 4 peers, 150 s each
     .venv/bin/python scripts/bench_training.py --quick --json  # 2 peers, 45 s each; last line JSON
@@ -32,7 +33,10 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -41,78 +45,114 @@ CONFIG = "configs/local-tiny.yaml"
 SYNC_LINE = re.compile(r"^round\s+(\d+) step\s+(\d+) loss \S+ eval (\S+)")
 JOINED = re.compile(r"^peer \S+ joined run")
 
+REGIME: dict[str, float] = {"batch_size": 1, "lr": 1e-3, "step_time_s": 0.1, "target": 3.6}
+"""The bench regime (docs/benchmarks.md says why): per-peer batch, its learning rate, the emulated
+device's seconds per inner step, and the target held-out loss in bits/byte."""
+
+
+def regime_sets(batch_size: int | None = None, eval_every_rounds: int = 1) -> list[str]:
+    """``--set`` overrides every benchmark run shares: the regime, a cheap evaluation, no step limit."""
+    batch = int(batch_size or REGIME["batch_size"])
+    return [
+        f"train.batch_size={batch}",
+        f"train.lr={REGIME['lr']}",
+        f"train.step_time_s={REGIME['step_time_s']}",
+        "train.eval_batches=1",
+        f"train.eval_every_rounds={eval_every_rounds}",
+        "train.max_steps=1000000",
+    ]
+
 
 def backends(peers: int, sync_every: int) -> list[tuple[str, int, list[str]]]:
     """(name, peers, --set overrides) per backend."""
+    every = f"averaging.sync_every_steps={sync_every}"
     hivemind_every = f"averaging.sync_every_steps={peers * sync_every}"
     return [
-        ("gossip", peers, ["averaging.backend=gossip", "compression.codec=int8"]),
+        ("gossip", peers, ["averaging.backend=gossip", "compression.codec=int8", every]),
         ("hivemind", peers, ["averaging.backend=hivemind", "compression.codec=int8", hivemind_every]),
-        ("solo", 1, ["averaging.backend=none"]),
+        ("solo", 1, ["averaging.backend=none", "averaging.outer_lr=1", "averaging.outer_momentum=0"]),
     ]
 
 
 def child_env() -> dict[str, str]:
-    return {**os.environ, "PYTHONUNBUFFERED": "1"}
+    """One torch thread per trainer: N trainers on a few shared cores must not oversubscribe them."""
+    return {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
 
 
 class LogWatcher:
-    """Reads the peers' logs as they grow and timestamps each sync line's eval loss.
+    """Reads the peers' logs as they grow; timestamps joins, steps and each sync line's eval loss.
 
-    ``curve`` holds ``(seconds since the first join line, mean of the peers' latest eval losses)``
-    each time a poll sees a new eval value once every peer has reported one.
+    ``curve`` holds ``(seconds since the first join line, swarm samples, mean of the peers' latest
+    eval losses)`` each time a poll sees that mean change once every peer has reported one; swarm
+    samples are the peers' latest steps times ``batch``.
     """
 
-    def __init__(self, log_dir: Path, peers: int):
+    def __init__(self, log_dir: Path, peers: int, batch: int = 1):
         self.paths = [log_dir / f"peer-{i}.log" for i in range(1, peers + 1)]
+        self.batch = batch
         self.offsets = [0] * peers
         self.latest: list[float | None] = [None] * peers
+        self.steps = [0] * peers
+        self.joined: list[float | None] = [None] * peers
+        self.first_round: list[tuple[float, int] | None] = [None] * peers
         self.started: float | None = None
         self.reached: float | None = None
-        self.curve: list[tuple[float, float]] = []
+        self.curve: list[tuple[float, int, float]] = []
 
     def poll(self, now: float, target: float) -> None:
         for index, path in enumerate(self.paths):
             if not path.exists():
                 continue
-            with path.open(errors="replace") as log:
+            with path.open("rb") as log:
                 log.seek(self.offsets[index])
-                text = log.read()
-            complete = text[: text.rfind("\n") + 1]
-            self.offsets[index] += len(complete.encode(errors="replace"))
-            for line in complete.splitlines():
+                data = log.read()
+            complete = data[: data.rfind(b"\n") + 1]
+            self.offsets[index] += len(complete)
+            for line in complete.decode(errors="replace").splitlines():
                 self._line(index, line, now)
         if self.started is None or None in self.latest:
             return
         mean = statistics.fmean(self.latest)
-        if not self.curve or self.curve[-1][1] != mean:
-            self.curve.append((now - self.started, mean))
+        if not self.curve or self.curve[-1][2] != mean:
+            self.curve.append((now - self.started, self.samples(), mean))
         if self.reached is None and mean <= target:
             self.reached = now - self.started
 
+    def samples(self) -> int:
+        return sum(self.steps) * self.batch
+
     def _line(self, index: int, line: str, now: float) -> None:
-        if JOINED.match(line) and self.started is None:
-            self.started = now
+        if JOINED.match(line) and self.joined[index] is None:
+            self.joined[index] = now
+            self.started = now if self.started is None else self.started
         match = SYNC_LINE.match(line)
-        if match and match.group(3) != "-":
+        if not match:
+            return
+        self.steps[index] = int(match.group(2))
+        if self.first_round[index] is None:
+            self.first_round[index] = (now, self.steps[index])
+        if match.group(3) != "-":
             self.latest[index] = float(match.group(3))
 
 
 def run_backend(name: str, peers: int, overrides: list[str], args: argparse.Namespace, root: Path) -> dict:
     log_dir, summary_path = root / name, root / f"{name}.summary.json"
-    sets = [*overrides, "train.max_steps=1000000"]
+    sets = [*regime_sets(), *overrides]
     command = [sys.executable, "-m", "peers.cli", "local", "--peers", str(peers), "--config", CONFIG]
     command += [a for s in sets for a in ("--set", s)]
     command += ["--duration", str(args.duration), "--log-dir", str(log_dir), "--summary", str(summary_path)]
     print(f"[bench] {name}: {' '.join(command[1:])}", file=sys.stderr, flush=True)
-    watcher = LogWatcher(log_dir, peers)
+    watcher = LogWatcher(log_dir, peers, int(REGIME["batch_size"]))
     with (root / f"{name}.local.log").open("wb") as out:
         proc = subprocess.Popen(command, cwd=REPO, env=child_env(), stdout=out, stderr=subprocess.STDOUT)
         while proc.poll() is None:
             watcher.poll(time.monotonic(), args.target)
             time.sleep(0.5)  # the logs are files other processes append to: poll them
     watcher.poll(time.monotonic(), args.target)
-    return summarize(name, peers, summary_path, watcher, proc.returncode)
+    row: dict[str, Any] = {"backend": name, "peers": peers, "seconds_to_target": watcher.reached}
+    if not summary_path.exists():
+        return {**row, "error": f"no summary (swarm local exited {proc.returncode}); see {log_dir}"}
+    return {**row, **summary_numbers(json.loads(summary_path.read_text())["per_peer"])}
 
 
 @functools.cache
@@ -124,32 +164,130 @@ def n_params() -> int:
     return count_parameters(build_model(config.model, config.run.seed))
 
 
-def summarize(name: str, peers: int, path: Path, watcher: LogWatcher, status: int) -> dict[str, Any]:
-    row: dict[str, Any] = {"backend": name, "peers": peers, "seconds_to_target": watcher.reached}
-    if not path.exists():
-        return {**row, "error": f"no summary (swarm local exited {status}); see {path.parent / name}"}
-    return {**row, **summary_numbers(json.loads(path.read_text()))}
+def summary_numbers(per_peer: list[dict[str, Any]]) -> dict[str, Any]:
+    """The benchmark's numbers from the trainers' ``--summary`` files (``peers/join.py``).
 
-
-def summary_numbers(summary: dict[str, Any]) -> dict[str, Any]:
-    """The benchmark's numbers from a ``swarm local`` summary (``peers._local_summary.swarm_summary``).
-
-    ``exchange_bytes_per_param`` is what one pseudo-gradient exchange (gossip) or all-reduce round
-    (hivemind) sent, per parameter: the codec's cost, without parameter exchanges or state downloads.
+    ``wire_bytes_per_param_per_sync``: everything a peer sent for averaging (both roles, every
+    exchange kind) per round and parameter, mean over peers; ``exchange_bytes_per_param``: one
+    pseudo-gradient exchange (gossip) or all-reduce round, one direction; ``utilization_since_start``:
+    device seconds over each trainer's whole life (start-up and joining included), mean over peers;
+    ``compute_per_step_s``: the real forward, backward and optimizer time per step, mean over steps.
     """
-    per_peer = summary["per_peer"]
-    rounds = sum(p.get("rounds", 0) for p in per_peer)
-    sent = sum(p.get("wire_bytes_total", 0) for p in per_peer) / 2  # sent ~ received over the swarm
+
+    def mean(key: str) -> float | None:
+        values = [p[key] for p in per_peer if p.get(key) is not None]
+        return statistics.fmean(values) if values else None
+
+    steps = sum(p.get("steps", 0) for p in per_peer)
+    roles: Counter[str] = Counter()
+    for peer in per_peer:
+        roles.update(peer.get("rounds_by_role") or {})
     return {
-        "final_eval_loss": summary["eval_loss"],
-        "wire_bytes_per_param_per_sync": sent / rounds / n_params() if rounds else None,
-        "exchange_bytes_per_param": summary["wire_bytes_per_param_per_sync"],
-        "utilization": summary["utilization"],
-        "steps_per_peer": statistics.fmean(p.get("steps", 0) for p in per_peer),
-        "syncs_per_peer": rounds / max(len(per_peer), 1),
-        "tokens_per_second": summary["tokens_per_second"],
-        "baseline_unigram_loss": summary["baseline_unigram_loss"],
+        "final_eval_loss": mean("eval_loss"),
+        "wire_bytes_per_param_per_sync": mean("wire_bytes_per_param_per_sync"),
+        "exchange_bytes_per_param": mean("exchange_bytes_per_param"),
+        "utilization_since_start": mean("utilization"),
+        "steps_per_peer": steps / max(len(per_peer), 1),
+        "syncs_per_peer": sum(p.get("rounds", 0) for p in per_peer) / max(len(per_peer), 1),
+        "samples_total": sum(p.get("samples", 0) for p in per_peer),
+        "compute_per_step_s": sum(p.get("compute_seconds", 0.0) for p in per_peer) / steps if steps else None,
+        "rounds_by_role": dict(roles),
     }
+
+
+# ---------------------------------------------------------------------- where a trainer's time goes
+
+TIMED_PARTS = ("device", "step_other", "sync", "apply", "dht", "evaluate", "checkpoint", "finish")
+"""The training thread's wall time, split: ``device`` is the (emulated) device time of the inner steps,
+``step_other`` the rest of them (a hivemind step's all-reduce), ``sync`` the backend's round (an
+all-reduce barrier, or gossip waiting on an exchange that lags too far), ``apply`` the backend's
+work after each step (applying exchanged updates, publishing the state for joiners), ``dht`` the
+DHT calls the loop makes itself (storing the membership record, reading the member list after each
+round), ``evaluate`` the held-out loss."""
+
+
+class _Timers:
+    """Exclusive wall-time totals of the calls the main thread makes inside ``TrainingPeer.run``: a
+    nested timed call is not counted twice."""
+
+    def __init__(self) -> None:
+        self.totals: dict[str, float] = dict.fromkeys(("run", *TIMED_PARTS), 0.0)
+        self._stack: list[list[float]] = []
+
+    def wrap(self, label: str, function: Callable) -> Callable:
+        def timed(*args, **kwargs):
+            outside = label != "run" and not self._stack  # only what the training loop calls counts
+            if outside or threading.current_thread() is not threading.main_thread():
+                return function(*args, **kwargs)
+            self._stack.append([time.perf_counter(), 0.0])
+            result = None
+            try:
+                result = function(*args, **kwargs)
+            finally:
+                started, nested = self._stack.pop()
+                elapsed = time.perf_counter() - started
+                self._book(label, elapsed - nested, elapsed, result if label == "device" else None)
+                if self._stack:
+                    self._stack[-1][1] += elapsed
+            return result
+
+        return timed
+
+    def _book(self, label: str, seconds: float, inclusive: float, stats: Any) -> None:
+        if label == "run":  # the whole loop; its own share is what no other part took
+            self.totals["run"] += inclusive
+        elif stats is not None and label == "device":
+            self.totals["device"] += stats.device_seconds
+            self.totals["step_other"] += seconds - stats.device_seconds
+        else:
+            self.totals[label] += seconds
+
+
+TIMED_CALLS = (
+    ("swarm.trainer._peer", "TrainingPeer", "run", "run"),
+    ("swarm.trainer._peer", "TrainingPeer", "save_checkpoint", "checkpoint"),
+    ("swarm.trainer._peer", None, "evaluate", "evaluate"),
+    ("swarm.training.inner", "InnerTrainer", "step", "device"),
+    ("swarm.membership._announce", "Announcer", "announce_now", "dht"),
+    ("swarm._node", "SwarmNode", "members", "dht"),
+)
+"""(module, class or None, function, label) of what :func:`timed_cli` times; one that the library no
+longer has is left out (its time then counts as ``other``)."""
+
+
+def _instrument(timers: _Timers) -> None:
+    import importlib
+
+    for module_name, class_name, name, label in TIMED_CALLS:
+        owner = importlib.import_module(module_name)
+        owner = getattr(owner, class_name, None) if class_name else owner
+        if owner is not None and callable(getattr(owner, name, None)):
+            setattr(owner, name, timers.wrap(label, getattr(owner, name)))
+    peer = importlib.import_module("swarm.trainer._peer")
+    make_backend = peer.make_backend
+
+    def timed_backend(*args, **kwargs):
+        backend = make_backend(*args, **kwargs)
+        for method, label in (("sync_round", "sync"), ("after_step", "apply"), ("finish", "finish")):
+            if callable(getattr(backend, method, None)):
+                setattr(backend, method, timers.wrap(label, getattr(backend, method)))
+        return backend
+
+    peer.make_backend = timed_backend
+
+
+def timed_cli(timers_path: str, argv: list[str]) -> None:
+    """``swarm ARGV`` with the training thread's time split by :data:`TIMED_PARTS`, written as JSON to
+    ``timers_path`` at exit. Only timing is added: every call runs as it would."""
+    import atexit
+    import json
+    import runpy
+
+    timers = _Timers()
+    _instrument(timers)
+    atexit.register(lambda: Path(timers_path).write_text(json.dumps(timers.totals)))
+    sys.argv = ["swarm", *argv]
+    runpy.run_module("peers.cli", run_name="__main__")
 
 
 def main() -> None:
@@ -158,12 +296,12 @@ def main() -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object on the last line")
     parser.add_argument("--peers", type=int, default=None, help="trainers for gossip and hivemind (4)")
     parser.add_argument("--duration", type=float, default=None, help="seconds per backend (150)")
-    parser.add_argument("--target", type=float, default=4.5, help="target eval loss, bits/byte (4.5)")
+    parser.add_argument("--target", type=float, default=REGIME["target"], help="target eval loss, bits/byte")
     parser.add_argument("--sync-every", type=int, default=10, help="H: local steps between syncs (10)")
     args = parser.parse_args()
     peers = args.peers or (2 if args.quick else 4)
     args.duration = args.duration or (45.0 if args.quick else 150.0)
-    mode = "quick: 2 peers, 45 s" if args.quick else f"{peers} peers, {args.duration:.0f} s"
+    mode = f"{peers} peers, {args.duration:.0f} s"
     print(f"[bench] {mode} per backend, target {args.target} bits/byte", file=sys.stderr, flush=True)
     (REPO / "runs").mkdir(exist_ok=True)
     root = Path(tempfile.mkdtemp(prefix="bench-training-", dir=REPO / "runs"))

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The README's test command: set up (idempotent), lint, then run the whole test suite.
+# The README's test command: set up (idempotent), lint, type-check, then run the whole test suite.
 #
 #   scripts/test.sh                 everything (what CI runs)
 #   scripts/test.sh --fast          the inner-loop tier: skips the multi-process tests (-m "not multipeer")
@@ -27,6 +27,8 @@ bash scripts/setup.sh
 echo "[test] ruff check + format --check"
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
+echo "[test] mypy (swarm/ and peers/, configured in pyproject.toml)"
+.venv/bin/mypy
 
 burners=()
 stop_burners() {

@@ -23,6 +23,7 @@ _EXPORTS = {
     "NetworkError": "swarm.network",
     "NetworkOptions": "swarm.network",
     "ConfigError": "swarm.config",
+    "SwarmError": "swarm._errors",
     "RunConfig": "swarm.config",
     "load_config": "swarm.config",
 }

@@ -23,10 +23,13 @@ from swarm.membership import (
     Announcer,
     Member,
     PeerRecord,
+    PeerRole,
+    Reachability,
     list_members,
     membership_validators,
 )
 from swarm.network import (
+    ANNOUNCED_LOOKUP_TIMEOUT_S,
     NetworkOptions,
     ReachabilityChecker,
     ReachabilityResult,
@@ -34,7 +37,6 @@ from swarm.network import (
     load_identity,
     start_dht,
 )
-from swarm.network._reachability import IO_TIMEOUT_S as CHECK_IO_TIMEOUT_S
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +47,7 @@ class NodeInfo:
 
     run_id: str
     config_hash: str
-    role: str
+    role: PeerRole
     public_name: str = ""
     device: str = "cpu"
     device_memory_gb: float = 0.0
@@ -77,8 +79,9 @@ class SwarmNode:
         self._status = status or (lambda: {})
         self._started_at = time.time()
         self._client_mode = network.client_mode
-        self.reachability = "client" if network.client_mode else "unknown"
+        self.reachability: Reachability = "client" if network.client_mode else "unknown"
         self._checker: ReachabilityChecker | None = None
+        self._recent_members: list[Member] | None = None
         try:
             self.dht = start_dht(network, identity_path, membership_validators(info.run_id, self._signer))
         finally:
@@ -94,6 +97,7 @@ class SwarmNode:
                 self.record,
                 interval_s=record_interval_s,
                 ttl_s=record_ttl_s,
+                after=self._read_members,
             )
             try:
                 if not self._client_mode:  # answer checks before others can see our record
@@ -139,6 +143,12 @@ class SwarmNode:
         """Publish the current record at once (e.g. right after the state it describes changed)."""
         if self._announcer is not None:
             self._announcer.announce_now()
+
+    def announce_soon(self) -> None:
+        """Publish the current record in the background, soon: for the training thread, which must
+        not wait on the DHT (``announce_now`` blocks until a DHT node accepted the record)."""
+        if self._announcer is not None:
+            self._announcer.announce_soon()
 
     @property
     def client_mode(self) -> bool:
@@ -189,7 +199,7 @@ class SwarmNode:
 
     def _announced_addresses(self, peer_id: str) -> list[str] | None:
         """The addresses in ``peer_id``'s live record (for the checks we answer); None without one."""
-        for member in list_members(self.dht, self.info.run_id, timeout_s=CHECK_IO_TIMEOUT_S / 2):
+        for member in list_members(self.dht, self.info.run_id, timeout_s=ANNOUNCED_LOOKUP_TIMEOUT_S):
             if member.peer_id == peer_id:
                 return list(member.record.addresses) or None
         return None
@@ -197,6 +207,21 @@ class SwarmNode:
     def members(self) -> list[Member]:
         """The live members of this run, this peer included once its record is stored."""
         return list_members(self.dht, self.info.run_id)
+
+    def recent_members(self) -> list[Member]:
+        """The live members as read by the announcer thread right after its last announcement (every
+        record interval, and after :meth:`announce_soon`); read here only before the first one.
+
+        For the training thread, which must not wait on a DHT lookup after every round; the list is
+        at most one record interval older than :meth:`members`'.
+        """
+        recent = self._recent_members
+        if recent is None:
+            recent = self._recent_members = self.members()
+        return list(recent)
+
+    def _read_members(self) -> None:
+        self._recent_members = self.members()
 
     def close(self) -> None:
         """Stop announcing and answering checks, and shut down the DHT process and its p2p daemon."""

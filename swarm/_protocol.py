@@ -4,4 +4,5 @@ Peers announce it in their records; a peer with another version is never chosen 
 monitor flags it. Bump it on any incompatible change to what crosses the network.
 """
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
+"""2: both sides of a gossip exchange use it (offer mode); HELLO may carry an anchor probe."""

@@ -39,6 +39,7 @@ class PeerProcess:
         )
         self.sid = self.proc.pid
         self.lines: list[str] = []
+        self.ended = False  # the reader has seen the end of the output (the process exited)
         self._queue: queue.Queue[str | None] = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
 
@@ -47,13 +48,17 @@ class PeerProcess:
             self._queue.put(line.rstrip("\n"))
         self._queue.put(None)
 
-    def wait_for_line(self, predicate: Callable[[str], bool], timeout: float) -> str:
-        """Return the first line (old or new) satisfying ``predicate``; fail after ``timeout`` seconds."""
-        for line in self.lines:
+    def wait_for_line(self, predicate: Callable[[str], bool], timeout: float, since: int = 0) -> str:
+        """Return the first line (old or new, from line number ``since`` on) satisfying ``predicate``;
+        fail after ``timeout`` seconds."""
+        self.drain()
+        for line in self.lines[since:]:
             if predicate(line):
                 return line
         deadline = time.monotonic() + timeout
         while True:
+            if self.ended:
+                raise AssertionError(f"process exited ({self.proc.wait()}) before the line:\n{self.output()}")
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise AssertionError(f"no matching line within {timeout}s from {self.args}:\n{self.output()}")
@@ -62,7 +67,8 @@ class PeerProcess:
             except queue.Empty:
                 continue
             if line is None:
-                raise AssertionError(f"process exited ({self.proc.wait()}) before the line:\n{self.output()}")
+                self.ended = True
+                continue
             self.lines.append(line)
             if predicate(line):
                 return line
@@ -74,20 +80,38 @@ class PeerProcess:
                 line = self._queue.get_nowait()
             except queue.Empty:
                 return
-            if line is not None:
+            if line is None:
+                self.ended = True
+            else:
                 self.lines.append(line)
+
+    def mark(self) -> int:
+        """The number of lines read so far: pass it as ``since`` to wait for a line printed after now."""
+        self.drain()
+        return len(self.lines)
 
     def output(self) -> str:
         self.drain()
         return "\n".join(self.lines)
 
     def wait(self, timeout: float) -> int:
-        code = self.proc.wait(timeout=timeout)
+        """Wait for the process to exit and return its status; fail, with its output, after ``timeout``."""
+        try:
+            code = self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"still running after {timeout}s: {self.args}\n{self.output()}") from None
+        # the rest of its output: up to the end of the stream (children that inherited it, such as
+        # its DHT worker, may hold it open a moment longer; a bounded wait)
         reader_deadline = time.monotonic() + 5
-        while self.proc.stdout and not self.proc.stdout.closed and time.monotonic() < reader_deadline:
-            self.drain()
-            if self._queue.empty():
+        while not self.ended and (remaining := reader_deadline - time.monotonic()) > 0:
+            try:
+                line = self._queue.get(timeout=remaining)
+            except queue.Empty:
                 break
+            if line is None:
+                self.ended = True
+            else:
+                self.lines.append(line)
         self.drain()
         return code
 
@@ -105,14 +129,51 @@ class PeerProcess:
 
 def session_processes(sids: set[int]) -> list[psutil.Process]:
     """Live (non-zombie) processes whose session id is one of ``sids``."""
+    return _live_processes(os.getsid, sids)
+
+
+def group_processes(pgids: set[int]) -> list[psutil.Process]:
+    """Live (non-zombie) processes whose process group id is one of ``pgids``."""
+    return _live_processes(os.getpgid, pgids)
+
+
+def _live_processes(id_of: Callable[[int], int], ids: set[int]) -> list[psutil.Process]:
     found = []
     for proc in psutil.process_iter(["status"]):
         try:
-            if proc.info["status"] != psutil.STATUS_ZOMBIE and os.getsid(proc.pid) in sids:
+            if proc.info["status"] != psutil.STATUS_ZOMBIE and id_of(proc.pid) in ids:
                 found.append(proc)
         except (ProcessLookupError, PermissionError, psutil.Error):
             continue
     return found
+
+
+def outliving(find: Callable[[], list[psutil.Process]], timeout: float) -> list[psutil.Process]:
+    """Wait up to ``timeout`` seconds for ``find()`` to come back empty; return what is still there.
+
+    For leak checks after a *graceful* stop: a peer that was asked to stop takes its DHT worker and
+    ``p2pd`` down by itself, in order, which takes a moment; whatever is left after the deadline
+    outlived the graceful stop.
+    """
+    deadline = time.monotonic() + timeout
+    while (left := find()) and time.monotonic() < deadline:
+        time.sleep(0.1)  # polling the process table; there is nothing to wait on
+    return left
+
+
+def kill_all(processes: list[psutil.Process]) -> None:
+    """SIGKILL each of ``processes`` that still runs, and reap the ones that are ours."""
+    for proc in processes:
+        with contextlib.suppress(psutil.Error):
+            proc.kill()
+    psutil.wait_procs(processes, timeout=10)
+
+
+def describe(proc: psutil.Process) -> str:
+    try:
+        return f"{proc.pid} {proc.name()} {' '.join(proc.cmdline())[:200]}"
+    except psutil.Error as exc:
+        return f"{proc.pid} ({type(exc).__name__})"
 
 
 def wait_until(condition: Callable[[], bool], timeout: float, what: str, period: float = 0.2) -> float:

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import signal
+import subprocess
 from collections.abc import Callable, Iterator
 
 import psutil
 import pytest
 
-from tests._processes import PeerProcess, session_processes
+from tests._processes import PeerProcess, describe, kill_all, outliving, session_processes
 
 _PR_SET_CHILD_SUBREAPER = 36
 
@@ -30,9 +33,21 @@ def _name(proc: psutil.Process) -> str:
         return ""
 
 
+GRACEFUL_STOP_S = 60.0
+"""How long peers get to stop by themselves at the end of a test: generous, because this is a leak
+check, not a timing check (several peers stopping at once on two busy cores take their time)."""
+
+
 @pytest.fixture
 def spawn() -> Iterator[Callable[..., PeerProcess]]:
-    """Start peer processes; at the end kill what is left and assert nothing of theirs survives."""
+    """Start peer processes; at the end stop them gracefully and fail if anything of theirs outlives that.
+
+    Whatever the test left running gets SIGTERM (the way a user stops a peer). Then every process in
+    their sessions (the peer, its DHT worker, ``p2pd``) must end by itself within
+    :data:`GRACEFUL_STOP_S`; a process the test killed must have taken its session down too (a lone
+    SIGKILL of a peer leaves its DHT worker to stop ``p2pd``). Only what is still there after that
+    is killed, and the test fails naming it.
+    """
     started: list[PeerProcess] = []
 
     def start(args: list[str], **kwargs) -> PeerProcess:
@@ -42,17 +57,16 @@ def spawn() -> Iterator[Callable[..., PeerProcess]]:
 
     yield start
     for process in started:
-        process.kill_session()
-    # a process SIGKILLed a moment ago may still be on its way out: give the kernel a bounded moment
-    _, leftovers = psutil.wait_procs(session_processes({p.sid for p in started}), timeout=10)
-    assert not leftovers, f"processes outlived the test: {[_describe(p) for p in leftovers]}"
-
-
-def _describe(proc: psutil.Process) -> str:
-    try:
-        return f"{proc.pid} {proc.status()} {proc.cmdline()}"
-    except psutil.Error as exc:
-        return f"{proc.pid} ({exc})"
+        if process.proc.poll() is None:
+            process.signal(signal.SIGTERM)
+    sids = {p.sid for p in started}
+    outlived = outliving(lambda: session_processes(sids), GRACEFUL_STOP_S)
+    described = [describe(p) for p in outlived]
+    kill_all(outlived)
+    for process in started:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            process.proc.wait(timeout=10)
+    assert not described, f"processes outlived a graceful stop (then killed): {described}"
 
 
 @pytest.fixture(autouse=True)

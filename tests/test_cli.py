@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import signal
 import stat
+import subprocess
+import sys
 
 import pytest
 from typer.testing import CliRunner
@@ -13,9 +15,11 @@ from peers.bootstrap import JOIN_LINE_PREFIX
 from peers.cli import app
 from swarm.network import IDENTITY_FILE_MODE, peer_id_of_identity
 from swarm.state import list_checkpoints, read_checkpoint
-from tests._processes import swarm_cli, terminate_and_wait
+from tests._processes import kill_all, session_processes, swarm_cli, terminate_and_wait
+from tests.workers.tiny import TINY, cli_sets
 
 runner = CliRunner()
+TINY_SETS = cli_sets(TINY)
 
 
 @pytest.mark.parametrize(
@@ -69,6 +73,52 @@ def test_join_without_initial_peers_is_refused() -> None:
     assert "--initial-peers" in result.output
 
 
+NETWORK_FLAGS = {
+    "--initial-peers", "--host-maddrs", "--announce-maddrs", "--port", "--public-ip", "--identity-path",
+    "--client-mode", "--public-name",
+}  # fmt: skip
+
+
+def _network_options(command: str) -> dict[str, tuple[tuple[str, ...], str | None]]:
+    import typer.main
+
+    params = typer.main.get_command(app).commands[command].params
+    return {
+        p.opts[0]: (tuple(p.opts + p.secondary_opts), p.help) for p in params if p.opts[0] in NETWORK_FLAGS
+    }
+
+
+def test_bootstrap_and_join_take_the_same_network_options(monkeypatch, tmp_path) -> None:
+    """One definition (peers/_common.py): the same flags, with the same help, reaching both commands
+    the same way."""
+    assert set(_network_options("bootstrap")) == NETWORK_FLAGS
+    assert _network_options("bootstrap") == _network_options("join")
+
+    import peers.bootstrap
+    import peers.join
+
+    seen = {}
+    monkeypatch.setattr(
+        peers.bootstrap, "run_bootstrap", lambda cfg, network, **kw: seen.update(bootstrap=(network, kw))
+    )
+    monkeypatch.setattr(peers.join, "run_join", lambda cfg, network, **kw: seen.update(join=(network, kw)))
+    peer = "/ip4/127.0.0.1/tcp/4000/p2p/QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N"
+    flags = [
+        "--initial-peers", f"{peer},{peer}", "--port", "4001", "--public-ip", "203.0.113.7",
+        "--identity-path", str(tmp_path / "id.key"), "--client-mode", "--public-name", "alice",
+    ]  # fmt: skip
+    for command in ("bootstrap", "join"):
+        result = runner.invoke(app, [command, *flags])
+        assert result.exit_code == 0, result.output
+    (boot, boot_kwargs), (joiner, join_kwargs) = seen["bootstrap"], seen["join"]
+    assert boot == joiner
+    assert boot.initial_peers == [peer, peer]
+    assert boot.host_maddrs == ["/ip4/0.0.0.0/tcp/4001", "/ip6/::/tcp/4001"]
+    assert boot.announce_maddrs == ["/ip4/203.0.113.7/tcp/4001"]
+    assert str(boot.identity_path) == str(tmp_path / "id.key") and boot.client_mode is True
+    assert boot_kwargs["public_name"] == join_kwargs["public_name"] == "alice"
+
+
 def _monitor_peers(output: str) -> list[dict]:
     """The ``peers`` of the JSON snapshot printed by ``swarm monitor --once --format json``."""
     start = output.index("\n{") + 1 if not output.startswith("{") else 0
@@ -79,14 +129,16 @@ def _monitor_peers(output: str) -> list[dict]:
 @pytest.mark.multipeer
 def test_bootstrap_line_contract_end_to_end(spawn, tmp_path) -> None:
     identity = tmp_path / "boot" / "id.key"
-    boot = spawn(swarm_cli("bootstrap", "--identity-path", str(identity), "--public-name", "entry"))
+    boot = spawn(
+        swarm_cli("bootstrap", "--identity-path", str(identity), "--public-name", "entry", *TINY_SETS)
+    )
     line = boot.wait_for_line(lambda text: text.startswith(JOIN_LINE_PREFIX), timeout=90)
     maddr = line[len(JOIN_LINE_PREFIX) :]
     assert stat.S_IMODE(identity.stat().st_mode) == IDENTITY_FILE_MODE
     boot_id = peer_id_of_identity(identity)
     assert maddr.endswith(f"/p2p/{boot_id}")
 
-    joiner = spawn(swarm_cli(*line.split()[1:], "--public-name", "volunteer"))
+    joiner = spawn(swarm_cli(*line.split()[1:], "--public-name", "volunteer", *TINY_SETS))
     joined = joiner.wait_for_line(lambda text: text.startswith("peer ") and "joined run" in text, timeout=90)
     joiner_id = joined.split()[1]
 
@@ -102,7 +154,9 @@ def test_bootstrap_line_contract_end_to_end(spawn, tmp_path) -> None:
 
 @pytest.mark.multipeer
 def test_local_swarm_runs_and_stops_cleanly(spawn, tmp_path) -> None:
-    local = spawn(swarm_cli("local", "--peers", "2", "--duration", "4", "--log-dir", str(tmp_path / "logs")))
+    local = spawn(
+        swarm_cli("local", "--peers", "2", "--duration", "4", "--log-dir", str(tmp_path / "logs"), *TINY_SETS)
+    )
     assert local.wait(timeout=180) == 0, local.output()
     output = local.output()
     assert "[local] started 2 peers" in output and "[local] all peers stopped" in output
@@ -133,11 +187,47 @@ def test_local_swarm_runs_and_stops_cleanly(spawn, tmp_path) -> None:
 
 @pytest.mark.multipeer
 def test_local_swarm_interrupted_leaves_nothing(spawn, tmp_path) -> None:
-    local = spawn(swarm_cli("local", "--peers", "2", "--forever", "--log-dir", str(tmp_path / "logs")))
+    local = spawn(
+        swarm_cli("local", "--peers", "2", "--forever", "--log-dir", str(tmp_path / "logs"), *TINY_SETS)
+    )
     local.wait_for_line(lambda text: "started 2 peers" in text, timeout=120)
     local.signal(signal.SIGINT)
     assert local.wait(timeout=30) == 0, local.output()
     assert "[local] all peers stopped" in local.output()
+
+
+def test_local_stop_kills_only_what_outlives_its_peer(monkeypatch, tmp_path, capsys) -> None:
+    """`swarm local`'s stop: a peer that exits on SIGTERM leaves nothing; one that ignores it is killed
+    after the grace period; a process left behind by a peer that exited is a leak, named and killed."""
+    import peers.local as local
+
+    monkeypatch.setattr(local, "SHUTDOWN_GRACE_S", 1.0)
+    monkeypatch.setattr(local, "ORPHAN_WAIT_S", 1.0)
+    ready = "print('ready', flush=True); signal.pause()"
+    scripts = {
+        "clean": f"import signal; {ready}",
+        "stubborn": f"import signal; signal.signal(signal.SIGTERM, signal.SIG_IGN); {ready}",
+        # exits on SIGTERM, but leaves a child of its own running (in its session, like a p2pd)
+        "leaky": f"import signal, subprocess, sys; subprocess.Popen([sys.executable, '-c', 'import signal; "
+        f"signal.pause()']); {ready}",
+    }
+    swarm = local.LocalSwarm(tmp_path)
+    for name, script in scripts.items():
+        proc = subprocess.Popen(
+            [sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, start_new_session=True
+        )
+        swarm.processes.append((name, proc))
+        assert proc.stdout.readline().strip() == "ready"
+    sessions = {proc.pid for _, proc in swarm.processes}
+    try:
+        outlived = swarm.stop()
+    finally:
+        kill_all(session_processes(sessions))
+    assert len(outlived) == 1 and "python" in outlived[0], outlived
+    assert "stubborn did not stop within 1 s; killed it" in capsys.readouterr().err
+    assert not session_processes(sessions)
+    for _, proc in swarm.processes:
+        proc.stdout.close()
 
 
 def test_local_live_view_lists_trainers_in_a_narrow_terminal() -> None:

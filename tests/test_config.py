@@ -13,7 +13,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
-from peers.config_cmd import config_app, load_config_or_exit
+from peers._common import load_config_or_exit
+from peers.config_cmd import config_app
 from swarm.config import (
     ENV_ALLOWLIST,
     PER_PEER_KEYS,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ from swarm.compression import HEADER_SIZE, get_codec
 from swarm.config import load_config
 from swarm.training import build_model, count_parameters
 from swarm.training.estimate import activation_bytes, adamw_state_bytes, estimate_peer, model_shape
+from tests._processes import swarm_cli
 
 CONFIGS = sorted((Path(__file__).resolve().parent.parent / "configs").glob("*.yaml"))
 runner = CliRunner()
@@ -27,7 +29,7 @@ def test_every_config_passes_check_with_estimates(path: Path) -> None:
     result = runner.invoke(app, ["config", "check", str(path)])
     assert result.exit_code == 0, result.output
     assert "OK: " in result.output
-    assert "memory per peer on cuda" in result.output
+    assert "memory per peer on cuda" in result.output and "outer state in host memory" in result.output
     assert "wire per sync per peer" in result.output
 
 
@@ -61,3 +63,49 @@ def test_checkpointing_reduces_activations() -> None:
     assert checkpointed < full / 3
     estimate = estimate_peer(config)
     assert estimate.memory(True) < estimate.memory(False)
+
+
+def _local_run(spawn, tmp_path: Path, name: str, width: int) -> dict:
+    """Two gossip trainers of a ``width``-wide, 4-layer GPT (batch 1, as the estimate assumes) that
+    exchange in both roles; their summaries, each with its process's peak resident set."""
+    summary = tmp_path / f"{name}.json"
+    overrides = [
+        "model.n_layer=4",
+        f"model.n_embd={width}",
+        "model.n_head=4",
+        "model.block_size=64",
+        "train.batch_size=1",
+        "train.max_steps=24",
+        "train.eval_batches=1",
+        "averaging.sync_every_steps=4",
+        "averaging.param_sync_every=2",
+        "network.record_interval_s=1",
+        "network.record_ttl_s=4",
+    ]
+    args = ["local", "--peers", "2", "--config", "configs/local-tiny.yaml", "--summary", str(summary)]
+    local = spawn(swarm_cli(*args, *(f"--set={o}" for o in overrides), "--log-dir", str(tmp_path / name)))
+    assert local.wait(timeout=280) == 0, local.output()
+    return json.loads(summary.read_text())
+
+
+@pytest.mark.multipeer
+@pytest.mark.timeout(600)
+def test_the_estimate_matches_the_measured_peak_memory(spawn, tmp_path: Path) -> None:
+    """CPU: the peak resident set of a trainer of a 7M-parameter model, over that of a trainer of a
+    100x smaller one (the interpreter, torch and hivemind), is what the estimate says the larger model
+    adds: weights, gradients, AdamW, activations, outer state, residual and exchange buffers."""
+    small, large = _local_run(spawn, tmp_path, "small", 32), _local_run(spawn, tmp_path, "large", 384)
+    for run in (small, large):
+        assert all(peer["exchanges_ok"] > 0 for peer in run["per_peer"]), run  # the buffers were used
+    measured = min(p["peak_rss_bytes"] for p in large["per_peer"]) - max(
+        p["peak_rss_bytes"] for p in small["per_peer"]
+    )
+
+    def estimated(width: int) -> int:
+        overrides = ["model.n_layer=4", f"model.n_embd={width}", "model.n_head=4", "model.block_size=64"]
+        config = load_config("configs/local-tiny.yaml", overrides=overrides, env={})
+        return estimate_peer(config, "cpu").memory(checkpointing=False)
+
+    expected = estimated(384) - estimated(32)
+    print(f"peak RSS growth {measured / 2**20:.1f} MiB, estimated {expected / 2**20:.1f} MiB")
+    assert 0.7 * expected < measured < 1.4 * expected

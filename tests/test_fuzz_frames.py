@@ -34,8 +34,7 @@ from swarm.compression import (
     encode_tensors,
     get_codec,
 )
-from swarm.membership import PeerRecord, record_key
-from swarm.membership._record import membership_validators
+from swarm.membership import PeerRecord, membership_validators, record_key
 from swarm.p2p._framing import (
     HEADER_LEN,
     MAX_JSON_DEPTH,
@@ -44,7 +43,7 @@ from swarm.p2p._framing import (
     read_message,
     write_message,
 )
-from tests.fuzz_helpers import FakeWriter, Kind, bounded, crafted_frames, fuzz_settings, with_crc
+from tests.workers.fuzz import FakeWriter, Kind, bounded, crafted_frames, fuzz_settings, with_crc
 
 FUZZ = fuzz_settings(120)
 FEW = fuzz_settings(40)

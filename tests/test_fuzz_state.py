@@ -11,7 +11,7 @@ garbage messages). Properties, for every case:
 * a client accepts exactly the announced state or nothing;
 * afterwards a well-formed request still works (the handler's state is not poisoned).
 
-The shared pieces (fake P2P, the mutation strategy) are in tests/fuzz_helpers.py.
+The shared pieces (fake P2P, the mutation strategy) are in tests/workers/fuzz.py.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ from swarm.state._transfer_protocol import (
     fetch_part,
     state_digest,
 )
-from tests.fuzz_helpers import (
+from tests.workers.fuzz import (
     CASE_TIMEOUT_S,
     ErrorLog,
     FakeP2P,

@@ -18,7 +18,7 @@ from swarm.gossip._protocol import PROTOCOL_VERSION
 from swarm.trainer._live import LiveModel
 from swarm.trainer._offers import DeltaOffers
 from swarm.training import OuterOptimizer
-from tests.gossip_helpers import p2pd_pids, wait_no_leak
+from tests.workers.gossip_pool import p2pd_pids, wait_no_leak
 
 BATCH = 4
 
@@ -97,9 +97,13 @@ def test_both_sides_apply_the_pair_mean_and_every_step_counts_once(pair) -> None
     assert result.outcome is SyncOutcome.OK, result
     _wait(b.live.has_pending, 10, "the dialled side's commit")  # it lands when our final ACK arrives
     a.step()  # progress after the snapshot must survive the update
+    true_distance = _distance(a.live.outer.anchor, b.live.outer.anchor)
     for trainer in (a, b):
         assert trainer.live.delta_snapshot() is None, "offered again before the update was applied"
-        assert [u.kind for u in trainer.live.apply_pending()] == ["delta"]
+        [update] = trainer.live.apply_pending()
+        assert update.kind == "delta"
+        # the anchor probes in the handshake estimate how far apart the two models are
+        assert update.info["drift"] == pytest.approx(true_distance, rel=0.3)
     mean = {n: (a.produced[n] + b.produced[n] - a.last[n]) / 2 for n in a.start}
     for name, param in a.model.named_parameters():
         # both anchors moved by the pair's mean pseudo-gradient (lr 1, no momentum, fp32: exact) ...
@@ -111,6 +115,11 @@ def test_both_sides_apply_the_pair_mean_and_every_step_counts_once(pair) -> None
         # and the step taken after the snapshot is still in the model
         assert torch.allclose(param.detach(), a.live.outer.anchor[name] - a.last[name], atol=1e-6)
     assert a.live.steps == 1 and b.live.steps == 0
+
+
+def _distance(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    diff = sum(float((a[n] - b[n]).pow(2).sum()) for n in a)
+    return (diff / sum(float(t.pow(2).sum()) for t in a.values())) ** 0.5
 
 
 def test_nothing_to_offer_is_skipped_locally_and_busy_for_a_partner(pair) -> None:

@@ -101,6 +101,8 @@ def test_json_and_jsonl_output_is_the_documented_schema(capsys) -> None:
         "peers",
         "warnings",
         "retired_samples",
+        "stages",
+        "bottleneck_stage",
     }
 
 

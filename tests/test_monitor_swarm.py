@@ -12,6 +12,7 @@ import pytest
 from peers.bootstrap import JOIN_LINE_PREFIX
 from swarm.membership import PROTOCOL_VERSION
 from tests._processes import swarm_cli, wait_until
+from tests.workers.tiny import ONE_THREAD, UNLIMITED, cli_sets, tiny
 
 PEER_FIELDS = {
     "short_id", "peer_id", "public_name", "role", "state", "reported_state", "protocol_version",
@@ -19,7 +20,7 @@ PEER_FIELDS = {
     "samples_total", "loss", "eval_loss", "drift", "bytes_sent", "bytes_received", "upload_bps",
     "download_bps", "syncs_per_min", "exchanges_ok", "exchanges_failed", "exchanges_rejected",
     "connectivity", "client_mode", "addresses", "started_at", "last_seen", "last_progress_at",
-    "expires_in_s", "present", "compatible", "last_seen_ago_s",
+    "expires_in_s", "present", "compatible", "last_seen_ago_s", "stage", "stage_capacity",
 }  # fmt: skip
 TOTAL_FIELDS = {
     "peers", "trainers", "stale", "incompatible", "samples_per_s", "samples_total", "loss_mean", "loss_best",
@@ -38,14 +39,21 @@ def _snapshot_lines(process) -> list[dict]:
     return [json.loads(line) for line in process.lines if line.startswith('{"schema_version"')]
 
 
+# the tests' tiny trainer (the monitor needs the same run config, or it reports them incompatible)
+RUN = cli_sets(tiny(UNLIMITED))
+
+
 @pytest.mark.multipeer
 def test_monitor_against_a_local_swarm_of_three(spawn, tmp_path) -> None:
-    boot = spawn(swarm_cli("bootstrap", "--public-name", "local-bootstrap"))
+    boot = spawn(swarm_cli("bootstrap", "--public-name", "local-bootstrap", *RUN), env=ONE_THREAD)
     maddr = boot.wait_for_line(lambda text: text.startswith(JOIN_LINE_PREFIX), timeout=120)[
         len(JOIN_LINE_PREFIX) :
     ]
     joiners = [
-        spawn(swarm_cli("join", "--initial-peers", maddr, "--public-name", f"local-{n}")) for n in (1, 2, 3)
+        spawn(
+            swarm_cli("join", "--initial-peers", maddr, "--public-name", f"local-{n}", *RUN), env=ONE_THREAD
+        )
+        for n in (1, 2, 3)
     ]
     for joiner in joiners:
         joiner.wait_for_line(lambda text: "joined run" in text, timeout=120)
@@ -54,10 +62,10 @@ def test_monitor_against_a_local_swarm_of_three(spawn, tmp_path) -> None:
     live = spawn(
         swarm_cli(
             "monitor", "--initial-peers", maddr, "--format", "jsonl", "--prometheus-port", "0",
-            "--history", str(history), "--set", "monitor.refresh_s=1",
+            "--history", str(history), "--set", "monitor.refresh_s=1", *RUN,
         )
     )  # fmt: skip
-    once = spawn(swarm_cli("monitor", "--initial-peers", maddr, "--once", "--format", "json"))
+    once = spawn(swarm_cli("monitor", "--initial-peers", maddr, "--once", "--format", "json", *RUN))
     assert once.wait(timeout=120) == 0, once.output()
     doc = _json_document(once.output())
 

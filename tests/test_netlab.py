@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 from collections.abc import Iterator
 
@@ -11,9 +12,10 @@ from peers.bootstrap import JOIN_LINE_PREFIX
 from scripts import netlab
 from scripts.netlab import NetLab, list_labs, parse_rate, unavailable_reason
 from tests._processes import swarm_cli, terminate_and_wait
+from tests.workers.tiny import cli_sets, tiny
 
 needs_lab = pytest.mark.skipif(unavailable_reason() is not None, reason=unavailable_reason() or "")
-TINY = ["--set", "model.n_layer=1", "--set", "model.n_embd=32", "--set", "train.batch_size=4"]
+TINY = cli_sets(tiny())
 
 
 def _root_links() -> list[str]:
@@ -59,14 +61,31 @@ def test_hosts_have_no_route_out(lab: NetLab) -> None:
     assert routes == ["10.77.0.0/24 dev eth0 proto kernel scope link src 10.77.0.1"]
 
 
+def _shaped_rates(lab: NetLab, host: int) -> tuple[float, float]:
+    """The token-bucket rates (bits/s) tc enforces on ``host``'s link: (up, down)."""
+
+    def rate(netns: str, dev: str) -> float:
+        [qdisc] = json.loads(
+            netlab.sh(["ip", "netns", "exec", netns, "tc", "-j", "qdisc", "show", "dev", dev])
+        )
+        assert qdisc["kind"] == "tbf", qdisc
+        return qdisc["options"]["rate"] * 8.0  # tc reports bytes per second
+
+    return rate(lab.hosts[host].netns, "eth0"), rate(lab.bridge_netns, f"p{host}")
+
+
 @needs_lab
 def test_shaped_link_is_not_faster_than_its_rate(lab: NetLab) -> None:
+    # what the kernel enforces is exactly what was asked for, in both directions ...
+    assert _shaped_rates(lab, 0) == (20e6, 20e6)
+    # ... and a transfer never beats it (a busy machine can only make it slower: no lower bound here)
     bits = lab.throughput(0, 1, nbytes=4_000_000)
-    assert 0.5 * 20e6 <= bits <= 1.2 * 20e6, bits / 1e6
+    assert bits <= 1.2 * 20e6, bits / 1e6
     lab.shape(2, up="8mbit", down="20mbit")
     try:
+        assert _shaped_rates(lab, 2) == (8e6, 20e6)
         bits = lab.throughput(2, 0, nbytes=2_000_000)
-        assert 0.5 * 8e6 <= bits <= 1.2 * 8e6, bits / 1e6
+        assert bits <= 1.2 * 8e6, bits / 1e6
     finally:
         lab.shape(2, "20mbit")
 

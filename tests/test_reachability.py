@@ -25,6 +25,7 @@ from swarm.network._reachability import (
 )
 from swarm.p2p import read_message, write_message
 from tests._processes import swarm_cli, terminate_and_wait, wait_until
+from tests.workers.tiny import UNLIMITED, cli_sets, tiny
 
 RUN = "reach-test"
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
@@ -206,16 +207,43 @@ def test_checker_refuses_oversized_and_malformed_requests(pair) -> None:
 # ---------------------------------------------------------------------------- whole peers
 
 
-CONFIG = [
-    *("--config", "configs/local-tiny.yaml"),
-    *("--set", "train.max_steps=100000", "--set", "train.batch_size=4"),
-]
+CONFIG = ["--config", "configs/local-tiny.yaml", *cli_sets(tiny(UNLIMITED))]
+RUN_ID = "local-tiny"
+
+
+def _handlers_served(maddr: str, names: list[str]) -> dict[str, bool]:
+    """Which of the stream handlers ``names`` the peer at ``maddr`` (ending in /p2p/<id>) serves: a
+    fresh client opens a stream to each (closed at once); "protocols not supported" means none."""
+    from hivemind.p2p import P2P, PeerID
+
+    async def probe() -> dict[str, bool]:
+        p2p = await P2P.create(initial_peers=[maddr], host_maddrs=[LOOPBACK])
+        peer = PeerID.from_base58(maddr.rsplit("/p2p/", 1)[1])
+        served = {}
+        try:
+            for name in names:
+                try:
+                    _, _, writer = await p2p.call_binary_stream_handler(peer, name)
+                except Exception as exc:  # hivemind's ControlFailure, raised for any failed open
+                    if "protocols not supported" not in str(exc):
+                        raise
+                    served[name] = False
+                else:
+                    writer.close()
+                    served[name] = True
+        finally:
+            await p2p.shutdown()
+        return served
+
+    return asyncio.run(asyncio.wait_for(probe(), 60))
 
 
 @pytest.mark.multipeer
 def test_undialable_peer_switches_to_client_mode_and_a_dialable_one_is_direct(spawn) -> None:
     from swarm import NodeInfo, SwarmNode
+    from swarm.gossip._protocol import handler_name as gossip_handler
     from swarm.network import NetworkOptions
+    from swarm.state._transfer_protocol import handler_name as state_handler
 
     boot = spawn(swarm_cli("bootstrap", *CONFIG))
     maddr = boot.wait_for_line(lambda line: line.startswith(JOIN_LINE_PREFIX), timeout=120)[
@@ -223,9 +251,16 @@ def test_undialable_peer_switches_to_client_mode_and_a_dialable_one_is_direct(sp
     ]
     boot.wait_for_line(lambda line: "reachability check skipped (no other peer to ask)" in line, timeout=30)
 
-    port = closed_port()
-    announce = ["--announce-maddrs", f"/ip4/127.0.0.1/tcp/{port}"]
-    hidden = spawn(swarm_cli("join", "--initial-peers", maddr, *CONFIG, *announce))
+    # the hidden peer listens on one port and announces another, where nothing listens: nobody who
+    # dials what it announces gets through, but the test can still reach its daemon directly
+    listen, port = closed_port(), closed_port()
+    where = [
+        "--host-maddrs",
+        f"/ip4/127.0.0.1/tcp/{listen}",
+        "--announce-maddrs",
+        f"/ip4/127.0.0.1/tcp/{port}",
+    ]
+    hidden = spawn(swarm_cli("join", "--initial-peers", maddr, *CONFIG, *where))
     normal = spawn(swarm_cli("join", "--initial-peers", maddr, *CONFIG))
     hidden.wait_for_line(lambda line: "now running in client mode" in line, timeout=90)
     normal.wait_for_line(lambda line: "reachability direct" in line, timeout=90)
@@ -239,7 +274,7 @@ def test_undialable_peer_switches_to_client_mode_and_a_dialable_one_is_direct(sp
     normal_id = normal.wait_for_line(lambda line: " joined run " in line, 5).split()[1]
     # a monitor-like observer: validates the signed records, announces nothing
     network = NetworkOptions(initial_peers=[maddr], client_mode=True)
-    observer = SwarmNode(network, NodeInfo("local-tiny", "", "trainer"), announce=False)
+    observer = SwarmNode(network, NodeInfo(RUN_ID, "", "trainer"), announce=False)
     try:
         records = {}
 
@@ -250,13 +285,23 @@ def test_undialable_peer_switches_to_client_mode_and_a_dialable_one_is_direct(sp
                 and records[hidden_id].reachability == "client"
                 and normal_id in records
                 and records[normal_id].reachability == "direct"
+                and bool(records[normal_id].state_hash)
             )
 
         wait_until(both_recorded, timeout=30, what="both joiners' records after the check")
         assert records[hidden_id].client_mode and records[hidden_id].addresses == []
         assert not records[normal_id].client_mode and records[normal_id].addresses
+        # the client-mode peer offers no state to joiners ...
+        assert records[hidden_id].state_hash == "", records[hidden_id]
     finally:
         observer.close()
+    # ... and serves nothing at all: its daemon, dialled directly, has no gossip or state handler
+    # left, while the dialable peer serves all three
+    handlers = [gossip_handler(RUN_ID), gossip_handler(f"{RUN_ID}.params"), state_handler(RUN_ID)]
+    assert _handlers_served(f"/ip4/127.0.0.1/tcp/{listen}/p2p/{hidden_id}", handlers) == dict.fromkeys(
+        handlers, False
+    )
+    assert _handlers_served(records[normal_id].addresses[0], handlers) == dict.fromkeys(handlers, True)
     # the client-mode peer still trains and starts exchanges with the dialable one
     hidden.wait_for_line(lambda line: "sync ok with" in line, timeout=90)
     for process in (hidden, normal, boot):

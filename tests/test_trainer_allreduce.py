@@ -14,7 +14,7 @@ from swarm.network import NetworkOptions, SwarmKey
 from swarm.trainer import SyncReport, TrainingPeer, make_backend
 from swarm.trainer._allreduce import AllReduceBackend
 from tests._processes import wait_until
-from tests.test_trainer import TINY
+from tests.workers.tiny import TINY
 
 UNTRAINED_BITS = 8.0
 STEP_CAP = 100_000  # never reached: the tests stop the peers themselves

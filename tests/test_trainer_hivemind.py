@@ -12,7 +12,7 @@ from swarm.trainer import SyncReport, TrainingPeer
 from swarm.trainer._hivemind import HivemindBackend, hivemind_codec, hivemind_run_id
 from swarm.trainer._solo import SoloBackend
 from tests._processes import wait_until
-from tests.test_trainer import TINY
+from tests.workers.tiny import TINY
 
 UNTRAINED_BITS = 8.0
 

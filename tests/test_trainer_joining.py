@@ -7,7 +7,9 @@ import torch
 
 from swarm.compression import FrameError, TensorStreamDecoder, encode_tensors, get_codec
 from swarm.state import StateTransferError
-from swarm.trainer._joining import progress_of, state_limits
+from swarm.trainer._joining import progress_of, snapshot_of, state_limits
+from swarm.trainer._progress import Progress
+from swarm.training import OuterOptimizer
 
 
 def test_progress_of_takes_the_counters_of_an_honest_meta() -> None:
@@ -33,3 +35,12 @@ def test_state_limits_refuse_a_tensor_larger_than_any_parameter() -> None:
         decoder = TensorStreamDecoder(limits=limits)
         for frame in encode_tensors(too_big, codec, chunk_bytes=1 << 16):
             decoder.feed(frame)
+
+
+def test_a_joined_peer_serves_the_progress_of_the_state_it_took_over_plus_its_own() -> None:
+    outer = OuterOptimizer(torch.nn.Linear(2, 2), lr=0.7, momentum=0.9)
+    own = Progress(step=5, round=1, samples_total=80)
+    joined = {"round": 6, "step": 46, "samples_total": 736}
+    assert progress_of(snapshot_of(outer, own, joined).meta) == {"round": 7, "step": 51, "samples_total": 816}
+    # the first peer of a swarm (or a resumed one) took over nothing: its own counters
+    assert progress_of(snapshot_of(outer, own).meta) == {"round": 1, "step": 5, "samples_total": 80}

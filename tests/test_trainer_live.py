@@ -7,7 +7,7 @@ import threading
 import pytest
 import torch
 
-from swarm.trainer._live import LiveModel, Update
+from swarm.trainer._live import LiveModel, Update, probe_distance, probe_positions
 from swarm.training import OuterOptimizer
 
 BATCH = 4
@@ -192,3 +192,23 @@ def test_snapshots_taken_during_training_are_never_torn() -> None:
     assert seen, "the reader never got a snapshot"
     for steps, low, high in seen:  # anchor - params == steps in every coordinate
         assert low == pytest.approx(steps) and high == pytest.approx(steps)
+
+
+def test_probe_positions_are_the_same_on_every_peer_and_spread_over_all_parameters() -> None:
+    sizes = {"b": 10, "a": 1000, "c": 5000}
+    first, again = probe_positions(sizes, count=64), probe_positions(dict(reversed(sizes.items())), count=64)
+    assert first.keys() == again.keys() and all(torch.equal(first[n], again[n]) for n in first)
+    assert sum(len(p) for p in first.values()) == 64
+    assert all(int(p.max()) < sizes[name] and int(p.min()) >= 0 for name, p in first.items())
+    assert len(first["c"]) > len(first["a"])  # uniform over elements, not tensors
+
+
+def test_probe_distance_estimates_the_relative_distance_and_refuses_mismatched_probes() -> None:
+    torch.manual_seed(0)
+    a = torch.randn(100_000)
+    b = a + 0.1 * torch.randn(100_000)
+    positions = probe_positions({"w": a.numel()}, count=128)["w"]
+    estimate = probe_distance(tuple(a[positions].tolist()), tuple(b[positions].tolist()))
+    true = float((a - b).norm() / a.norm())
+    assert estimate == pytest.approx(true, rel=0.25)
+    assert probe_distance((1.0, 2.0), (1.0,)) is None and probe_distance((), ()) is None

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from swarm._errors import SwarmError
 
-class FrameError(ValueError):
+
+class FrameError(SwarmError, ValueError):
     """A received frame (or stream of frames) is malformed, corrupt, or exceeds a limit.
 
     Every failure of the decoding side raises exactly this type; the message names the bad field.

@@ -125,9 +125,10 @@ def encode_frame(
     )
     head = _HEADER.pack(*fields, 0)[:-4]
     crc = zlib.crc32(head)
-    for piece in (shape, name_bytes, *parts):
+    pieces: list[bytes | memoryview] = [shape, name_bytes, *parts]
+    for piece in pieces:
         crc = zlib.crc32(piece, crc)
-    return b"".join((head, struct.pack("<I", crc), shape, name_bytes, *parts))
+    return b"".join((head, struct.pack("<I", crc), *pieces))
 
 
 def decode_frame(data: bytes | bytearray | memoryview, limits: DecodeLimits = DecodeLimits()) -> Frame:

@@ -7,6 +7,7 @@ variables < ``--set section.key=value`` overrides. See docs/configuration.md.
 from swarm.config._errors import ConfigError
 from swarm.config._load import load_config
 from swarm.config._schema import (
+    RUN_ID_PATTERN,
     SECTIONS,
     AveragingSection,
     CompressionSection,
@@ -24,6 +25,7 @@ from swarm.config._view import PER_PEER_KEYS, diff_configs
 __all__ = [
     "ENV_ALLOWLIST",
     "PER_PEER_KEYS",
+    "RUN_ID_PATTERN",
     "SECTIONS",
     "AveragingSection",
     "CompressionSection",

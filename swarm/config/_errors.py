@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from swarm._errors import SwarmError
 
-class ConfigError(ValueError):
+
+class ConfigError(SwarmError, ValueError):
     """A run config could not be loaded.
 
     ``errors`` holds one human-readable line per problem, each naming the dotted key (where there is

@@ -50,7 +50,7 @@ def load_config(
 def _apply(tree: dict[str, Any], origins: dict[Loc, str], source: Source) -> None:
     """Set each value at its path, replacing whatever a lower-precedence source put there."""
     for loc, value, label in source.values:
-        node = tree
+        node: dict[Any, Any] = tree
         for depth, key in enumerate(loc[:-1], start=1):
             if not isinstance(node.get(key), dict):
                 node[key] = {}

@@ -221,6 +221,14 @@ class AveragingSection(_Section):
             "waits only when it lags this many rounds behind (0 = a blocking sync)."
         ),
     )
+    outer_state_device: Literal["auto", "device", "host"] = Field(
+        "auto",
+        description=(
+            "Where the outer anchor, momentum, error-feedback residuals and exchange buffers live: next "
+            "to the parameters, or in (pinned) host memory; auto picks host memory on a GPU the other "
+            "layout would not fit."
+        ),
+    )
     outer_lr: float = Field(0.7, gt=0, description="Learning rate of the outer SGD on pseudo-gradients.")
     outer_momentum: float = Field(0.9, ge=0, lt=1, description="Momentum of the outer SGD.")
     nesterov: bool = Field(True, description="Use Nesterov momentum in the outer SGD.")
@@ -297,6 +305,59 @@ class CompressionSection(_Section):
         return value
 
 
+class PipelineSection(_Section):
+    """Pipeline stages across peers, for models larger than one peer's device (docs/pipeline.md)."""
+
+    num_stages: Annotated[int, Field(ge=1, le=256)] | Literal["auto"] = Field(
+        1,
+        description="Contiguous stages the model is cut into, one per peer (1 = no pipeline); 'auto': the "
+        "fewest whose largest stage fits memory_budget_gb.",
+    )
+    memory_budget_gb: Annotated[float, Field(gt=0, le=1e6)] | None = Field(
+        None,
+        validate_default=True,
+        description="This peer's device memory for one stage, in GiB; needed by num_stages 'auto'.",
+    )
+    microbatch_size: int = Field(
+        4, ge=1, le=4096, description="Samples per micro-batch sent through the stages."
+    )
+    activation_codec: Literal["fp32", "fp16", "bf16", "int8", "int4"] = Field(
+        "int8",
+        description="Codec of activations and their gradients between stages (blockwise int8: 8 bits).",
+    )
+    max_inflight: int = Field(
+        4, ge=1, le=256, description="Micro-batches a data holder (stage 0) keeps in the pipeline at once."
+    )
+    request_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        le=3600,
+        description="Give up on a stage peer's answer after this long and retry elsewhere.",
+    )
+    routing: Literal["stochastic", "fixed"] = Field(
+        "stochastic",
+        description="'stochastic': each micro-batch goes to a random peer per stage, weighted by measured "
+        "throughput and queue; 'fixed': always the same peer per stage (benchmark baseline).",
+    )
+    max_queue: int = Field(
+        64, ge=1, le=4096, description="Requests a stage server queues before answering busy."
+    )
+    rebalance_every_s: Annotated[float, Field(gt=0)] | None = Field(
+        30.0,
+        description="Check every this many seconds whether to move to an under-served stage; null: never.",
+    )
+    rebalance_min_interval_s: float = Field(
+        300.0, ge=0, description="A peer moves to another stage at most once per this many seconds."
+    )
+
+    @field_validator("memory_budget_gb")
+    @classmethod
+    def _auto_needs_a_budget(cls, value: float | None, info: ValidationInfo) -> float | None:
+        if info.data.get("num_stages") == "auto" and value is None:
+            raise _cross_field("num_stages", "must be set when num_stages is 'auto'")
+        return value
+
+
 class MonitorSection(_Section):
     """The live view (per peer: never part of the config hash)."""
 
@@ -316,6 +377,7 @@ SECTIONS: tuple[str, ...] = (
     "train",
     "averaging",
     "compression",
+    "pipeline",
     "monitor",
 )
 
@@ -334,6 +396,7 @@ class RunConfig(BaseModel):
     train: TrainSection = Field(default_factory=TrainSection, description="Inner training loop.")
     averaging: AveragingSection = Field(default_factory=AveragingSection, description="Gossip averaging.")
     compression: CompressionSection = Field(default_factory=CompressionSection, description="Wire codecs.")
+    pipeline: PipelineSection = Field(default_factory=PipelineSection, description="Pipeline stages.")
     monitor: MonitorSection = Field(default_factory=MonitorSection, description="Live view (per peer).")
 
     @model_validator(mode="before")
@@ -345,8 +408,20 @@ class RunConfig(BaseModel):
         return data
 
     def swarm_view(self) -> dict[str, Any]:
-        """The swarm-wide part of the config (everything but :data:`PER_PEER_KEYS`), JSON-ready."""
-        return swarm_view(self.model_dump(mode="json"))
+        """The swarm-wide part of the config (everything but :data:`PER_PEER_KEYS`), JSON-ready.
+
+        ``pipeline.num_stages: auto`` is resolved (from this peer's memory budget): peers must agree on
+        the cut itself, so a peer whose budget gives another count has another hash. Without a pipeline
+        (one stage) the section is left out, so the hashes of unpipelined runs did not change with it.
+        """
+        view = swarm_view(self.model_dump(mode="json"))
+        if view["pipeline"]["num_stages"] == "auto":
+            from swarm.pipeline import resolve_num_stages
+
+            view["pipeline"]["num_stages"] = resolve_num_stages(self)
+        if view["pipeline"]["num_stages"] == 1:
+            del view["pipeline"]
+        return view
 
     def config_hash(self) -> str:
         """First 16 hex digits of the sha256 of :meth:`swarm_view` as canonical JSON.

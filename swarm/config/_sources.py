@@ -76,7 +76,7 @@ def read_yaml_file(path: str | os.PathLike[str]) -> tuple[dict[str, Any], Source
     finally:
         loader.dispose()
 
-    if data is None:
+    if node is None or data is None:
         return {}, source
     if not isinstance(data, dict):
         line = node.start_mark.line + 1
@@ -132,11 +132,13 @@ def _string_keys_only(value: Any, memo: dict[int, Any]) -> Any:
     if id(value) in memo:
         return memo[id(value)]
     if isinstance(value, dict):
-        memo[id(value)] = cleaned = {}
+        cleaned: dict[str, Any] = {}
+        memo[id(value)] = cleaned
         cleaned.update((k, _string_keys_only(v, memo)) for k, v in value.items() if isinstance(k, str))
         return cleaned
     if isinstance(value, list):
-        memo[id(value)] = items = []
+        items: list[Any] = []
+        memo[id(value)] = items
         items.extend(_string_keys_only(item, memo) for item in value)
         return items
     return value

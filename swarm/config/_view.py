@@ -39,6 +39,16 @@ PER_PEER_KEYS: frozenset[str] = frozenset(
         "averaging.ban_max_s",
         # how far this peer lets its own exchange lag behind its training: a local policy
         "averaging.max_lag_rounds",
+        # where this machine keeps the outer state (its own memory layout)
+        "averaging.outer_state_device",
+        # pipeline: this peer's memory, and how it routes, waits, queues and moves between stages
+        "pipeline.memory_budget_gb",
+        "pipeline.max_inflight",
+        "pipeline.request_timeout_s",
+        "pipeline.routing",
+        "pipeline.max_queue",
+        "pipeline.rebalance_every_s",
+        "pipeline.rebalance_min_interval_s",
     }
 )
 """Dotted keys (or whole sections) that each peer may set differently; excluded from the hash."""

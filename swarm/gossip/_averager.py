@@ -61,7 +61,8 @@ class GossipAverager(StreamService):
     must be given. The averager shuts the P2P client it obtained down on :meth:`close`.
     ``options`` (:class:`GossipOptions`) tunes the exchanges; any of its fields may instead be given
     by keyword (``codec="fp16"``), overriding ``options``. ``robust_clip`` turns on the pairwise centred
-    clip (``swarm.gossip._robust``) with its strikes; ``respect_bans_of`` makes it also refuse the peers
+    clip (``swarm.gossip._robust``) with its strikes; ``exclusive_with`` shares another averager's exchange
+    lock (at most one exchange of the two at a time); ``respect_bans_of`` makes it also refuse the peers
     another averager has banned. In a private swarm (``swarm_key``, by default the key ``dht`` was
     started with) every stream starts with the swarm key handshake (:mod:`swarm.p2p`); a peer that
     fails it is dropped before its HELLO.
@@ -85,6 +86,7 @@ class GossipAverager(StreamService):
         options: GossipOptions | None = None,
         config_hash: str = "",
         respect_bans_of: GossipAverager | None = None,
+        exclusive_with: GossipAverager | None = None,
         client_mode: bool = False,
         offerer: Offerer | None = None,
         initial_weight: float = 1.0,
@@ -115,9 +117,10 @@ class GossipAverager(StreamService):
         self._ef: ErrorFeedback | None = None
         self._metrics = MetricsRecorder()
         also = respect_bans_of._reputation.bans if respect_bans_of is not None else None
-        self._reputation = Reputation(opts, self._metrics, also)
+        self._reputation: Reputation = Reputation(opts, self._metrics, also)
         self._rng = random.Random(seed)
-        self._lock = threading.Lock()
+        # one exchange at a time, across averagers that share the lock (their buffers never add up)
+        self._lock: threading.Lock = exclusive_with._lock if exclusive_with is not None else threading.Lock()
         self._local: _Local | None = None
         self._last_partner: str | None = None
         self._weight = float(initial_weight)
@@ -149,7 +152,8 @@ class GossipAverager(StreamService):
         backoff, sent, received = 0.01, 0, 0
         while True:
             with self._lock:
-                local = self._offered() if self._offerer is not None else self._register(tensors, weight)
+                offerer = self._offerer
+                local = self._offered(offerer) if offerer is not None else self._register(tensors, weight)
                 tensors = weight = None
                 if local is None:
                     return self._result(SyncOutcome.SKIPPED, None, None, 0.0, "nothing to offer")
@@ -254,9 +258,9 @@ class GossipAverager(StreamService):
         self._local = self._local_of(tensors, self._weight)
         return self._local
 
-    def _offered(self) -> _Local | None:
-        """Offer mode: a fresh snapshot from the offerer, or None. Called with the lock held."""
-        offer = self._offerer.offer()
+    def _offered(self, offerer: Offerer) -> _Local | None:
+        """Offer mode: a fresh snapshot from ``offerer``, or None. Called with the lock held."""
+        offer = offerer.offer()
         if offer is None:
             return None
         if not (offer.weight > 0 and offer.weight < float("inf")):
@@ -272,17 +276,18 @@ class GossipAverager(StreamService):
         return _Local(tensors=named, weight=weight, schema_hash=digest)
 
     def _hello(self, local: _Local) -> Hello:
-        return self._handshake.hello(local.schema_hash, local.weight)
+        probe = local.offer.probe if local.offer is not None else ()
+        return self._handshake.hello(local.schema_hash, local.weight, probe)
 
     # ------------------------------------------------------------------ both roles
 
     async def _exchange(
-        self, partner: str, channel: Channel, local: _Local, partner_weight: float, *, initiator: bool
+        self, partner: str, channel: Channel, local: _Local, theirs: Hello, *, initiator: bool
     ) -> SyncResult:
         """Run the data phase under the exchange deadline; commit, or leave everything untouched."""
         started = time.monotonic()
         norm_reference = self._reputation.norm_reference()
-        weights = (local.weight, partner_weight)
+        weights = (local.weight, theirs.weight)
         exchange = run_exchange(channel, local.tensors, weights, self._spec, self._ef, norm_reference)
         try:
             ended = await settle(exchange, self.options.exchange_timeout_s, partner)
@@ -294,8 +299,8 @@ class GossipAverager(StreamService):
         if ended.mixed is not None:
             self._commit(partner, local, ended.mixed, latency)
             result = self._result(ended.outcome, partner, channel, latency, ended.reason)
-            if local.offer is not None:
-                done = Committed(ended.mixed.tensors, partner_weight, initiator, result)
+            if local.offer is not None and self._offerer is not None:  # offer mode
+                done = Committed(ended.mixed.tensors, theirs.weight, initiator, result, theirs.probe)
                 await in_thread(self._offerer.committed, local.offer, done)
             return result
         else:
@@ -348,7 +353,7 @@ class GossipAverager(StreamService):
             return
         self._serving = asyncio.current_task()
         try:
-            local = self._local if self._offerer is None else await in_thread(self._offered)
+            local = self._local if self._offerer is None else await in_thread(self._offered, self._offerer)
             if local is None:
                 await channel.send_json(MsgKind.BUSY, {"reason": "nothing to offer yet"})
                 return
@@ -358,7 +363,7 @@ class GossipAverager(StreamService):
                 await channel.send_json(MsgKind.REJECT, {"reason": mismatch})
                 return
             await channel.send_json(MsgKind.ACCEPT, ours.to_json())
-            result = await self._exchange(peer, channel, local, theirs.weight, initiator=False)
+            result = await self._exchange(peer, channel, local, theirs, initiator=False)
             logger.debug("served exchange with %s: %s %s", peer, result.outcome.value, result.reason)
         finally:
             self._serving = None
@@ -419,8 +424,8 @@ class GossipAverager(StreamService):
             if time.monotonic() >= deadline:
                 break
             reply = await self._handshake.propose(self._p2p, info.peer_id, self._hello(local), channels)
-            if reply.kind is MsgKind.ACCEPT and reply.channel is not None:
-                return await self._exchange(info.peer_id, reply.channel, local, reply.weight, initiator=True)
+            if reply.kind is MsgKind.ACCEPT and reply.channel is not None and reply.hello is not None:
+                return await self._exchange(info.peer_id, reply.channel, local, reply.hello, initiator=True)
             self._reputation.answered(info.peer_id, reply)
             busy += reply.kind is MsgKind.BUSY
             reason = f"{info.peer_id}: {reply.describe()}"

@@ -28,6 +28,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from swarm._errors import SwarmError
 from swarm.compression import ErrorFeedback, FrameError, TensorStreamDecoder, encode_tensors
 from swarm.gossip._metrics import SyncOutcome
 from swarm.gossip._protocol import Channel, MsgKind, ProtocolError, parse_json
@@ -40,7 +41,7 @@ logger = logging.getLogger(__name__)
 NamedTensors = list[tuple[str, torch.Tensor]]
 
 
-class PartnerRejected(Exception):
+class PartnerRejected(SwarmError):
     """The partner answered NACK: it refused our data (or our part of the exchange)."""
 
 

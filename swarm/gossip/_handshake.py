@@ -26,13 +26,13 @@ BANNED_REASON = "you are temporarily banned"
 @dataclass(frozen=True)
 class Reply:
     """A partner's answer to our HELLO: ``kind`` ACCEPT (with the open ``channel`` and the partner's
-    ``weight``), BUSY or REJECT (with its ``reason``), or None when the dial or the handshake itself
+    own ``hello``), BUSY or REJECT (with its ``reason``), or None when the dial or the handshake itself
     failed (``reason`` says how)."""
 
     kind: MsgKind | None
     reason: str = ""
     channel: Channel | None = None
-    weight: float = 0.0
+    hello: Hello | None = None
 
     def describe(self) -> str:
         return self.kind.name if self.kind is not None else self.reason
@@ -49,7 +49,7 @@ class Handshake:
         self._codec, self._block_size = options.codec, options.block_size
         self._timeout, self._max_data_bytes = options.chunk_timeout_s, options.max_data_bytes
 
-    def hello(self, schema_hash: str, weight: float) -> Hello:
+    def hello(self, schema_hash: str, weight: float, probe: tuple[float, ...] = ()) -> Hello:
         """What we state about the tensors we are about to exchange (HELLO, or ACCEPT's body)."""
         return Hello(
             version=PROTOCOL_VERSION,
@@ -59,6 +59,7 @@ class Handshake:
             codec=self._codec,
             block_size=self._block_size,
             weight=weight,
+            probe=probe,
         )
 
     def channel(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> Channel:
@@ -80,17 +81,17 @@ class Handshake:
                 kind, payload = await channel.recv_expect(MsgKind.ACCEPT, MsgKind.BUSY, MsgKind.REJECT)
                 body = parse_json(payload)
                 if kind is MsgKind.ACCEPT:
-                    return Reply(kind, channel=channel, weight=_accepted(ours, body))
+                    return Reply(kind, channel=channel, hello=_accepted(ours, body))
         except Exception as exc:
             return Reply(None, f"{type(exc).__name__}: {exc}")
         channel.close()
         return Reply(kind, str(body.get("reason")))
 
 
-def _accepted(ours: Hello, body: dict[str, Any]) -> float:
-    """The partner's weight from its ACCEPT; ProtocolError if it describes another exchange."""
+def _accepted(ours: Hello, body: dict[str, Any]) -> Hello:
+    """The partner's HELLO from its ACCEPT; ProtocolError if it describes another exchange."""
     theirs = Hello.from_json(body)
     mismatch = ours.mismatch(theirs)
     if mismatch is not None:
         raise ProtocolError(f"accepted with an incompatible handshake: {mismatch}")
-    return theirs.weight
+    return theirs

@@ -25,22 +25,26 @@ from swarm.gossip._metrics import SyncResult
 @dataclass(frozen=True)
 class Offer:
     """One exchange's tensors (owned by the averager until it ends) and their weight; ``token`` is
-    the offerer's own bookkeeping, handed back on commit."""
+    the offerer's own bookkeeping, handed back on commit. ``probe``: a few numbers sent in the
+    handshake, untouched by codec and mixing (the trainer sends a fixed sample of its anchor, so both
+    sides can estimate how far apart their models are; at most ``MAX_PROBE``)."""
 
     tensors: dict[str, torch.Tensor]
     weight: float
     token: Any = None
+    probe: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)
 class Committed:
     """A committed exchange: the mixed values (fresh tensors, the offerer's to keep), the partner's
-    stated weight, whether we initiated, and the exchange's result."""
+    stated weight and probe, whether we initiated, and the exchange's result."""
 
     mixed: dict[str, torch.Tensor]
     partner_weight: float
     initiator: bool
     result: SyncResult
+    partner_probe: tuple[float, ...] = ()
 
 
 class Offerer(Protocol):

@@ -35,6 +35,8 @@ from swarm.p2p import HEADER_LEN, ProtocolError, dump_json, parse_json, read_mes
 __all__ = ["CONTROL_MAX_BYTES", "Channel", "Hello", "MsgKind", "ProtocolError", "handler_name", "parse_json"]
 
 CONTROL_MAX_BYTES = 64 * 1024
+MAX_PROBE = 1024
+"""Most values a HELLO's ``probe`` may carry (a sample of the sender's state, see docs/gossip.md)."""
 
 
 class MsgKind(enum.IntEnum):
@@ -108,9 +110,12 @@ class Hello:
     codec: str
     block_size: int
     weight: float
+    probe: tuple[float, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        body = asdict(self)
+        body["probe"] = list(self.probe)
+        return body
 
     @classmethod
     def from_json(cls, obj: dict[str, Any]) -> Hello:
@@ -123,6 +128,7 @@ class Hello:
                 codec=_typed(obj, "codec", str),
                 block_size=_typed(obj, "block_size", int),
                 weight=float(_typed(obj, "weight", (int, float))),
+                probe=_probe(obj.get("probe", [])),
             )
         except KeyError as exc:
             raise ProtocolError(f"handshake lacks field {exc}") from None
@@ -137,6 +143,15 @@ class Hello:
             if mine != theirs:
                 return f"{name} differs (ours {mine!r}, theirs {theirs!r})"
         return None
+
+
+def _probe(value: Any) -> tuple[float, ...]:
+    """The optional probe: a list of at most MAX_PROBE numbers (parse_json already refused NaN/Inf)."""
+    if not isinstance(value, list) or len(value) > MAX_PROBE:
+        raise ProtocolError(f"handshake field 'probe' must be a list of at most {MAX_PROBE} numbers")
+    if any(isinstance(v, bool) or not isinstance(v, int | float) for v in value):
+        raise ProtocolError("handshake field 'probe' holds something other than numbers")
+    return tuple(float(v) for v in value)
 
 
 def _typed(obj: dict[str, Any], key: str, types: type | tuple[type, ...]) -> Any:

@@ -152,7 +152,10 @@ def centered_clip(
 def centered_clip_named(
     states: Sequence[Mapping[str, torch.Tensor]],
     weights: Sequence[float] | None = None,
-    **kwargs: float | int | None,
+    *,
+    tau: float | None = None,
+    iterations: int = 20,
+    tol: float = 1e-7,
 ) -> dict[str, torch.Tensor]:
     """:func:`centered_clip` per tensor name (scales differ between tensors, e.g. weights and momenta).
 
@@ -165,5 +168,5 @@ def centered_clip_named(
         if not first.is_floating_point():
             out[name] = first.clone()
             continue
-        out[name] = centered_clip([s[name] for s in states], weights, **kwargs)
+        out[name] = centered_clip([s[name] for s in states], weights, tau=tau, iterations=iterations, tol=tol)
     return out

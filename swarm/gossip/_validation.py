@@ -22,10 +22,12 @@ from dataclasses import dataclass
 
 import torch
 
+from swarm._errors import SwarmError
+
 Schema = dict[str, tuple[tuple[int, ...], torch.dtype]]
 
 
-class ValidationError(ValueError):
+class ValidationError(SwarmError, ValueError):
     """Received tensors that must not be applied; the message names the tensor and the reason."""
 
 

@@ -4,14 +4,18 @@ from swarm._protocol import PROTOCOL_VERSION
 from swarm.membership._announce import Announcer
 from swarm.membership._compat import compatibility_problems
 from swarm.membership._members import Member, list_members
-from swarm.membership._record import PeerRecord, membership_validators, record_key
+from swarm.membership._record import PeerRecord, PeerRole, PeerState, Reachability, record_key
 from swarm.membership._run_config import (
     ConfigPublisher,
     PublishedConfig,
+    choose_published,
+    discover_run_id,
     fetch_run_config,
+    list_published_configs,
     publish_run_config,
     run_config_key,
 )
+from swarm.membership._validators import membership_validators
 
 __all__ = [
     "PROTOCOL_VERSION",
@@ -19,10 +23,16 @@ __all__ = [
     "ConfigPublisher",
     "Member",
     "PeerRecord",
+    "PeerRole",
+    "PeerState",
     "PublishedConfig",
+    "Reachability",
+    "choose_published",
     "compatibility_problems",
+    "discover_run_id",
     "fetch_run_config",
     "list_members",
+    "list_published_configs",
     "membership_validators",
     "publish_run_config",
     "record_key",

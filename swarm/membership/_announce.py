@@ -9,7 +9,7 @@ import hivemind
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.utils.timed_storage import get_dht_time
 
-from swarm.membership._periodic import PeriodicTask
+from swarm._periodic import PeriodicTask
 from swarm.membership._record import PeerRecord, record_key
 
 logger = logging.getLogger(__name__)
@@ -19,6 +19,7 @@ class Announcer:
     """Stores a fresh signed record every ``interval_s`` with an expiration ``ttl_s`` ahead.
 
     The record is built by ``snapshot`` at each announcement, so it always carries current metrics.
+    ``after`` runs on the announcer's thread after each periodic announcement.
     A record that is not refreshed disappears from :func:`list_members` once it expires; that is how a
     crashed peer leaves the swarm.
     """
@@ -32,12 +33,13 @@ class Announcer:
         *,
         interval_s: float,
         ttl_s: float,
+        after: Callable[[], object] | None = None,
     ):
         if ttl_s < interval_s:
             raise ValueError(f"record ttl {ttl_s}s must not be shorter than the interval {interval_s}s")
         self._dht, self._key, self._signer = dht, record_key(run_id), signer
-        self._snapshot, self._ttl_s = snapshot, ttl_s
-        self._task = PeriodicTask(self.announce_now, interval_s, name="swarm-announcer")
+        self._snapshot, self._ttl_s, self._after = snapshot, ttl_s, after
+        self._task = PeriodicTask(self._announce_then, interval_s, name="swarm-announcer")
 
     def start(self) -> None:
         """Announce once synchronously (so the peer is visible on return), then keep announcing."""
@@ -55,6 +57,15 @@ class Announcer:
         if not stored:
             logger.warning("no DHT node accepted our membership record (is the swarm reachable?)")
         return bool(stored)
+
+    def _announce_then(self) -> None:
+        self.announce_now()
+        if self._after is not None:
+            self._after()  # e.g. the owner's view of the members, read on this thread too
+
+    def announce_soon(self) -> None:
+        """Store the current record on the announcer's thread as soon as it can, without waiting."""
+        self._task.trigger()
 
     def stop(self) -> None:
         """Stop announcing; the last record expires on its own."""

@@ -6,15 +6,12 @@ import logging
 from dataclasses import dataclass
 
 import hivemind
-from hivemind.utils.crypto import RSAPublicKey
 from hivemind.utils.timed_storage import get_dht_time
 
 from swarm.membership._record import PeerRecord, record_key
-from swarm.network import peer_id_of
+from swarm.membership._signed import signer_peer_id
 
 logger = logging.getLogger(__name__)
-
-_OWNER_PREFIX, _OWNER_SUFFIX = b"[owner:", b"]"
 
 
 @dataclass(frozen=True)
@@ -62,17 +59,11 @@ def _to_member(subkey: object, item: object) -> Member | None:
         return None
     try:
         record = PeerRecord.parse_obj(value)
-        signer_peer_id = peer_id_of(RSAPublicKey.from_bytes(_owner_public_key(subkey)))
+        signer = signer_peer_id(subkey)
     except Exception as exc:  # untrusted input: anything wrong means "not a member"
         logger.debug("ignoring malformed member record: %s", exc)
         return None
-    if signer_peer_id != record.peer_id:
-        logger.warning("ignoring record claiming peer id %s, signed by %s", record.peer_id, signer_peer_id)
+    if signer != record.peer_id:
+        logger.warning("ignoring record claiming peer id %s, signed by %s", record.peer_id, signer)
         return None
     return Member(peer_id=record.peer_id, record=record, expires_at=expires_at)
-
-
-def _owner_public_key(subkey: bytes) -> bytes:
-    if not (subkey.startswith(_OWNER_PREFIX) and subkey.endswith(_OWNER_SUFFIX)):
-        raise ValueError("subkey is not an owner marker")
-    return subkey[len(_OWNER_PREFIX) : -len(_OWNER_SUFFIX)]

@@ -7,41 +7,65 @@ v1 model. Limits are generous but finite: a record is untrusted input from an ar
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import pydantic.v1 as pydantic
-from hivemind.dht.crypto import RSASignatureValidator
-from hivemind.dht.schema import BytesWithPublicKey, SchemaValidator
-from hivemind.dht.validation import DHTRecord
+from hivemind.dht.schema import BytesWithPublicKey
 from pydantic.v1 import StrictBool, confloat, conint, conlist, constr
+
+from swarm.membership._signed import StrictSchemaValidator
 
 RECORD_KEY_SUFFIX = "members"
 
-Count = conint(strict=True, ge=0, le=2**63 - 1)
-NonNegative = confloat(strict=True, ge=0.0, le=1e18, allow_inf_nan=False)
-ShortText = constr(strict=True, max_length=128)
-Role = Literal["bootstrap", "trainer", "averager"]
-State = Literal["joining", "idle", "training", "syncing", "leaving"]
+if TYPE_CHECKING:  # a type checker cannot read pydantic.v1's constrained types; to it they are plain types
+    Count = int
+    ProtocolVersion = int
+    NonNegative = float
+    Loss = float
+    ShortText = str
+    PeerId = str
+    PackageVersion = str
+    HexDigest = str
+    PublicName = str
+    Addresses = list[str]
+    StageIndex = int
+else:
+    Count = conint(strict=True, ge=0, le=2**63 - 1)
+    ProtocolVersion = conint(strict=True, ge=0, le=1_000_000)
+    NonNegative = confloat(strict=True, ge=0.0, le=1e18, allow_inf_nan=False)
+    Loss = confloat(strict=True, ge=0.0, le=1e6, allow_inf_nan=False)
+    ShortText = constr(strict=True, max_length=128)
+    PeerId = constr(strict=True, regex=r"^[1-9A-HJ-NP-Za-km-z]{32,64}$")
+    PackageVersion = constr(strict=True, max_length=32)
+    HexDigest = constr(strict=True, regex=r"^[0-9a-f]{0,64}$")
+    PublicName = constr(strict=True, max_length=64)
+    Addresses = conlist(constr(strict=True, max_length=256), max_items=16)
+    StageIndex = conint(strict=True, ge=0, le=255)
+
+PeerRole = Literal["bootstrap", "trainer", "averager"]
+PeerState = Literal["joining", "idle", "training", "syncing", "leaving"]
+Reachability = Literal["unknown", "direct", "relay", "client"]
+"""What a peer says about how others reach it (``client``: they cannot, it only dials out)."""
 
 
 class PeerRecord(pydantic.BaseModel):
     """What a peer says about itself, refreshed every few seconds (see docs/architecture.md)."""
 
-    peer_id: constr(strict=True, regex=r"^[1-9A-HJ-NP-Za-km-z]{32,64}$")
-    protocol_version: conint(strict=True, ge=0, le=1_000_000)
-    package_version: constr(strict=True, max_length=32)
-    config_hash: constr(strict=True, regex=r"^[0-9a-f]{0,64}$")
-    public_name: constr(strict=True, max_length=64) = ""
-    role: Role
-    state: State = "idle"
+    peer_id: PeerId
+    protocol_version: ProtocolVersion
+    package_version: PackageVersion
+    config_hash: HexDigest
+    public_name: PublicName = ""
+    role: PeerRole
+    state: PeerState = "idle"
     device: ShortText = "cpu"
     device_memory_gb: NonNegative = 0.0
     samples_per_s: NonNegative = 0.0
     round: Count = 0
     step: Count = 0
     samples_total: Count = 0
-    loss: confloat(strict=True, ge=0.0, le=1e6, allow_inf_nan=False) | None = None
-    eval_loss: confloat(strict=True, ge=0.0, le=1e6, allow_inf_nan=False) | None = None
+    loss: Loss | None = None
+    eval_loss: Loss | None = None
     drift: NonNegative | None = None
     bytes_sent: Count = 0
     bytes_received: Count = 0
@@ -49,9 +73,13 @@ class PeerRecord(pydantic.BaseModel):
     exchanges_failed: Count = 0
     exchanges_rejected: Count = 0
     client_mode: StrictBool = False
-    addresses: conlist(constr(strict=True, max_length=256), max_items=16) = []
-    reachability: Literal["unknown", "direct", "relay", "client"] = "unknown"
-    state_hash: constr(strict=True, regex=r"^[0-9a-f]{0,64}$") = ""
+    addresses: Addresses = []
+    reachability: Reachability = "unknown"
+    state_hash: HexDigest = ""
+    # pipeline (docs/pipeline.md): the stage this peer serves, and the samples per second it can process
+    # when busy (0: not measured yet)
+    stage: StageIndex = 0
+    stage_capacity: NonNegative = 0.0
     started_at: NonNegative = 0.0
 
     class Config:
@@ -70,29 +98,6 @@ def record_key(run_id: str) -> str:
     return f"{run_id}_{RECORD_KEY_SUFFIX}"
 
 
-class StrictSchemaValidator(SchemaValidator):
-    """hivemind's schema check, with garbage subkeys refused instead of raised.
-
-    ``SchemaValidator`` deserializes an untrusted subkey into a dict key; a msgpack map or array there
-    raises ``TypeError`` (unhashable), which the DHT turns into an RPC error instead of a rejection.
-    """
-
-    def validate(self, record: DHTRecord) -> bool:
-        try:
-            return super().validate(record)
-        except (TypeError, ValueError):
-            return False
-
-
-def membership_validators(run_id: str, signer: RSASignatureValidator) -> list:
-    """Validators that sign our records and reject unsigned, forged or malformed ones from others.
-
-    They cover the members' records and the run config a bootstrap publishes.
-    """
-    from swarm.membership._run_config import run_config_validators
-
-    return [
-        signer,
-        StrictSchemaValidator(_MembersSchema, allow_extra_keys=True, prefix=run_id),
-        *run_config_validators(run_id),
-    ]
+def members_validator(run_id: str) -> StrictSchemaValidator:
+    """The schema check of the members' records of run ``run_id`` (see :func:`membership_validators`)."""
+    return StrictSchemaValidator(_MembersSchema, allow_extra_keys=True, prefix=run_id)

@@ -20,21 +20,19 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import hivemind
 import pydantic.v1 as pydantic
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.schema import BytesWithPublicKey
-from hivemind.utils.crypto import RSAPublicKey
 from hivemind.utils.timed_storage import get_dht_time
 from pydantic.v1 import confloat, constr
 
-from swarm.config import MonitorSection, NetworkSection, RunConfig, load_config
-from swarm.config._schema import RUN_ID_PATTERN
-from swarm.membership._members import Member, _owner_public_key
-from swarm.membership._periodic import PeriodicTask
-from swarm.membership._record import StrictSchemaValidator
-from swarm.network import peer_id_of
+from swarm._periodic import PeriodicTask
+from swarm.config import RUN_ID_PATTERN, MonitorSection, NetworkSection, RunConfig, load_config
+from swarm.membership._members import Member, list_members
+from swarm.membership._signed import StrictSchemaValidator, signer_peer_id
 
 logger = logging.getLogger(__name__)
 
@@ -43,14 +41,22 @@ RUNS_KEY = "swarm_runs"
 MAX_CONFIG_BYTES = 64 * 1024
 """Largest published config; a resolved config is about 2 KiB, so this is only a safety bound."""
 
-_Hash = constr(strict=True, regex=r"^[0-9a-f]{16,64}$")
-_Time = confloat(strict=True, ge=0.0, le=1e12, allow_inf_nan=False)
+if TYPE_CHECKING:  # a type checker cannot read pydantic.v1's constrained types; to it they are plain types
+    _Hash = str
+    _Time = float
+    _Yaml = str
+    _RunId = str
+else:
+    _Hash = constr(strict=True, regex=r"^[0-9a-f]{16,64}$")
+    _Time = confloat(strict=True, ge=0.0, le=1e12, allow_inf_nan=False)
+    _Yaml = constr(strict=True, min_length=1, max_length=MAX_CONFIG_BYTES)
+    _RunId = constr(strict=True, regex=RUN_ID_PATTERN)
 
 
 class RunConfigRecord(pydantic.BaseModel):
     """A published run config: full YAML text, its config hash, and when it was published."""
 
-    yaml: constr(strict=True, min_length=1, max_length=MAX_CONFIG_BYTES)
+    yaml: _Yaml
     config_hash: _Hash
     published_at: _Time
 
@@ -62,7 +68,7 @@ class RunConfigRecord(pydantic.BaseModel):
 class RunAnnouncement(pydantic.BaseModel):
     """Which run a publisher hosts (the value under :data:`RUNS_KEY`)."""
 
-    run_id: constr(strict=True, regex=RUN_ID_PATTERN)
+    run_id: _RunId
     config_hash: _Hash
 
     class Config:
@@ -94,7 +100,7 @@ def run_config_key(run_id: str) -> str:
     return f"{run_id}_{CONFIG_KEY_SUFFIX}"
 
 
-def run_config_validators(run_id: str) -> list:
+def run_config_validators(run_id: str) -> list[StrictSchemaValidator]:
     """Schema validators for the two published-config keys; merge them into the DHT's validators."""
     return [
         StrictSchemaValidator(_RunConfigSchema, allow_extra_keys=True, prefix=run_id),
@@ -189,18 +195,12 @@ def _get(dht: hivemind.DHT, key: str, timeout_s: float) -> dict:
     }
 
 
-def _signer_peer_id(subkey: object) -> str:
-    if not isinstance(subkey, bytes):
-        raise ValueError("subkey is not bytes")
-    return peer_id_of(RSAPublicKey.from_bytes(_owner_public_key(subkey)))
-
-
 def list_published_configs(dht: hivemind.DHT, run_id: str, timeout_s: float = 10.0) -> list[PublishedConfig]:
     """Every valid config published for ``run_id`` (see the module docstring), newest first."""
     found = []
     for subkey, value in _get(dht, run_config_key(run_id), timeout_s).items():
         try:
-            publisher = _signer_peer_id(subkey)
+            publisher = signer_peer_id(subkey)
             record = RunConfigRecord.parse_obj(value)
             config = parse_config_text(record.yaml)
         except Exception as exc:  # untrusted input: anything wrong means "not published"
@@ -228,8 +228,6 @@ def fetch_run_config(
 
     ``members`` (default: looked up now) decide between several publishers, see :func:`choose_published`.
     """
-    from swarm.membership._members import list_members
-
     published = list_published_configs(dht, run_id, timeout_s)
     if not published:
         return None
@@ -244,7 +242,7 @@ def published_runs(dht: hivemind.DHT, timeout_s: float = 10.0) -> dict[str, str]
     runs = {}
     for subkey, value in _get(dht, RUNS_KEY, timeout_s).items():
         try:
-            runs[_signer_peer_id(subkey)] = RunAnnouncement.parse_obj(value).run_id
+            runs[signer_peer_id(subkey)] = RunAnnouncement.parse_obj(value).run_id
         except Exception as exc:
             logger.debug("ignoring an invalid run announcement: %s", exc)
     return runs

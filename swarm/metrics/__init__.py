@@ -5,6 +5,7 @@ warnings), and a JSON-lines history of snapshots. Sinks (table, JSON, Prometheus
 
 from swarm.metrics._history import HistoryWriter, read_history
 from swarm.metrics._peer import PeerView, connectivity_of
+from swarm.metrics._policy import DEFAULT_MAX_DRIFT
 from swarm.metrics._snapshot import (
     SCHEMA_VERSION,
     SnapshotPolicy,
@@ -13,12 +14,15 @@ from swarm.metrics._snapshot import (
     SwarmWarning,
     build_snapshot,
 )
+from swarm.metrics._stages import StageView
 
 __all__ = [
+    "DEFAULT_MAX_DRIFT",
     "SCHEMA_VERSION",
     "HistoryWriter",
     "PeerView",
     "SnapshotPolicy",
+    "StageView",
     "SwarmSnapshot",
     "SwarmTotals",
     "SwarmWarning",

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol, TypeGuard, cast
 
 from swarm.metrics._policy import SnapshotPolicy
 
@@ -20,13 +20,18 @@ MAX_TIME = 1e12
 MIN_RATE_INTERVAL_S = 0.05
 ACTIVE_STATES = ("training", "syncing")
 
+Connectivity = Literal["direct", "relay", "client", "unknown"]
+
 
 class MemberLike(Protocol):
     """What :func:`observe` needs of :class:`swarm.Member` (so callers may pass their own record)."""
 
-    peer_id: str
-    record: Any
-    expires_at: float
+    @property
+    def peer_id(self) -> str: ...
+    @property
+    def record(self) -> Any: ...
+    @property
+    def expires_at(self) -> float: ...
 
 
 @dataclass(frozen=True)
@@ -58,7 +63,7 @@ class PeerView:
     exchanges_ok: int
     exchanges_failed: int
     exchanges_rejected: int
-    connectivity: str
+    connectivity: Connectivity
     client_mode: bool
     addresses: list[str] = field(default_factory=list)
     started_at: float = 0.0
@@ -67,6 +72,8 @@ class PeerView:
     expires_in_s: float | None = None
     present: bool = True
     compatible: bool = True
+    stage: int = 0
+    stage_capacity: float = 0.0
 
     @property
     def short_id(self) -> str:
@@ -125,6 +132,8 @@ def observe(
         last_seen=last_seen,
         last_progress_at=last_seen,
         expires_in_s=_round(expires_at - now),
+        stage=min(_count(getattr(r, "stage", 0)), 255),
+        stage_capacity=_value(getattr(r, "stage_capacity", 0.0)) or 0.0,
     )
     if previous is None:
         return view, 0
@@ -140,11 +149,11 @@ def vanished(previous: PeerView) -> PeerView:
     )
 
 
-def connectivity_of(record: Any) -> str:
+def connectivity_of(record: Any) -> Connectivity:
     """direct / relay / client / unknown, from what the peer says about itself."""
     reachability = getattr(record, "reachability", "unknown")
     if reachability in ("direct", "relay", "client"):
-        return reachability
+        return cast(Connectivity, reachability)
     if getattr(record, "client_mode", False) is True:
         return "client"
     addresses = [a for a in getattr(record, "addresses", None) or [] if isinstance(a, str)]
@@ -192,7 +201,7 @@ def _text(value: object, limit: int) -> str:
     return value[:limit] if isinstance(value, str) else ""
 
 
-def _number(value: object) -> bool:
+def _number(value: object) -> TypeGuard[int | float]:
     """A real int or finite float (ints of any size: ``math.isfinite`` would overflow on them)."""
     if isinstance(value, bool):
         return False

@@ -13,6 +13,7 @@ from typing import Any
 
 from swarm.metrics._peer import ACTIVE_STATES, MemberLike, PeerView, observe, vanished
 from swarm.metrics._policy import SnapshotPolicy
+from swarm.metrics._stages import StageView, stage_views
 
 SCHEMA_VERSION = 1
 """Version of :meth:`SwarmSnapshot.to_dict` (docs/monitor.md). Adding a field keeps it; renaming or
@@ -59,6 +60,8 @@ class SwarmSnapshot:
     totals: SwarmTotals
     warnings: tuple[SwarmWarning, ...]
     retired_samples: int = 0
+    stages: tuple[StageView, ...] = ()
+    """Pipelined runs: per-stage peers, throughput, capacity and the bottleneck (swarm/metrics/_stages.py)."""
 
     def to_dict(self) -> dict[str, Any]:
         """The stable JSON form (``schema_version`` first); see docs/monitor.md."""
@@ -71,6 +74,8 @@ class SwarmSnapshot:
             "peers": [p.to_dict(self.time) for p in self.peers],
             "warnings": [asdict(w) for w in self.warnings],
             "retired_samples": self.retired_samples,
+            "stages": [asdict(s) for s in self.stages],
+            "bottleneck_stage": next((s.stage for s in self.stages if s.bottleneck), None),
         }
 
 
@@ -105,6 +110,7 @@ def build_snapshot(
         totals=_totals(peers, retired, policy.target_samples),
         warnings=tuple(_warnings(peers, reference, now, policy)),
         retired_samples=retired,
+        stages=stage_views(peers),
     )
 
 

@@ -27,8 +27,14 @@ if TYPE_CHECKING:
         peer_id_of,
         peer_id_of_identity,
     )
-    from swarm.network._reachability import ReachabilityChecker, ReachabilityResult, check_reachability
-    from swarm.network._swarm_key import SwarmKey, SwarmKeyError, load_swarm_key
+    from swarm.network._reachability import (
+        ANNOUNCED_LOOKUP_TIMEOUT_S,
+        ReachabilityChecker,
+        ReachabilityResult,
+        ReachabilityStatus,
+        check_reachability,
+    )
+    from swarm.network._swarm_key import SwarmKey, SwarmKeyError, load_swarm_key, write_new_key
 
 _EXPORTS = {
     "AddressError": "_addresses",
@@ -45,15 +51,19 @@ _EXPORTS = {
     "load_identity": "_identity",
     "peer_id_of": "_identity",
     "peer_id_of_identity": "_identity",
+    "ANNOUNCED_LOOKUP_TIMEOUT_S": "_reachability",
     "ReachabilityChecker": "_reachability",
     "ReachabilityResult": "_reachability",
+    "ReachabilityStatus": "_reachability",
     "check_reachability": "_reachability",
     "SwarmKey": "_swarm_key",
     "SwarmKeyError": "_swarm_key",
     "load_swarm_key": "_swarm_key",
+    "write_new_key": "_swarm_key",
 }
 
 __all__ = [
+    "ANNOUNCED_LOOKUP_TIMEOUT_S",
     "IDENTITY_FILE_MODE",
     "AddressError",
     "IdentityError",
@@ -62,6 +72,7 @@ __all__ = [
     "NetworkOptions",
     "ReachabilityChecker",
     "ReachabilityResult",
+    "ReachabilityStatus",
     "SwarmKey",
     "SwarmKeyError",
     "check_reachability",
@@ -74,6 +85,7 @@ __all__ = [
     "peer_id_of",
     "peer_id_of_identity",
     "start_dht",
+    "write_new_key",
 ]
 
 

@@ -13,8 +13,10 @@ from dataclasses import dataclass
 
 from multiaddr import Multiaddr
 
+from swarm._errors import SwarmError
 
-class AddressError(ValueError):
+
+class AddressError(SwarmError, ValueError):
     """A user-supplied address or address option is malformed or contradictory."""
 
 

@@ -16,6 +16,7 @@ import hivemind
 import psutil
 from hivemind.dht.validation import RecordValidatorBase
 
+from swarm._errors import SwarmError
 from swarm.network._addresses import expand_listen_options, parse_maddrs
 from swarm.network._dht_auth import SharedKeyAuthorizer
 from swarm.network._identity import ensure_identity, ephemeral_identity
@@ -24,7 +25,7 @@ from swarm.network._swarm_key import SwarmKey, load_swarm_key
 logger = logging.getLogger(__name__)
 
 
-class NetworkError(RuntimeError):
+class NetworkError(SwarmError, RuntimeError):
     """The DHT or its p2p daemon could not start, or could not reach the initial peers."""
 
 

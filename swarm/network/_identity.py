@@ -19,10 +19,12 @@ from hivemind.p2p.p2p_daemon_bindings.datastructures import PeerID
 from hivemind.proto import crypto_pb2
 from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
 
+from swarm._errors import SwarmError
+
 IDENTITY_FILE_MODE = 0o600
 
 
-class IdentityError(ValueError):
+class IdentityError(SwarmError, ValueError):
     """The identity file cannot be read, written or parsed."""
 
 

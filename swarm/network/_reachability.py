@@ -28,7 +28,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from multiaddr import Multiaddr
 
@@ -36,6 +36,7 @@ from swarm._protocol import PROTOCOL_VERSION
 from swarm.p2p import (
     P2PFactory,
     ProtocolError,
+    StreamKey,
     StreamService,
     check_run_id,
     dial,
@@ -61,6 +62,8 @@ MAX_ADDRESS_CHARS = 256
 MESSAGE_MAX_BYTES = 8192
 IO_TIMEOUT_S = 10.0
 """Bound on opening the stream and on each read and write, both sides."""
+ANNOUNCED_LOOKUP_TIMEOUT_S = IO_TIMEOUT_S / 2
+"""How long an ``announced`` callback should let its DHT lookup take, well within the checker's bound."""
 DIAL_TIMEOUT_S = 3.0
 """Bound on each TCP connect the checker makes."""
 MAX_CONCURRENT_CHECKS = 4
@@ -228,13 +231,17 @@ def _strip_peer_id(address: str, peer: str) -> str:
 # ---------------------------------------------------------------------------- asking
 
 
+ReachabilityStatus = Literal["direct", "unreachable", "unknown", "skipped", "disabled"]
+
+
 @dataclass(frozen=True)
 class ReachabilityResult:
     """What the checkers said. ``status``: ``direct`` (some checker reached some address),
     ``unreachable`` (at least one checker answered and none reached any address), ``unknown`` (no
-    checker answered) or ``skipped`` (nobody to ask, or nothing to check)."""
+    checker answered), ``skipped`` (nobody to ask, or nothing to check) or ``disabled`` (the program
+    did not ask)."""
 
-    status: str
+    status: ReachabilityStatus
     addresses: tuple[str, ...] = ()
     reachable: tuple[str, ...] = ()
     answered_by: tuple[str, ...] = ()
@@ -279,7 +286,7 @@ def check_reachability(
 
 
 async def _ask_all(
-    p2p: P2P, handler: str, checkers: list[str], addresses: list[str], key: SwarmKey | None
+    p2p: P2P, handler: str, checkers: list[str], addresses: list[str], key: StreamKey | None
 ) -> list[tuple[str, dict[str, Any] | str]]:
     replies = await asyncio.gather(
         *(ask(p2p, handler, checker, addresses, swarm_key=key) for checker in checkers),
@@ -292,7 +299,7 @@ async def _ask_all(
 
 
 async def ask(
-    p2p: P2P, handler: str, checker: str, addresses: Sequence[str], swarm_key: SwarmKey | None = None
+    p2p: P2P, handler: str, checker: str, addresses: Sequence[str], swarm_key: StreamKey | None = None
 ) -> dict[str, Any]:
     """One check: the checker's REPLY as a dict; ProtocolError (with its reason) when it refused or
     answered something other than a list of at most :data:`MAX_ADDRESSES` address strings."""
@@ -327,5 +334,5 @@ def _summarize(addresses: list[str], answers: list[tuple[str, dict[str, Any] | s
             continue
         answered.append(checker)
         reachable.update(dict.fromkeys(a for a in reply["reachable"] if a in asked))
-    status = "unknown" if not answered else "direct" if reachable else "unreachable"
+    status: ReachabilityStatus = "unknown" if not answered else "direct" if reachable else "unreachable"
     return ReachabilityResult(status, tuple(addresses), tuple(reachable), tuple(answered), tuple(errors))

@@ -15,6 +15,8 @@ import stat
 from collections.abc import Mapping
 from pathlib import Path
 
+from swarm._errors import SwarmError
+
 ENV_VAR = "SWARM_KEY"
 MIN_KEY_BYTES = 16
 MIN_DISTINCT_BYTES = 10
@@ -22,7 +24,7 @@ MAX_KEY_FILE_BYTES = 4096
 KEY_FILE_MODE = 0o600
 
 
-class SwarmKeyError(ValueError):
+class SwarmKeyError(SwarmError, ValueError):
     """The swarm key is missing, unreadable, too weak, or its file is readable by others."""
 
 

@@ -24,9 +24,14 @@ import hashlib
 import hmac
 import secrets
 from collections.abc import Callable
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
+from swarm._errors import SwarmError
 from swarm.p2p._framing import ProtocolError, read_message, write_message
+
+if TYPE_CHECKING:
+    from hivemind.dht import DHT
+    from hivemind.p2p import P2P
 
 NONCE_BYTES = 32
 PROOF_BYTES = 32
@@ -39,12 +44,13 @@ class StreamKey(Protocol):
     def derive(self, purpose: str) -> bytes: ...
 
 
-def swarm_key_of(dht: object) -> StreamKey | None:
-    """The swarm key a DHT was started with (:func:`swarm.network.start_dht`); None for a public swarm."""
-    return getattr(dht, "swarm_key", None)
+def swarm_key_of(source: DHT | P2P | None) -> StreamKey | None:
+    """The swarm key a DHT was started with (:func:`swarm.network.start_dht`); None for a public swarm
+    (and for anything else: only our own ``start_dht`` records a key on the DHT)."""
+    return getattr(source, "swarm_key", None)
 
 
-class AuthError(Exception):
+class AuthError(SwarmError):
     """The other side of a stream did not prove that it holds the swarm key (or broke the handshake)."""
 
 

@@ -15,12 +15,14 @@ import math
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from swarm._errors import SwarmError
+
 HEADER_LEN = 5
 
 K = TypeVar("K", bound=enum.IntEnum)
 
 
-class ProtocolError(Exception):
+class ProtocolError(SwarmError):
     """The other side broke the protocol: unexpected message, malformed header or payload."""
 
 

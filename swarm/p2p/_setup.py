@@ -22,7 +22,7 @@ def check_run_id(run_id: str) -> None:
         raise ValueError(f"run_id must match {RUN_ID.pattern}, got {run_id!r}")
 
 
-def daemon_maddr(dht: object) -> Any:
+def daemon_maddr(dht: DHT) -> Any:
     """The DHT's p2pd control address. We open our own client to it rather than ``dht.replicate_p2p()``,
     whose cached replica is bound to whichever event loop asked first and is shared with other users."""
     from hivemind.dht import DHT

@@ -11,12 +11,12 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import Counter
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from swarm.compression import DecodeLimits
-from swarm.p2p import check_run_id, run_with_replica, swarm_key_of
+from swarm.p2p import StreamKey, check_run_id, run_with_replica, swarm_key_of
 from swarm.state._merge import mean_snapshot
 from swarm.state._transfer_protocol import (
     IO_TIMEOUT_S,
@@ -88,7 +88,7 @@ class _Context:
     p2p: P2P
     handler: str
     limits: DecodeLimits
-    swarm_key: SwarmKey | None
+    swarm_key: StreamKey | None
 
 
 async def _download(
@@ -113,7 +113,8 @@ async def _fetch_shared(ctx: _Context, digest: str, group: list[str], parallel: 
     def replacement(part: int, failed: set[str], busy: set[str]) -> str | None:
         healthy = [peer for peer in group if peer not in failed]
         idle = [peer for peer in healthy if peer not in busy]
-        return (idle or healthy or [None])[0]
+        candidates = idle or healthy
+        return candidates[0] if candidates else None
 
     async def attempt(part: int, donor: str) -> None:
         await fetch_part(ctx.p2p, ctx.handler, donor, assembly, part, parts, ctx.swarm_key)
@@ -144,7 +145,7 @@ async def _fetch_each(ctx: _Context, donors: list[tuple[str, str]], parallel: in
 async def _assign(
     initial: list[tuple[int, str]],
     replacement: Callable[[int, set[str], set[str]], str | None],
-    attempt: Callable[[int, str], Awaitable[None]],
+    attempt: Callable[[int, str], Coroutine[Any, Any, None]],
     need_all: bool = True,
 ) -> None:
     """Run ``attempt(key, donor)`` for each assignment; on a donor's failure hand its key to

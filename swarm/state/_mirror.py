@@ -13,7 +13,7 @@ import threading
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
-from swarm.membership._periodic import PeriodicTask
+from swarm._periodic import PeriodicTask
 from swarm.state._download import download_state
 from swarm.state._server import StateServer
 from swarm.state._transfer_protocol import StateSnapshot, StateTransferError, make_snapshot
@@ -82,6 +82,7 @@ class StateMirror:
         self._on_update = on_update
         self._lock = threading.Lock()
         self._snapshot: StateSnapshot | None = None
+        self._behind: set[str] = set()  # digests of states with less progress than ours: not fetched again
         self._server = StateServer(node.dht, node.info.run_id)
         self._task = PeriodicTask(self._refresh_logged, interval_s, name="state-mirror")
 
@@ -99,16 +100,22 @@ class StateMirror:
     def start(self) -> None:
         """Serve the saved copy (if any), then fetch once now and every ``interval_s`` in a thread."""
         if self._state_dir is not None:
-            self._load_saved()
+            self._load_saved(self._state_dir)
         self._task.start()
 
     def refresh(self) -> bool:
         """Fetch the trainers' current state if it differs from ours; return whether ours changed."""
         donors = choose_donors(self._node.members(), self._node.peer_id, roles=("trainer",))
-        if not donors or {digest for _, digest in donors} == {self.digest}:
+        digests = {digest for _, digest in donors}
+        if not donors or digests == {self.digest} or digests <= self._behind:
             return False
         snapshot = download_state(self._node.dht, donors, run_id=self._node.info.run_id)
         samples = progress_of(snapshot.meta)["samples_total"]
+        kept = self.snapshot
+        if kept is not None and samples < progress_of(kept.meta)["samples_total"]:
+            logger.info("not replacing the kept state by one with less progress (%d samples)", samples)
+            self._behind |= digests
+            return False
         self._publish(snapshot)
         if self._state_dir is not None:
             state = {"tensors": snapshot.tensors, "meta": snapshot.meta, "config_hash": self._config_hash}
@@ -129,11 +136,11 @@ class StateMirror:
         if self._on_update is not None:
             self._on_update(snapshot)
 
-    def _load_saved(self) -> None:
+    def _load_saved(self, state_dir: str) -> None:
         try:
-            found = load_latest_checkpoint(self._state_dir, config_hash=self._config_hash)
+            found = load_latest_checkpoint(state_dir, config_hash=self._config_hash)
         except CheckpointError as exc:
-            logger.warning("ignoring the saved state in %s: %s", self._state_dir, exc)
+            logger.warning("ignoring the saved state in %s: %s", state_dir, exc)
             return
         if found is not None:
             state, path = found

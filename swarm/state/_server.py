@@ -126,7 +126,7 @@ class StateServer(StreamService):
         self._count(requests=1)
         with self._lock:
             published = self._published
-        error = None
+        error: dict[str, str | None]
         if published is None or published.snapshot.digest != request.digest:
             error = {
                 "error": "digest mismatch",
@@ -134,19 +134,19 @@ class StateServer(StreamService):
             }
         elif self._active > MAX_CONCURRENT_STREAMS:
             error = {"error": "busy"}
-        if error is not None:
-            self._count(refused=1)
-            await send_json(writer, Kind.ERROR, error, IO_TIMEOUT_S)
+        else:
+            sent = await self._send_part(writer, published, request)
+            logger.info(
+                "served part %d/%d of %s (%d frames) to %s",
+                request.part,
+                request.parts,
+                request.digest[:12],
+                sent,
+                peer,
+            )
             return
-        sent = await self._send_part(writer, published, request)
-        logger.info(
-            "served part %d/%d of %s (%d frames) to %s",
-            request.part,
-            request.parts,
-            request.digest[:12],
-            sent,
-            peer,
-        )
+        self._count(refused=1)
+        await send_json(writer, Kind.ERROR, error, IO_TIMEOUT_S)
 
     async def _send_part(self, writer: asyncio.StreamWriter, published: _Published, request: Request) -> int:
         snapshot = published.snapshot

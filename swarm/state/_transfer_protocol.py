@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from swarm._errors import SwarmError
 from swarm._protocol import PROTOCOL_VERSION
 from swarm.compression import (
     DecodeLimits,
@@ -38,12 +39,10 @@ from swarm.compression import (
     encode_tensors,
     get_codec,
 )
-from swarm.p2p import ProtocolError, dial, dump_json, parse_json, read_message, write_message
+from swarm.p2p import ProtocolError, StreamKey, dial, dump_json, parse_json, read_message, write_message
 
 if TYPE_CHECKING:
     from hivemind.p2p import P2P
-
-    from swarm.network import SwarmKey
 
 REQUEST_MAX_BYTES = 4096
 HEADER_MAX_BYTES = 16 << 20
@@ -181,7 +180,7 @@ def header_json(snapshot: StateSnapshot, hashes_hex: list[str], sending: int) ->
     }
 
 
-class StateTransferError(Exception):
+class StateTransferError(SwarmError):
     """A state download failed; the message names the donors involved and why."""
 
 
@@ -248,7 +247,7 @@ async def fetch_part(
     assembly: Assembly,
     part: int,
     parts: int,
-    swarm_key: SwarmKey | None = None,
+    swarm_key: StreamKey | None = None,
 ) -> None:
     """One stream: request part ``part`` of ``parts``, verify the header, verify and decode each frame.
 

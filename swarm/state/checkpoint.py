@@ -30,6 +30,8 @@ from typing import Any
 
 import torch
 
+from swarm._errors import SwarmError
+
 logger = logging.getLogger(__name__)
 
 MAGIC = b"SWARMCKP"
@@ -40,7 +42,7 @@ _NAME = re.compile(r"^ckpt-(\d{12})\.pt$")
 _TEMPORARY = re.compile(r"^\.ckpt-\d{12}\.pt\.(\d+)\.tmp$")
 
 
-class CheckpointError(Exception):
+class CheckpointError(SwarmError):
     """A checkpoint cannot be used: corrupt, or from a different run config."""
 
 
@@ -107,17 +109,16 @@ def save_checkpoint(
     root = Path(directory)
     root.mkdir(parents=True, exist_ok=True)
     remove_stale_temporaries(root)
-    buffer = io.BytesIO()
-    torch.save(state, buffer)
-    payload = buffer.getvalue()
-    header = _HEADER.pack(MAGIC, FORMAT_VERSION, len(payload), hashlib.sha256(payload).digest())
     final = checkpoint_path(root, step)
     temporary = root / f".{final.name}.{os.getpid()}.tmp"
     fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
         with os.fdopen(fd, "wb") as handle:
-            handle.write(header)
-            handle.write(payload)
+            handle.write(bytes(HEADER_SIZE))  # the header needs the payload's length and digest: last
+            payload = _HashingWriter(handle)
+            torch.save(state, payload)  # streamed to the file: no in-memory copy of a model-sized state
+            handle.seek(0)
+            handle.write(_HEADER.pack(MAGIC, FORMAT_VERSION, payload.length, payload.sha256.digest()))
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(temporary, final)
@@ -125,10 +126,27 @@ def save_checkpoint(
         temporary.unlink(missing_ok=True)
         raise
     _fsync_directory(root)
-    logger.info("checkpoint of step %d saved to %s (%d bytes)", step, final, len(payload) + HEADER_SIZE)
+    logger.info("checkpoint of step %d saved to %s (%d bytes)", step, final, payload.length + HEADER_SIZE)
     for _, old in list_checkpoints(root)[keep:]:
         old.unlink(missing_ok=True)
     return final
+
+
+class _HashingWriter:
+    """A write-only file object that passes bytes on to ``handle`` while hashing and counting them."""
+
+    def __init__(self, handle: io.BufferedWriter) -> None:
+        self._handle = handle
+        self.sha256 = hashlib.sha256()
+        self.length = 0
+
+    def write(self, data: bytes) -> int:
+        self.sha256.update(data)
+        self.length += memoryview(data).nbytes
+        return self._handle.write(data)
+
+    def flush(self) -> None:
+        self._handle.flush()
 
 
 def read_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:

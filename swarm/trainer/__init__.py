@@ -4,7 +4,15 @@
 an :class:`AveragingBackend` (gossip, the hivemind baseline, solo) keeps it in agreement with the swarm.
 """
 
-from swarm.trainer._backend import AveragingBackend, BackendContext, JoinResult, RoundResult
+from swarm.trainer._backend import (
+    AveragingBackend,
+    BackendContext,
+    JoinResult,
+    PeerGroup,
+    RoundOutcome,
+    RoundResult,
+    RoundRole,
+)
 from swarm.trainer._factory import make_backend
 from swarm.trainer._peer import SyncReport, TrainingPeer
 from swarm.trainer._progress import Progress
@@ -13,8 +21,11 @@ __all__ = [
     "AveragingBackend",
     "BackendContext",
     "JoinResult",
+    "PeerGroup",
     "Progress",
+    "RoundOutcome",
     "RoundResult",
+    "RoundRole",
     "SyncReport",
     "TrainingPeer",
     "make_backend",

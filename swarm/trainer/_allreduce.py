@@ -34,7 +34,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-import time
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any
@@ -45,7 +44,14 @@ from hivemind.averaging.group_info import GroupInfo
 from hivemind.compression import CompressionInfo
 
 from swarm.gossip import GossipMetrics
-from swarm.trainer._backend import BackendContext, JoinResult, NoGuard, RoundResult
+from swarm.trainer._backend import (
+    BackendContext,
+    JoinResult,
+    NoGuard,
+    RoundOutcome,
+    RoundResult,
+    outer_state_device,
+)
 from swarm.trainer._hivemind_wire import (
     MATCHMAKING_TIME_S,
     REQUEST_TIMEOUT_S,
@@ -113,7 +119,9 @@ class AllReduceBackend(NoGuard):
 
     def __init__(self, context: BackendContext) -> None:
         self._context = context
-        self.outer = OuterOptimizer.from_config(context.model, context.config.averaging)
+        self.outer = OuterOptimizer.from_config(
+            context.model, context.config.averaging, state_device=outer_state_device(context)
+        )
         self._clock = RoundClock(context.config.averaging)
         self._names = list(self.outer.anchor)
         self._buffers = [torch.zeros(a.shape, dtype=torch.float32) for a in self.outer.anchor.values()]
@@ -126,8 +134,13 @@ class AllReduceBackend(NoGuard):
         self._consistent = True
         self._aborted = threading.Event()
         self._pending: Any = None  # the step or state download in flight, for abort()
-        self._trainers = (0.0, 0)
         self._averager: _PseudoGradientAverager | None = self._start_averager(client_mode=None)
+
+    def _running(self) -> _PseudoGradientAverager:
+        """The averager, from construction until :meth:`close`."""
+        if self._averager is None:
+            raise RuntimeError("the all-reduce backend is closed")
+        return self._averager
 
     def _start_averager(self, client_mode: bool | None) -> _PseudoGradientAverager:
         config = self._context.config
@@ -180,7 +193,7 @@ class AllReduceBackend(NoGuard):
     def _download(self) -> dict[str, Any] | None:
         """Adopt the state of the best peer that advertises one; its metadata, or None."""
         try:
-            self._pending = self._averager.load_state_from_peers(
+            self._pending = self._running().load_state_from_peers(
                 wait=False, timeout=self._context.config.averaging.chunk_timeout_s
             )
             found = self._pending.result()
@@ -200,7 +213,7 @@ class AllReduceBackend(NoGuard):
             logger.warning("ignoring a downloaded state that does not match the model")
             return False
         outer = self.outer
-        state = {"lr": outer.lr, "momentum": outer.momentum, "nesterov": outer.nesterov}
+        state: dict[str, Any] = {"lr": outer.lr, "momentum": outer.momentum, "nesterov": outer.nesterov}
         state.update(rounds=metadata["epoch"], anchor=dict(zip(self._names, tensors[:n], strict=True)))
         state["momentum_buffers"] = dict(zip(names, tensors[n:], strict=True))
         with self._lock, torch.no_grad():
@@ -235,10 +248,11 @@ class AllReduceBackend(NoGuard):
         except Exception as exc:  # no group in time, a broken all-reduce, or abort()
             if self._aborted.is_set():
                 return []
-            outcome = "failed" if getattr(self._pending, "began_allreduce", False) else "no_group"
+            began = getattr(self._pending, "began_allreduce", False)
+            outcome: RoundOutcome = "failed" if began else "no_group"
             logger.info("all-reduce round %s: %r", outcome, exc)
             return [self._step_alone(outcome, grad, samples)]
-        with self._lock, self._averager.get_tensors() as averaged:
+        with self._lock, self._running().get_tensors() as averaged:
             self.outer.apply(dict(zip(self._names, averaged, strict=True)))
         members, outcome = result["members"], "partial" if result["partial"] else "ok"
         resynced = self._settle(members) if outcome == "ok" else self._lost_consensus()
@@ -249,13 +263,14 @@ class AllReduceBackend(NoGuard):
     def _all_reduce(self, grad: dict[str, torch.Tensor], group_size: int) -> dict[str, Any]:
         """One matchmaking and all-reduce; the group's id and gathered ``{peer: info}``, or raises."""
         self._pending = None
-        with self._averager.get_tensors() as buffers:
+        averager = self._running()
+        with averager.get_tensors() as buffers:
             for name, buffer in zip(self._names, buffers, strict=True):
                 buffer.copy_(grad[name])
-        self._averager.set_target_group_size(group_size)
+        averager.set_target_group_size(group_size)
         gather = {"epoch": self.outer.rounds, "consistent": self._consistent}
         timeout = max(self._context.config.averaging.exchange_timeout_s, 2 * MATCHMAKING_TIME_S)
-        self._pending = self._averager.step(gather=gather, weight=1.0, timeout=timeout, wait=False)
+        self._pending = averager.step(gather=gather, weight=1.0, timeout=timeout, wait=False)
         return self._pending.result()
 
     def _settle(self, members: dict[str, dict[str, Any]]) -> bool:
@@ -275,14 +290,14 @@ class AllReduceBackend(NoGuard):
         self._advertise()
         return resync
 
-    def _result(self, outcome: str, samples: int, **fields: Any) -> RoundResult:
+    def _result(self, outcome: RoundOutcome, samples: int, **fields: Any) -> RoundResult:
         """A round's report, with the wire bytes counted since the previous one."""
         now = self.wire.snapshot()
         sent, received = now[0] - self._reported[0], now[1] - self._reported[1]
         self._reported = now
         return RoundResult(outcome, bytes_sent=sent, bytes_received=received, weight=samples, **fields)
 
-    def _step_alone(self, outcome: str, grad: dict[str, torch.Tensor], samples: int) -> RoundResult:
+    def _step_alone(self, outcome: RoundOutcome, grad: dict[str, torch.Tensor], samples: int) -> RoundResult:
         with self._lock:
             self.outer.apply(grad)
         self._lost_consensus()
@@ -296,17 +311,12 @@ class AllReduceBackend(NoGuard):
         return False
 
     def _other_trainers(self) -> int:
-        """Live trainers of this run config besides us (cached for one record interval)."""
-        checked, count = self._trainers
-        if time.monotonic() - checked < self._context.config.network.record_interval_s:
-            return count
+        """Live trainers of this run config besides us (as of the node's last background read)."""
         node, config_hash = self._context.node, self._context.config.config_hash()
-        count = sum(
+        return sum(
             m.peer_id != node.peer_id and m.record.role == "trainer" and m.record.config_hash == config_hash
-            for m in node.members()
+            for m in node.recent_members()
         )
-        self._trainers = (time.monotonic(), count)
-        return count
 
     # ------------------------------------------------------------------ the rest of the protocol
 

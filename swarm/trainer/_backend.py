@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import torch
 
@@ -31,7 +31,28 @@ from swarm.gossip import GossipMetrics
 from swarm.trainer._progress import Progress
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from swarm._node import SwarmNode
+    from swarm.membership import PeerRecord
+
+
+RoundOutcome = Literal[
+    "ok",
+    "solo",
+    "partial",
+    "no_partner",
+    "no_group",
+    "busy",
+    "failed",
+    "rejected",
+    "timeout",
+    "cancelled",
+    "skipped",
+]
+"""How a round ended: the gossip averager's :class:`~swarm.gossip.SyncOutcome` values, ``solo`` and the
+all-reduce baseline's ``partial`` and ``no_group``."""
+RoundRole = Literal["initiator", "responder", "local"]
 
 
 @dataclass(frozen=True)
@@ -44,12 +65,12 @@ class RoundResult:
     ``local``. ``weight``: the samples behind our side of the round.
     """
 
-    outcome: str
+    outcome: RoundOutcome
     partner: str | None = None
     bytes_sent: int = 0
     bytes_received: int = 0
     weight: float = 0.0
-    role: str = "initiator"
+    role: RoundRole = "initiator"
     drift: float | None = None
 
 
@@ -62,15 +83,39 @@ class JoinResult:
     digest: str = ""
 
 
+@dataclass(frozen=True)
+class PeerGroup:
+    """A part of the swarm that averages its own part of the model (a pipeline stage).
+
+    ``suffix`` namespaces the group's averagers and state server (``run_id + suffix``); ``accepts``
+    says which members' records belong to the group: only they are partners and donors.
+    """
+
+    suffix: str
+    accepts: Callable[[PeerRecord], bool]
+
+
 @dataclass
 class BackendContext:
-    """The core's parts a backend may use. ``progress`` is shared: backends set ``drift``."""
+    """The core's parts a backend may use. ``progress`` is shared: backends set ``drift``.
+
+    ``group``: averaging restricted to a :class:`PeerGroup` (the gossip backend honours it; None: the
+    whole swarm)."""
 
     config: RunConfig
     model: torch.nn.Module
     device: torch.device
     node: SwarmNode
     progress: Progress
+    group: PeerGroup | None = None
+
+
+def outer_state_device(context: BackendContext) -> str | None:
+    """``cpu`` when the outer state goes to host memory (``averaging.outer_state_device``), else None:
+    next to the parameters."""
+    from swarm.training.estimate import outer_state_on_host
+
+    return "cpu" if outer_state_on_host(context.config, context.device) else None
 
 
 class AveragingBackend(Protocol):

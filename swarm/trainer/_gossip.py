@@ -18,13 +18,21 @@ import dataclasses
 import logging
 import time
 from contextlib import AbstractContextManager
-from typing import Any
+from typing import Any, cast
 
 import torch
 
-from swarm.gossip import GossipMetrics, PartnerInfo, SyncOutcome
+from swarm._device import map_large_allocations
+from swarm.gossip import GossipAverager, GossipMetrics, PartnerInfo, SyncOutcome
 from swarm.state import StateServer, StateTransferError, download_state
-from swarm.trainer._backend import BackendContext, JoinResult, RoundResult
+from swarm.trainer._backend import (
+    BackendContext,
+    JoinResult,
+    RoundOutcome,
+    RoundResult,
+    RoundRole,
+    outer_state_device,
+)
 from swarm.trainer._joining import adopt, choose_donors, progress_of, snapshot_of, state_limits
 from swarm.trainer._live import LiveModel, Update
 from swarm.trainer._offers import AnchorOffers, DeltaOffers
@@ -42,8 +50,11 @@ class GossipBackend:
 
     def __init__(self, context: BackendContext) -> None:
         self._context, self._config, self._node = context, context.config, context.node
+        self._namespace = context.group.suffix if context.group is not None else ""
+        self._run_id = self._config.run.run_id + self._namespace
         avg = context.config.averaging
-        self.outer = OuterOptimizer.from_config(context.model, avg)
+        map_large_allocations()  # an exchange's copies go back to the system when freed
+        self.outer = OuterOptimizer.from_config(context.model, avg, state_device=outer_state_device(context))
         self.live = LiveModel(context.model, self.outer, context.config.train.batch_size)
         self._delta_offers, self._anchor_offers = DeltaOffers(self.live), AnchorOffers(self.live)
         self._every_steps, self._every_seconds = avg.sync_every_steps, avg.sync_every_seconds
@@ -53,12 +64,15 @@ class GossipBackend:
         self._rounds = dict.fromkeys(("initiator", "responder", "local"), 0)
         self.stalled_seconds = 0.0
         self._state_hash = ""
+        self._joined_meta: dict[str, int] = {}
         self._publish_due = False
-        self.deltas = self.params = self.state_server = None
+        self.deltas: GossipAverager | None = None
+        self.params: GossipAverager | None = None
+        self.state_server: StateServer | None = None
         self._worker: SyncWorker | None = None
         try:
             self._make_averagers(client_mode=None)
-            self.state_server = StateServer(self._node.dht, self._config.run.run_id)
+            self.state_server = StateServer(self._node.dht, self._run_id)
             self._worker = SyncWorker(self._own_round)
         except BaseException:
             self.close()
@@ -66,24 +80,45 @@ class GossipBackend:
 
     def _make_averagers(self, client_mode: bool | None) -> None:
         config, dht = self._config, self._node.dht
-        self.deltas = make_averager(config, dht, self._partners, self._delta_offers, client_mode=client_mode)
+        space = self._namespace
+        self.deltas = make_averager(
+            config, dht, self._partners, self._delta_offers, namespace=space, client_mode=client_mode
+        )
         self.params = make_averager(
             config,
             dht,
             self._partners,
             self._anchor_offers,
             suffix=".params",
+            namespace=space,
             codec=config.averaging.param_codec,
             client_mode=client_mode,
             respect_bans_of=self.deltas,  # a peer banned for its updates is not trusted with parameters
         )
 
+    def _averagers(self) -> tuple[GossipAverager, GossipAverager]:
+        """The pseudo-gradient and parameter averagers, which exist from construction until :meth:`close`."""
+        if self.deltas is None or self.params is None:
+            raise RuntimeError("the gossip backend's averagers are closed")
+        return self.deltas, self.params
+
+    def _sync_worker(self) -> SyncWorker:
+        if self._worker is None:
+            raise RuntimeError("the gossip backend's sync worker is not running")
+        return self._worker
+
     def _partners(self) -> list[PartnerInfo]:
         return [
             PartnerInfo(m.peer_id, m.record.protocol_version, m.record.config_hash, m.record.client_mode)
-            for m in self._node.members()
+            for m in self._members()
             if m.record.role == "trainer"
         ]
+
+    def _members(self) -> list[Any]:
+        """The live members we average with: all of them, or those of our group (``BackendContext.group``)."""
+        group = self._context.group
+        members = self._node.members()
+        return members if group is None else [m for m in members if group.accepts(m.record)]
 
     def inner_optimizer(self) -> torch.optim.Optimizer | None:
         return None
@@ -100,6 +135,7 @@ class GossipBackend:
         joined = self._download_state() if fresh else None
         if fresh and joined is None:
             self._adopt_a_partner()
+        self._joined_meta = joined.meta if joined is not None else {}
         self._publish_state()
         return joined or JoinResult()
 
@@ -109,7 +145,7 @@ class GossipBackend:
             return
         self._anchor_offers.weight = JOIN_WEIGHT
         try:
-            result = self.params.sync()
+            result = self._averagers()[1].sync()
         finally:
             self._anchor_offers.weight = 1.0
         if not self.live.apply_pending():
@@ -123,7 +159,7 @@ class GossipBackend:
         """Live trainers other than us that can be dialled (not in client mode)."""
         return [
             m
-            for m in self._node.members()
+            for m in self._members()
             if m.record.role == "trainer" and m.peer_id != self._node.peer_id and not m.record.client_mode
         ]
 
@@ -137,12 +173,12 @@ class GossipBackend:
         model = self._context.model
         for attempt in range(1, attempts + 1):
             roles = ("trainer", "bootstrap") if attempt == 1 else ("bootstrap", "trainer")
-            donors = choose_donors(self._node.members(), self._node.peer_id, roles=roles)
+            donors = choose_donors(self._members(), self._node.peer_id, roles=roles)
             if not donors:
                 return None
             try:
                 snapshot = download_state(
-                    self._node.dht, donors, run_id=self._config.run.run_id, limits=state_limits(model)
+                    self._node.dht, donors, run_id=self._run_id, limits=state_limits(model)
                 )
                 progress = progress_of(snapshot.meta)
                 with self.live.lock:
@@ -155,19 +191,24 @@ class GossipBackend:
             return JoinResult(tuple(peer for peer, _ in donors), progress, snapshot.digest)
         return None
 
-    def _publish_state(self) -> None:
+    def _publish_state(self, wait: bool = True) -> None:
+        """Serve our state to joiners and announce its digest (joiners ask for it in our record): at
+        once when joining, in the background from the training thread."""
         if self.state_server is not None:
-            snapshot = snapshot_of(self.outer, self._context.progress)
+            snapshot = snapshot_of(self.outer, self._context.progress, self._joined_meta)
             self.state_server.publish(snapshot)
             self._state_hash = snapshot.digest
-            self._node.announce_now()  # joiners ask for the digest in our record: keep it current
+            if wait:
+                self._node.announce_now()
+            else:
+                self._node.announce_soon()
 
     # ------------------------------------------------------------------ rounds (training thread)
 
     def after_step(self, samples: int) -> list[RoundResult]:
         if self._publish_due:  # the core booked the last rounds: the published progress includes them
             self._publish_due = False
-            self._publish_state()
+            self._publish_state(wait=False)
         return self._apply()
 
     def sync_due(self) -> bool:
@@ -178,16 +219,16 @@ class GossipBackend:
         )
         if steps == 0 or not (steps >= self._every_steps or timed):
             return False
-        return not self._worker.busy or steps >= self._every_steps * (1 + self._max_lag)
+        return not self._sync_worker().busy or steps >= self._every_steps * (1 + self._max_lag)
 
     def sync_round(self) -> list[RoundResult]:
         """Start our exchange in the background; wait only when blocking or lagging too far."""
-        if self._worker.request():
+        if self._sync_worker().request():
             self._last_request = time.monotonic()
             if self._max_lag > 0:
                 return []
         started = time.monotonic()
-        self._worker.wait_idle()
+        self._sync_worker().wait_idle()
         self.stalled_seconds += time.monotonic() - started
         return self._apply()
 
@@ -195,8 +236,9 @@ class GossipBackend:
         rounds = []
         for update in self.live.apply_pending():
             info = update.info
+            if info.get("drift") is not None:  # exact (anchor exchange) or sampled (the probe)
+                self._context.progress.drift = info["drift"]
             if update.kind == "anchor":
-                self._context.progress.drift = info.get("drift")
                 continue
             rounds.append(_round_of(update))
             self._rounds[rounds[-1].role] += 1
@@ -209,7 +251,7 @@ class GossipBackend:
     def _own_round(self) -> None:
         """One pseudo-gradient exchange as initiator; an outer step on our own when nobody took part."""
         self._own_rounds += 1
-        result = self.deltas.sync()
+        result = self._averagers()[0].sync()
         if result.outcome is SyncOutcome.SKIPPED:
             logger.debug("own round skipped: %s", result.reason)  # a partner's exchange used our steps
         elif result.outcome is not SyncOutcome.OK and result.outcome is not SyncOutcome.CANCELLED:
@@ -220,7 +262,7 @@ class GossipBackend:
                 info = {"outcome": "solo", "reason": result.outcome.value, "role": "local"}
                 self.live.queue(Update("solo", info={**info, "bytes_sent": result.bytes_sent}))
         if self._anchor_exchange_due():
-            self.params.sync()
+            self._averagers()[1].sync()
 
     def _anchor_exchange_due(self) -> bool:
         avg, drift = self._config.averaging, self._context.progress.drift
@@ -285,14 +327,16 @@ class GossipBackend:
 
 
 def _round_of(update: Update) -> RoundResult:
+    """The round an applied update completes; its info (``_offers._info``, ``_own_round``) holds a
+    :class:`~swarm.gossip.SyncOutcome` value or ``solo``, and a role."""
     info = update.info
     return RoundResult(
-        str(info.get("outcome", "ok")),
+        cast(RoundOutcome, str(info.get("outcome", "ok"))),
         partner=info.get("partner"),
         bytes_sent=int(info.get("bytes_sent", 0)),
         bytes_received=int(info.get("bytes_received", 0)),
         weight=float(info.get("weight", 0.0)),
-        role=str(info.get("role", "initiator")),
+        role=cast(RoundRole, str(info.get("role", "initiator"))),
     )
 
 

@@ -165,10 +165,17 @@ class HivemindBackend(NoGuard):
         self._reported = self.wire.snapshot()
         self._samples = 0
         # the node's key: hivemind merges all RSASignatureValidators of a DHT into the first one
-        self.optimizer = make_hivemind_optimizer(
+        self._optimizer: CountingOptimizer | None = make_hivemind_optimizer(
             context.config, context.node.dht, context.model, self.wire, context.node.identity_key
         )
         self._epoch = self.optimizer.local_epoch
+
+    @property
+    def optimizer(self) -> CountingOptimizer:
+        """The ``hivemind.Optimizer`` (wrapping the inner AdamW), from construction until :meth:`close`."""
+        if self._optimizer is None:
+            raise RuntimeError("the hivemind backend is closed")
+        return self._optimizer
 
     def inner_optimizer(self) -> torch.optim.Optimizer:
         return self.optimizer
@@ -230,6 +237,6 @@ class HivemindBackend(NoGuard):
 
     def close(self) -> None:
         """Say goodbye to the hivemind run and stop its averager process."""
-        optimizer, self.optimizer = self.optimizer, None
+        optimizer, self._optimizer = self._optimizer, None
         if optimizer is not None:
             optimizer.shutdown()

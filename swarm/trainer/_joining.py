@@ -26,14 +26,22 @@ __all__ = ["adopt", "choose_donors", "progress_of", "snapshot_of", "state_limits
 _PARAM, _MOMENTUM = "param/", "momentum/"
 
 
-def snapshot_of(outer: OuterOptimizer, progress: Progress) -> StateSnapshot:
-    """The state a joiner needs: anchor, outer momentum (once it exists) and progress counters."""
+def snapshot_of(
+    outer: OuterOptimizer, progress: Progress, joined: dict[str, int] | None = None
+) -> StateSnapshot:
+    """The state a joiner needs: anchor, outer momentum (once it exists) and progress counters.
+
+    The counters are the state's: those of the state this peer took over at join (``joined``, the
+    donors' meta) plus its own since. A freshly joined peer so serves the swarm's progress, not its
+    own round 0 (a bootstrap keeping the state would otherwise go back to round 0 on copying it).
+    """
     tensors = {_PARAM + name: t for name, t in outer.anchor.items()}
     tensors.update({_MOMENTUM + name: t for name, t in outer.momentum_buffers.items()})
+    base = joined or {}
     meta: dict[str, Any] = {
-        "round": progress.round,
-        "step": progress.step,
-        "samples_total": progress.samples_total,
+        "round": base.get("round", 0) + progress.round,
+        "step": base.get("step", 0) + progress.step,
+        "samples_total": base.get("samples_total", 0) + progress.samples_total,
     }
     return make_snapshot(tensors, meta)
 

@@ -31,18 +31,25 @@ from typing import Any
 
 import torch
 
+from swarm._device import release_free_host_memory
 from swarm.training import OuterOptimizer
 
 Tensors = dict[str, torch.Tensor]
 
 
+PROBE_SIZE = 128
+"""Anchor values sampled into every pseudo-gradient offer, at positions every peer of a run shares."""
+
+
 @dataclass(frozen=True)
 class DeltaSnapshot:
-    """Our pseudo-gradient per sample (``(anchor - params) / samples``) and the steps it holds."""
+    """Our pseudo-gradient per sample (``(anchor - params) / samples``), the steps it holds, and a
+    fixed sample of our anchor (``probe``) that tells a partner how far apart our models are."""
 
     mean: Tensors
     steps: int
     samples: int
+    probe: tuple[float, ...] = ()
 
 
 @dataclass
@@ -72,6 +79,7 @@ class LiveModel:
         self.steps = 0
         """Inner steps in the current pseudo-gradient, i.e. taken since the anchor and not yet used."""
         self._params = dict(model.named_parameters())
+        self._probe_at = probe_positions({name: p.numel() for name, p in self._params.items()})
         self._samples_per_step = samples_per_step
         self._pending: list[Update] = []
         self._pending_kinds: set[str] = set()
@@ -96,7 +104,12 @@ class LiveModel:
                 return None
             samples = self.steps * self._samples_per_step
             mean = {name: delta.div_(samples) for name, delta in self._pseudo_gradient().items()}
-            return DeltaSnapshot(mean, self.steps, samples)
+            probe = tuple(
+                value
+                for name, positions in self._probe_at.items()
+                for value in self.outer.anchor[name].reshape(-1)[positions].tolist()
+            )
+            return DeltaSnapshot(mean, self.steps, samples, probe)
 
     def anchor_snapshot(self) -> Tensors | None:
         """A copy of our anchor, or None while an anchor update waits to be applied."""
@@ -125,12 +138,16 @@ class LiveModel:
             self._pending_kinds.clear()
             for update in updates:
                 self._apply(update)
+        if updates:
+            release_free_host_memory()  # the exchange's copies are gone: hand their pages back
         return updates
 
     def _apply(self, update: Update) -> None:
         if update.kind == "delta":
             moves = self.outer.advance(update.gradient)
+            update.gradient = {}  # used: let it go before the parameters move
             self._move_params(moves, update.consumed)
+            update.consumed = {}
             self.steps -= update.steps
         elif update.kind == "solo":
             own = self._pseudo_gradient()
@@ -141,6 +158,7 @@ class LiveModel:
             for name, anchor in self.outer.anchor.items():
                 anchor.add_(update.shift[name])
             self._move_params(update.shift, None)
+            update.shift = {}
         else:
             raise ValueError(f"unknown update kind {update.kind!r}")
 
@@ -161,6 +179,33 @@ class LiveModel:
         with self.lock:
             self._pending, self.steps = [], 0
             self._pending_kinds.clear()
+
+
+def probe_positions(sizes: dict[str, int], count: int = PROBE_SIZE, seed: int = 0) -> dict[str, torch.Tensor]:
+    """``count`` positions drawn uniformly over all parameters (by name order, so every peer of a run
+    draws the same), as flat indices per tensor."""
+    names = sorted(sizes)
+    total = sum(sizes[name] for name in names)
+    if total == 0:
+        return {}
+    generator = torch.Generator().manual_seed(seed)
+    drawn = torch.randint(total, (min(count, total),), generator=generator).sort().values
+    positions, start = {}, 0
+    for name in names:
+        inside = drawn[(drawn >= start) & (drawn < start + sizes[name])] - start
+        if len(inside):
+            positions[name] = inside
+        start += sizes[name]
+    return positions
+
+
+def probe_distance(ours: tuple[float, ...], theirs: tuple[float, ...]) -> float | None:
+    """``|ours - theirs| / |ours|`` of two probes: an estimate of the relative distance of two anchors;
+    None when they are not comparable (a partner without a probe, or of another length)."""
+    if not ours or len(ours) != len(theirs):
+        return None
+    diff = math.sqrt(sum((a - b) ** 2 for a, b in zip(ours, theirs, strict=True)))
+    return diff / max(math.sqrt(sum(a * a for a in ours)), 1e-12)
 
 
 def relative_norm(shift: Tensors, reference: Tensors) -> float:

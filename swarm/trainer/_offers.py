@@ -14,7 +14,7 @@ pair is ``x' = (w x + v y) / (w + v)``; the outer gradient each side applies is 
 from __future__ import annotations
 
 from swarm.gossip import Committed, Offer
-from swarm.trainer._live import LiveModel, Update, relative_norm
+from swarm.trainer._live import LiveModel, Update, probe_distance, relative_norm
 
 
 class DeltaOffers:
@@ -27,14 +27,16 @@ class DeltaOffers:
         snapshot = self._live.delta_snapshot()
         if snapshot is None:
             return None
-        return Offer(tensors=snapshot.mean, weight=float(snapshot.samples), token=snapshot)
+        return Offer(
+            tensors=snapshot.mean, weight=float(snapshot.samples), token=snapshot, probe=snapshot.probe
+        )
 
     def committed(self, offer: Offer, exchange: Committed) -> None:
         snapshot = offer.token
         pair_weight = (offer.weight + exchange.partner_weight) / 2
         gradient = {name: t.mul_(pair_weight) for name, t in exchange.mixed.items()}
         consumed = {name: t.mul_(snapshot.samples) for name, t in snapshot.mean.items()}
-        info = _info(exchange, weight=offer.weight)
+        info = _info(exchange, weight=offer.weight, drift=probe_distance(offer.probe, exchange.partner_probe))
         self._live.queue(
             Update("delta", gradient=gradient, consumed=consumed, steps=snapshot.steps, info=info)
         )

@@ -14,22 +14,31 @@ What a round is (a gossip exchange, a hivemind epoch, a solo outer step) is the 
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from swarm._device import describe_device
 from swarm._node import NodeInfo, SwarmNode
+from swarm._periodic import calling_on
 from swarm.config import RunConfig
 from swarm.gossip import GossipMetrics
+from swarm.membership import PeerState
 from swarm.network import NetworkOptions, ReachabilityResult
 from swarm.state import load_latest_checkpoint, save_checkpoint
-from swarm.trainer._backend import AveragingBackend, BackendContext, JoinResult, RoundResult
+from swarm.trainer._backend import (
+    AveragingBackend,
+    BackendContext,
+    JoinResult,
+    RoundOutcome,
+    RoundResult,
+    RoundRole,
+)
 from swarm.trainer._factory import make_backend
 from swarm.trainer._progress import Progress
 from swarm.training import (
@@ -57,14 +66,14 @@ class SyncReport:
     loss: float | None
     eval_loss: float | None
     samples_per_s: float
-    outcome: str
+    outcome: RoundOutcome
     partner: str | None
     bytes_sent: int
     bytes_received: int
     drift: float | None
     lr: float
     weight: float
-    role: str = "initiator"
+    role: RoundRole = "initiator"
 
 
 class TrainingPeer:
@@ -90,9 +99,9 @@ class TrainingPeer:
         self.eval_set = make_eval_set(self.source, config.model.block_size)
         self.progress = Progress()
         self.total_samples = total_samples_of(config.train, config.run.target_samples)
-        self.backend: AveragingBackend | None = None
+        self._backend: AveragingBackend | None = None
         self.joined = JoinResult()
-        self._state = "joining"
+        self._state: PeerState = "joining"
         self._joined = False
         self._last_checkpoint = time.monotonic()
         device_name, memory = describe_device(str(self.device))
@@ -106,7 +115,7 @@ class TrainingPeer:
         )
         try:
             context = BackendContext(config, self.model, self.device, self.node, self.progress)
-            self.backend = make_backend(context, network)
+            self._backend = make_backend(context, network)
             self.inner = InnerTrainer(
                 self.model,
                 config.train,
@@ -127,6 +136,13 @@ class TrainingPeer:
             seed=config.run.seed,
             start_sample=self.progress.samples_drawn,
         )
+
+    @property
+    def backend(self) -> AveragingBackend:
+        """The averaging backend, made by the constructor (asking before that, or after it failed, raises)."""
+        if self._backend is None:
+            raise RuntimeError("this training peer has no averaging backend (its construction failed)")
+        return self._backend
 
     def check_reachability(self) -> ReachabilityResult:
         """Ask other members to dial this peer back (``network.reachability_check``); call before :meth:`run`.
@@ -172,28 +188,13 @@ class TrainingPeer:
 
     def abort(self) -> None:
         """Cancel the exchange in flight (it does not commit) and refuse further ones; for shutdown."""
-        if self.backend is not None:
-            self.backend.abort()
+        if self._backend is not None:
+            self._backend.abort()
 
-    @contextlib.contextmanager
-    def aborting_on(self, stop: threading.Event, period_s: float = 0.5) -> Iterator[None]:
-        """While inside, a watcher thread calls :meth:`abort` as soon as ``stop`` is set, so that a
-        stalled partner cannot hold a shutdown (joining or training) past its grace period."""
-        finished = threading.Event()
-
-        def watch() -> None:
-            while not finished.is_set():
-                if stop.wait(period_s):
-                    self.abort()
-                    return
-
-        watcher = threading.Thread(target=watch, name="abort-on-stop", daemon=True)
-        watcher.start()
-        try:
-            yield
-        finally:
-            finished.set()
-            watcher.join()
+    def aborting_on(self, stop: threading.Event) -> AbstractContextManager[None]:
+        """While inside, :meth:`abort` is called as soon as ``stop`` is set, so that a stalled partner
+        (or stage peer) cannot hold a shutdown, joining or training, past its grace period."""
+        return calling_on(stop, self.abort)
 
     def _inner_step(self) -> list[RoundResult]:
         lr = lr_at(self._schedule_progress(), self.config.train, self.total_samples)
@@ -214,7 +215,7 @@ class TrainingPeer:
             if self.progress.round % self.config.train.eval_every_rounds == 0:
                 self.progress.eval_loss = evaluate(self.model, self.eval_set, self.config.train.eval_batches)
             self.progress.swarm_samples = self._swarm_samples()
-            self.node.announce_now()
+            self.node.announce_soon()
             self._report(result)
         if rounds:
             self._maybe_checkpoint()
@@ -242,13 +243,14 @@ class TrainingPeer:
 
         A peer that took over a state counts at least that state's samples, even once its donors left.
         """
-        seen = sum(m.record.samples_total for m in self.node.members() if m.peer_id != self.node.peer_id)
+        others = (m for m in self.node.recent_members() if m.peer_id != self.node.peer_id)
+        seen = sum(m.record.samples_total for m in others)
         joined = self.joined.meta.get("samples_total", 0)
         return max(seen, joined) + self.progress.samples_total
 
     def gossip_metrics(self) -> GossipMetrics:
         """The backend's wire and exchange counters (both roles)."""
-        return self.backend.metrics() if self.backend is not None else GossipMetrics()
+        return self._backend.metrics() if self._backend is not None else GossipMetrics()
 
     def _status(self) -> dict[str, Any]:
         p = self.progress
@@ -269,8 +271,8 @@ class TrainingPeer:
             "exchanges_rejected": metrics.exchanges_rejected,
             "state_hash": "",
         }
-        if self.backend is not None:
-            status.update(self.backend.status())
+        if self._backend is not None:
+            status.update(self._backend.status())
         return status
 
     def _report(self, result: RoundResult) -> None:
@@ -338,8 +340,8 @@ class TrainingPeer:
 
     def close(self) -> None:
         """Stop exchanging, leave the swarm (the record expires), stop the DHT and its daemon."""
-        if self.backend is not None:
-            self.backend.close()
+        if self._backend is not None:
+            self._backend.close()
         self.node.close()
 
 

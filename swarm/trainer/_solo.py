@@ -13,7 +13,7 @@ import torch
 
 from swarm.config import AveragingSection
 from swarm.gossip import GossipMetrics
-from swarm.trainer._backend import BackendContext, JoinResult, NoGuard, RoundResult
+from swarm.trainer._backend import BackendContext, JoinResult, NoGuard, RoundResult, outer_state_device
 from swarm.training import OuterOptimizer
 
 
@@ -43,7 +43,9 @@ class SoloBackend(NoGuard):
     """Outer Nesterov steps on this peer's own pseudo-gradient every round; no network."""
 
     def __init__(self, context: BackendContext) -> None:
-        self.outer = OuterOptimizer.from_config(context.model, context.config.averaging)
+        self.outer = OuterOptimizer.from_config(
+            context.model, context.config.averaging, state_device=outer_state_device(context)
+        )
         self._clock = RoundClock(context.config.averaging)
         self._samples = 0
 

@@ -11,9 +11,13 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 from swarm.config import RunConfig
 from swarm.gossip import GossipAverager, Offerer, PartnerInfo
+
+if TYPE_CHECKING:
+    from hivemind.dht import DHT
 
 logger = logging.getLogger(__name__)
 
@@ -22,23 +26,26 @@ PartnerSource = Callable[[], Sequence[PartnerInfo]]
 
 def make_averager(
     config: RunConfig,
-    dht: object,
+    dht: DHT,
     partners: PartnerSource,
     offerer: Offerer,
     *,
     suffix: str = "",
+    namespace: str = "",
     codec: str | None = None,
     client_mode: bool | None = None,
     respect_bans_of: GossipAverager | None = None,
 ) -> GossipAverager:
     """A gossip averager in offer mode, configured from the run config; ``suffix`` separates
-    independent exchanges (``.params`` for the anchors).
+    independent exchanges (``.params`` for the anchors), ``namespace`` a group of peers that averages
+    on its own (``.stage<k>`` for a pipeline stage).
 
     ``client_mode`` overrides ``network.client_mode`` (a peer that nobody could dial back);
-    ``respect_bans_of`` makes this averager honour another one's bans (docs/gossip.md)."""
+    ``respect_bans_of`` makes this averager honour another one's bans and share its exchange lock
+    (docs/gossip.md)."""
     avg, comp = config.averaging, config.compression
     return GossipAverager(
-        run_id=config.run.run_id + suffix,
+        run_id=config.run.run_id + namespace + suffix,
         dht=dht,
         partner_source=partners,
         offerer=offerer,
@@ -46,7 +53,9 @@ def make_averager(
         codec=codec or comp.codec,
         block_size=comp.block_size,
         chunk_bytes=comp.chunk_bytes,
-        error_feedback=comp.error_feedback,
+        # anchors: the mass-conserving mix keeps the pair's sum exact, and a residual would cost 4 bytes
+        # per parameter for an exchange that runs every few rounds
+        error_feedback=comp.error_feedback and not suffix,
         exchange_timeout_s=avg.exchange_timeout_s,
         chunk_timeout_s=avg.chunk_timeout_s,
         max_norm_ratio=avg.max_norm_ratio,
@@ -58,6 +67,8 @@ def make_averager(
         clip_hard_factor=avg.clip_hard_factor,
         clip_strikes=avg.clip_strikes,
         respect_bans_of=respect_bans_of,
+        # one exchange of either kind at a time: their buffers never add up, and the CPU work neither
+        exclusive_with=respect_bans_of,
         client_mode=config.network.client_mode if client_mode is None else client_mode,
     )
 

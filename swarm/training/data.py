@@ -60,7 +60,8 @@ def is_held_out(piece: bytes, eval_fraction: float) -> bool:
 class TokenSource(Protocol):
     """What :class:`TrainBatches` and :func:`make_eval_set` need from a source of tokens."""
 
-    unit: str
+    @property
+    def unit(self) -> str: ...
 
     @property
     def eval(self) -> torch.Tensor: ...

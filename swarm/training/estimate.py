@@ -7,7 +7,12 @@ no memory and about a second. Memory is the sum of
 * inner AdamW state: on CUDA bitsandbytes' 8-bit AdamW, 2 bytes per element plus a float32 scale
   per 256-element block and state, for tensors of at least 4096 elements (smaller ones: ``8 n``);
   on the CPU torch's AdamW, ``8 P``;
-* outer optimizer: float32 anchor and momentum, ``4 P`` each; error-feedback residual ``4 P``;
+* outer optimizer: float32 anchor and momentum, ``4 P`` each; the pseudo-gradient exchange's
+  error-feedback residual ``4 P`` (lossy codecs); the sync path's buffers at their peak, an exchange
+  plus what the training thread holds meanwhile (:func:`gossip_peak_buffer_bytes`: ``28 P`` with
+  int8 and error feedback);
+  these can live in host memory instead (``averaging.outer_state_device``, :func:`outer_state_on_host`);
+* the state served to joiners: a CPU float32 copy of anchor and momentum, ``8 P``, always host memory;
 * activations of one micro-batch of one sequence, bf16, per layer per token: ``17 h`` for attention
   and norms (flash attention: no ``s^2`` term) plus ``2 h + 4 i`` for a GELU MLP of width ``i`` or
   ``2 h + 8 i`` for a gated one; plus ``10 V`` per token for the logits (bf16, float32 copy, its
@@ -49,7 +54,12 @@ class Shape:
 
 @dataclass(frozen=True)
 class PeerEstimate:
-    """Bytes one peer needs. ``wire_*`` are per sync, in each direction (sent = received)."""
+    """Bytes one peer needs. ``wire_*`` are per exchange, in each direction (sent = received).
+
+    ``outer_state`` (anchor and momentum), ``residuals`` (error feedback of pseudo-gradients) and
+    ``exchange_buffers`` (what an exchange holds at its peak, see :func:`exchange_buffer_bytes`) live
+    next to the parameters, or in host memory when ``averaging.outer_state_device`` puts them there.
+    """
 
     parameters: int
     device: str
@@ -57,22 +67,78 @@ class PeerEstimate:
     gradients: int
     inner_optimizer: int
     outer_state: int
-    residual: int
+    residuals: int
+    exchange_buffers: int
+    served_state: int
     activations: int
     activations_checkpointed: int
     wire_delta: int
     wire_params: int
     param_sync_every: int
 
+    @property
+    def outer(self) -> int:
+        """Everything the averaging keeps beside the model: state, residuals, exchange buffers."""
+        return self.outer_state + self.residuals + self.exchange_buffers
+
+    def device_memory(self, checkpointing: bool, *, host_state: bool = False) -> int:
+        """Bytes on the training device, with the outer state there or (``host_state``) in host memory."""
+        model = self.weights + self.gradients + self.inner_optimizer
+        activations = self.activations_checkpointed if checkpointing else self.activations
+        return model + activations + (0 if host_state else self.outer)
+
+    def host_memory(self, *, host_state: bool = False) -> int:
+        """Bytes in host memory besides the program itself: the state served to joiners, and the outer
+        state when it lives there."""
+        return self.served_state + (self.outer if host_state else 0)
+
     def memory(self, checkpointing: bool) -> int:
-        """Total bytes with or without activation checkpointing."""
-        states = self.weights + self.gradients + self.inner_optimizer + self.outer_state + self.residual
-        return states + (self.activations_checkpointed if checkpointing else self.activations)
+        """Total bytes with or without activation checkpointing, on a machine whose device is its host
+        (a CPU peer): everything."""
+        return self.device_memory(checkpointing) + self.host_memory()
 
     @property
     def wire_per_sync(self) -> float:
-        """Pseudo-gradient exchange plus the full-parameter exchange amortised over its period."""
+        """What a peer sends per round: one pseudo-gradient exchange (a round is one exchange, whether
+        the peer started it or was dialled), plus the anchor exchange amortised over its period (a peer
+        starts one every ``param_sync_every`` of its own rounds, about every other round is its own, and
+        it is dialled for about as many as it starts)."""
         return self.wire_delta + self.wire_params / self.param_sync_every
+
+
+def exchange_buffer_bytes(params: int, lossy: bool, error_feedback: bool = False) -> int:
+    """Peak bytes of one exchange of a gossip trainer: whole float32 copies of the model alive at
+    mixing time (``swarm.trainer._offers``, ``swarm.gossip._exchange``):
+
+    * the snapshot we offer (``anchor - params`` per sample, or a copy of the anchor);
+    * what our own frames decode to (lossy codecs; lossless ones send the snapshot itself);
+    * with error feedback, the new residual, pending until the exchange commits (the committed one
+      is counted apart, in :attr:`PeerEstimate.residuals`);
+    * what the partner sent, decoded;
+    * the mixed result (the robust clip's or the plain mix's, one new copy either way).
+
+    Codec payloads, frames and float64 temporaries are per tensor, not per model.
+    """
+    copies = 3 + int(lossy) + int(lossy and error_feedback)
+    return copies * 4 * params
+
+
+def gossip_peak_buffer_bytes(params: int, delta_lossy: bool, error_feedback: bool, anchor_lossy: bool) -> int:
+    """Peak bytes, beyond the steady state, of a gossip trainer's sync path: the larger of
+
+    * a pseudo-gradient exchange (:func:`exchange_buffer_bytes`) while the training thread publishes
+      the state served to joiners (a new float32 copy of anchor and momentum, ``8 P``, is made before
+      the old one goes) or an anchor exchange's update waits (its shift, ``4 P``);
+    * an anchor exchange (no error feedback, no clip) while the training thread applies the
+      pseudo-gradient update that committed just before it: the pair's gradient, our consumed
+      snapshot and the outer step's move, ``12 P``.
+
+    The two averagers share one exchange lock, so no two exchanges overlap; a peer does not offer a
+    new pseudo-gradient while one is queued, nor a new anchor while an anchor shift is queued.
+    """
+    delta = exchange_buffer_bytes(params, delta_lossy, error_feedback) + 8 * params
+    anchor = exchange_buffer_bytes(params, anchor_lossy) + 12 * params
+    return max(delta, anchor)
 
 
 def model_shape(config: RunConfig, model: nn.Module) -> Shape:
@@ -83,7 +149,7 @@ def model_shape(config: RunConfig, model: nn.Module) -> Shape:
     hf = model.inner.config
     hidden = hf.hidden_size
     gated = getattr(hf, "hidden_act", "") == "silu" or hasattr(hf, "mlp_bias")
-    context = getattr(hf, "max_position_embeddings", None) or getattr(hf, "n_positions", m.block_size)
+    context = getattr(hf, "max_position_embeddings", 0) or getattr(hf, "n_positions", m.block_size)
     return Shape(
         layers=hf.num_hidden_layers,
         hidden=hidden,
@@ -130,7 +196,9 @@ def estimate_peer(config: RunConfig, device: str = "cuda") -> PeerEstimate:
         model = build_model(config.model, config.run.seed)
     params = count_parameters(model)
     activations, checkpointed = activation_bytes(model_shape(config, model))
-    feedback = config.compression.error_feedback and config.compression.codec not in ("fp32",)
+    comp, avg = config.compression, config.averaging
+    delta_lossy, anchor_lossy = comp.codec != "fp32", avg.param_codec != "fp32"
+    residuals = 4 * params if delta_lossy and comp.error_feedback else 0  # anchor exchanges keep none
     return PeerEstimate(
         parameters=params,
         device=device,
@@ -138,30 +206,54 @@ def estimate_peer(config: RunConfig, device: str = "cuda") -> PeerEstimate:
         gradients=4 * params,
         inner_optimizer=adamw_state_bytes(model, cuda=device == "cuda"),
         outer_state=8 * params,
-        residual=4 * params if feedback else 0,
+        residuals=residuals,
+        exchange_buffers=gossip_peak_buffer_bytes(
+            params, delta_lossy, delta_lossy and comp.error_feedback, anchor_lossy
+        ),
+        served_state=8 * params,  # a CPU float32 copy of anchor and momentum, for joiners
         activations=activations,
         activations_checkpointed=checkpointed,
-        wire_delta=wire_bytes(model, config.compression.codec, config.compression.block_size),
-        wire_params=wire_bytes(model, config.averaging.param_codec, config.compression.block_size),
-        param_sync_every=config.averaging.param_sync_every,
+        wire_delta=wire_bytes(model, comp.codec, comp.block_size),
+        wire_params=wire_bytes(model, avg.param_codec, comp.block_size),
+        param_sync_every=avg.param_sync_every,
     )
 
 
-def describe_estimate(estimate: PeerEstimate) -> list[str]:
-    """Lines for ``swarm config check``."""
+def outer_state_on_host(config: RunConfig, device: torch.device) -> bool:
+    """Whether the outer state goes to host memory: ``averaging.outer_state_device`` ``host``, or
+    ``auto`` on a CUDA device whose memory the device layout would not fit (90% of it)."""
+    choice = config.averaging.outer_state_device
+    if device.type != "cuda" or choice == "device":
+        return False
+    if choice == "host":
+        return True
+    total = torch.cuda.get_device_properties(device).total_memory
+    need = estimate_peer(config, "cuda").device_memory(config.train.activation_checkpointing)
+    return need > 0.9 * total
+
+
+def describe_estimate(estimate: PeerEstimate, checkpointing: bool = False) -> list[str]:
+    """Lines for ``swarm config check``: both layouts, the breakdown, and the wire per round."""
     e = estimate
     optimizer = "8-bit AdamW" if e.device == "cuda" else "AdamW"
+    on_device = (e.device_memory(False), e.device_memory(True))
+    split = (e.device_memory(False, host_state=True), e.device_memory(True, host_state=True))
+    used = " (this config)" if checkpointing else ""
     return [
         f"parameters: {e.parameters:,}",
-        f"memory per peer on {e.device} (micro-batch 1): {_size(e.memory(False))}, "
-        f"{_size(e.memory(True))} with activation checkpointing",
-        f"  weights {_size(e.weights)} + gradients {_size(e.gradients)}"
+        f"memory per peer on {e.device} (micro-batch 1), outer state on the device: {_size(on_device[0])}, "
+        f"{_size(on_device[1])} with activation checkpointing{used}",
+        f"  with the outer state in host memory: {_size(split[0])} on the device, {_size(split[1])} with "
+        f"activation checkpointing, plus {_size(e.host_memory(host_state=True))} of host memory",
+        f"  model: weights {_size(e.weights)} + gradients {_size(e.gradients)}"
         f" + {optimizer} {_size(e.inner_optimizer)}"
-        f" + outer anchor and momentum {_size(e.outer_state)} + error feedback {_size(e.residual)}"
         f" + activations {_size(e.activations)} ({_size(e.activations_checkpointed)} checkpointed)",
+        f"  outer state: anchor and momentum {_size(e.outer_state)} + error feedback {_size(e.residuals)}"
+        f" + exchange buffers {_size(e.exchange_buffers)}; host memory for the state served to joiners "
+        f"{_size(e.served_state)}",
         f"wire per sync per peer, each direction: {_size(e.wire_per_sync)} "
-        f"(pseudo-gradient {_size(e.wire_delta)}, plus parameters {_size(e.wire_params)} "
-        f"every {e.param_sync_every} syncs)",
+        f"(pseudo-gradient {_size(e.wire_delta)} per round, initiated or served; anchors "
+        f"{_size(e.wire_params)} every {e.param_sync_every} own rounds)",
     ]
 
 

@@ -44,7 +44,8 @@ def resolve_device(spec: str = "auto") -> torch.device:
 
 def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     """Two AdamW groups: matrices decay; biases, norm gains and embeddings do not."""
-    decay, no_decay = [], []
+    decay: list[nn.Parameter] = []
+    no_decay: list[nn.Parameter] = []
     embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     for param in model.parameters():
         if not param.requires_grad:

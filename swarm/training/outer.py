@@ -26,7 +26,8 @@ class OuterOptimizer:
     """SGD with (Nesterov) momentum applied to averaged pseudo-gradients, anchored at round start.
 
     The anchor and the momentum are float32 and live on ``state_device`` (default: next to each
-    parameter); putting them on the CPU saves accelerator memory at the price of a copy per round.
+    parameter); putting them on the CPU (page-locked when the model is on a GPU) saves accelerator
+    memory at the price of copies per round (``averaging.outer_state_device``).
     """
 
     def __init__(
@@ -60,10 +61,16 @@ class OuterOptimizer:
     @torch.no_grad()
     def reset_anchor(self) -> None:
         """Take the model's current parameters as the anchor (at start, and after loading new state)."""
-        self.anchor = {
-            name: param.detach().to(self._device_of(param), torch.float32, copy=True)
-            for name, param in self._params.items()
-        }
+        self.anchor = {name: self._state_copy(param) for name, param in self._params.items()}
+
+    def _state_copy(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A float32 copy on the state device; in page-locked host memory when the parameter is on a GPU
+        and the state on the host, so that copies between them go by DMA without a staging buffer."""
+        device = self._device_of(tensor)
+        if device.type == "cpu" and tensor.device.type == "cuda":
+            out = torch.empty(tensor.shape, dtype=torch.float32, pin_memory=True)
+            return out.copy_(tensor.detach())
+        return tensor.detach().to(device, torch.float32, copy=True)
 
     @torch.no_grad()
     def pseudo_gradient(self) -> dict[str, torch.Tensor]:

@@ -1,6 +1,6 @@
 """``swarm join`` whose gossip exchanges stall when *it* initiates: for the shutdown tests.
 
-Runs the real CLI (``python -m tests.stall_join_worker join ...``) with one test-only change: every
+Runs the real CLI (``python -m tests.workers.stall_join join ...``) with one test-only change: every
 averager gets ``ExchangeHooks(stall_after_frames=1)``, and the stall only takes effect in an exchange
 this peer initiated (its training thread then waits inside ``sync``), never while serving a partner.
 When it stalls it prints ``STALLED`` on stdout, so a test can signal it mid-exchange.

@@ -1,4 +1,4 @@
-"""Peer processes for the gossip tests and the averaging benchmark.
+"""Peer processes for the gossip tests (tests/test_gossip.py): a pool of workers driven over pipes.
 
 Each worker is a separate (spawned) process in its own process group, so that killing the group
 takes its hivemind DHT process and p2p daemon down with it. The test process drives workers with
@@ -25,10 +25,13 @@ from typing import Any
 import psutil
 import torch
 
+from tests._processes import describe, group_processes, kill_all, outliving
+
 # forkserver: heavy imports happen once in the server, each worker is a cheap fork of it (a fresh
 # interpreter per worker costs seconds of CPU on a 2-core CI machine).
 CONTEXT = mp.get_context("forkserver")
-CONTEXT.set_forkserver_preload(["torch", "hivemind", "swarm.gossip", "tests.gossip_helpers"])
+CONTEXT.set_forkserver_preload(["torch", "hivemind", "swarm.gossip", "tests.workers.gossip_pool"])
+STARTUP_TIMEOUT_S = 120.0  # eight daemons starting at once on a busy 2-core machine can take a while
 
 
 def make_vector(seed: int, numel: int, offset: float = 0.0) -> torch.Tensor:
@@ -95,7 +98,10 @@ class _Worker:
         import hivemind
 
         self.dht = hivemind.DHT(
-            initial_peers=list(initial_peers) or None, host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True
+            initial_peers=list(initial_peers) or None,
+            host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+            start=True,
+            startup_timeout=STARTUP_TIMEOUT_S,
         )
         maddrs = [str(m) for m in self.dht.get_visible_maddrs()]
         return {"peer_id": self.dht.peer_id.to_base58(), "maddrs": maddrs}
@@ -281,16 +287,26 @@ class PeerPool:
         self.workers[index].join(10)
         self.dead.add(index)
 
-    def close(self) -> None:
+    def close(self, timeout: float = 60.0) -> list[str]:
+        """Ask every live worker to shut down (its averager, its DHT, which stops its p2pd); return
+        what of their process groups outlived that graceful stop (then killed), as descriptions.
+
+        Groups of workers the test killed must be empty too: a group kill takes them all at once.
+        """
         for index, conn in enumerate(self.conns):
             if index not in self.dead:
                 with contextlib.suppress(Exception):
                     conn.send(("shutdown", {}))
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + timeout
         for proc in self.workers:
             proc.join(max(0.1, deadline - time.monotonic()))
-        for index in range(len(self.workers)):
-            self.kill(index)
+        groups = set(self.pgids)
+        outlived = outliving(lambda: group_processes(groups), max(0.1, deadline - time.monotonic()))
+        described = [describe(p) for p in outlived]
+        kill_all(outlived)
+        for proc in self.workers:
+            proc.join(10)
+        return described
 
 
 def p2pd_pids() -> set[int]:

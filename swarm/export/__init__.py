@@ -1,0 +1,36 @@
+"""Getting the model out of a run: export to ``safetensors`` + config, load it back, sample text.
+
+* :func:`model_from_checkpoint` rebuilds a trainer's model from one of its verified checkpoints
+  (refusing a checkpoint of another config hash);
+* :func:`download_model` takes the live swarm's state over the verified state download, as a joiner;
+* :func:`export_model` writes ``model.safetensors`` + ``config.json`` (the built-in GPT) or a
+  ``transformers`` ``save_pretrained`` directory (``model.kind: hf``), atomically;
+* :func:`load_exported` loads an exported directory back;
+* :func:`generate` samples bytes from the byte-level GPT.
+
+See docs/export.md.
+"""
+
+from swarm.export._files import (
+    MODEL_FILE,
+    SWARM_FILE,
+    ExportedModel,
+    ExportError,
+    export_model,
+    load_exported,
+    model_from_checkpoint,
+)
+from swarm.export._generate import generate
+from swarm.export._live import download_model
+
+__all__ = [
+    "MODEL_FILE",
+    "SWARM_FILE",
+    "ExportError",
+    "ExportedModel",
+    "download_model",
+    "export_model",
+    "generate",
+    "load_exported",
+    "model_from_checkpoint",
+]

@@ -1,0 +1,210 @@
+"""The exported directory: write it atomically, read it back; and a model rebuilt from a checkpoint.
+
+Layout for the built-in GPT (``model.kind: gpt``)::
+
+    DIR/model.safetensors   the weights (the head is tied to the token embedding: stored once)
+    DIR/config.json         {"format", "kind", "model": <the run's model section>, "run_id",
+                             "config_hash", "progress": {"round", "step", "samples"}}
+
+For ``model.kind: hf`` the directory is the ``transformers`` model's ``save_pretrained`` output (its
+own ``config.json`` and ``model.safetensors``), so ``AutoModelForCausalLM.from_pretrained(DIR)``
+loads it; the swarm's metadata goes to ``DIR/swarm.json`` beside it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+from torch import nn
+
+from swarm._errors import SwarmError
+from swarm.config import ModelSection, RunConfig
+from swarm.state import CheckpointError, load_latest_checkpoint, read_checkpoint
+from swarm.training import build_model
+
+MODEL_FILE = "model.safetensors"
+CONFIG_FILE = "config.json"
+SWARM_FILE = "swarm.json"
+FORMAT = "swarm-export/1"
+
+
+class ExportError(SwarmError):
+    """The model cannot be exported or loaded: a bad checkpoint, another config, a bad directory."""
+
+
+@dataclass
+class ExportedModel:
+    """A model together with what identifies it: its model config, run, config hash and progress."""
+
+    model: nn.Module
+    model_config: ModelSection
+    run_id: str
+    config_hash: str
+    progress: dict[str, int]
+    """``round``, ``step`` and ``samples`` (samples trained) of the state the weights come from."""
+
+    def metadata(self) -> dict[str, Any]:
+        """What goes into ``config.json`` (``swarm.json`` for hf models)."""
+        return {
+            "format": FORMAT,
+            "kind": self.model_config.kind,
+            "model": self.model_config.model_dump(mode="json"),
+            "run_id": self.run_id,
+            "config_hash": self.config_hash,
+            "progress": dict(self.progress),
+        }
+
+
+def progress_counters(raw: Mapping[str, Any]) -> dict[str, int]:
+    """``round``/``step``/``samples`` out of a checkpoint's progress or a state's meta (0 when absent)."""
+    return {
+        "round": int(raw.get("round", 0)),
+        "step": int(raw.get("step", 0)),
+        "samples": int(raw.get("samples_total", 0)),
+    }
+
+
+def model_from_checkpoint(path: str | os.PathLike[str], config: RunConfig) -> ExportedModel:
+    """Rebuild the model of a trainer checkpoint: a file, or a directory's newest valid checkpoint.
+
+    The checkpoint is verified (:func:`swarm.state.read_checkpoint`) and must belong to ``config``
+    (same config hash): the config is what rebuilds the model. Raises :class:`ExportError`.
+    """
+    source = Path(path)
+    if source.is_dir():
+        found = load_latest_checkpoint(source)
+        if found is None:
+            raise ExportError(f"no valid checkpoint in {source}")
+        state, source = found
+    elif source.is_file():
+        try:
+            state = read_checkpoint(source)
+        except (CheckpointError, OSError) as error:
+            raise ExportError(f"{source}: {error}") from error
+    else:
+        raise ExportError(f"{source}: no such checkpoint file or directory")
+    expected = config.config_hash()
+    if state.get("config_hash") != expected:
+        raise ExportError(
+            f"checkpoint {source} belongs to config hash {state.get('config_hash')!r}, the given config "
+            f"has {expected!r}: pass the run's config file (and the same --set overrides)"
+        )
+    weights = state.get("model")
+    if not isinstance(weights, dict):
+        raise ExportError(f"checkpoint {source} holds no model state")
+    model = build_model(config.model, config.run.seed)
+    try:
+        model.load_state_dict(weights)
+    except RuntimeError as error:
+        raise ExportError(f"checkpoint {source} does not fit the configured model: {error}") from error
+    progress = state.get("progress")
+    return ExportedModel(
+        model.eval(),
+        config.model,
+        config.run.run_id,
+        expected,
+        progress_counters(progress if isinstance(progress, Mapping) else {}),
+    )
+
+
+def export_model(exported: ExportedModel, out: str | os.PathLike[str], *, overwrite: bool = False) -> Path:
+    """Write ``exported`` to the directory ``out`` (layout: module docstring) and return its path.
+
+    Everything is written to a temporary directory beside ``out`` first, then renamed into place, so
+    ``out`` is either the whole export or what it was before. An existing non-empty ``out`` is
+    refused unless ``overwrite``.
+    """
+    target = Path(out)
+    if target.exists() and not target.is_dir():
+        raise ExportError(f"{target} exists and is not a directory")
+    if target.is_dir() and any(target.iterdir()) and not overwrite:
+        raise ExportError(f"{target} exists and is not empty (overwrite it with --overwrite)")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    temporary = target.parent / f".{target.name}.{os.getpid()}.tmp"
+    shutil.rmtree(temporary, ignore_errors=True)
+    temporary.mkdir()
+    try:
+        if exported.model_config.kind == "hf":
+            exported.model.inner.save_pretrained(temporary)  # an HFCausalLM
+            _write_json(temporary / SWARM_FILE, exported.metadata())
+        else:
+            from safetensors.torch import save_model
+
+            save_model(exported.model, str(temporary / MODEL_FILE), metadata={"format": "pt"})
+            _write_json(temporary / CONFIG_FILE, exported.metadata())
+        _replace_directory(temporary, target)
+    except BaseException:
+        shutil.rmtree(temporary, ignore_errors=True)
+        raise
+    return target
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    with open(path, "w", encoding="utf-8") as handle:
+        json.dump(data, handle, indent=2, sort_keys=True)
+        handle.write("\n")
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def _replace_directory(new: Path, target: Path) -> None:
+    """Rename ``new`` to ``target``; a non-empty ``target`` is moved aside first and removed after."""
+    old = None
+    if target.is_dir() and any(target.iterdir()):
+        old = target.parent / f".{target.name}.{os.getpid()}.old"
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(target, old)
+    os.replace(new, target)  # onto an empty directory, or a free name
+    fd = os.open(target.parent, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def load_exported(directory: str | os.PathLike[str]) -> ExportedModel:
+    """Load what :func:`export_model` wrote (in eval mode, on the CPU); raises :class:`ExportError`."""
+    root = Path(directory)
+    meta_path = root / SWARM_FILE if (root / SWARM_FILE).is_file() else root / CONFIG_FILE
+    try:
+        meta = json.loads(meta_path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as error:
+        raise ExportError(f"{root} is not an exported model: {meta_path.name}: {error}") from error
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise ExportError(f"{meta_path}: not a swarm export (format {FORMAT!r} expected)")
+    try:
+        section = ModelSection.model_validate(meta.get("model"))
+    except ValidationError as error:
+        raise ExportError(f"{meta_path}: bad model section: {error}") from error
+    model: nn.Module
+    if section.kind == "hf":
+        from transformers import AutoModelForCausalLM
+
+        from swarm.training.model import HFCausalLM
+
+        model = HFCausalLM(AutoModelForCausalLM.from_pretrained(root))
+    else:
+        from safetensors.torch import load_model
+
+        model = build_model(section, seed=0)
+        try:
+            load_model(model, str(root / MODEL_FILE))
+        except (OSError, RuntimeError, ValueError) as error:
+            raise ExportError(f"{root / MODEL_FILE}: {error}") from error
+    progress = meta.get("progress")
+    return ExportedModel(
+        model.eval(),
+        section,
+        str(meta.get("run_id", "")),
+        str(meta.get("config_hash", "")),
+        {k: int(v) for k, v in progress.items()} if isinstance(progress, dict) else {},
+    )

@@ -1,0 +1,224 @@
+"""Trainer processes for tests/test_malicious.py: honest peers, and attackers built from a test hook.
+
+Each peer is a fork of a forkserver that has already imported torch, hivemind and the trainer (a
+fresh interpreter per peer costs seconds of CPU on a 2-core machine), in its own process group so
+that its DHT process and p2p daemon can be found (and, if they outlive a graceful stop, killed). An
+attacker is an ordinary :class:`TrainingPeer` whose pseudo-gradient averager gets
+``ExchangeHooks(tamper=...)`` patched in here: no attack code lives in the product.
+
+Each peer also records the bans its averagers pronounce, as they happen (from the averagers' own
+"banning peer" log records), and reports them with its summary.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import multiprocessing as mp
+import os
+import signal
+import threading
+import time
+import traceback
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tests._processes import describe, group_processes, kill_all, outliving
+
+CONTEXT = mp.get_context("forkserver")
+CONTEXT.set_forkserver_preload(
+    ["torch", "hivemind", "swarm.trainer", "peers.join", "peers._common", "tests.workers.malicious"]
+)
+
+NamedTensors = list[tuple[str, torch.Tensor]]
+
+
+def scaled(named: NamedTensors) -> NamedTensors:
+    """The attacker's own pseudo-gradient, 100 times larger."""
+    return [(name, t * 100.0) for name, t in named]
+
+
+def random_update(named: NamedTensors) -> NamedTensors:
+    """Standard normal noise in place of the pseudo-gradient (far larger than honest updates)."""
+    return [(name, torch.randn_like(t)) for name, t in named]
+
+
+ATTACKS = {"scaled": scaled, "random": random_update}
+
+
+def _install_attack(peer: Any, attack: str) -> None:
+    from swarm.gossip._exchange import ExchangeHooks
+
+    averager = peer.backend.deltas
+    averager._spec = dataclasses.replace(averager._spec, hooks=ExchangeHooks(tamper=ATTACKS[attack]))
+
+
+def _log_clips() -> None:
+    import swarm.gossip._exchange as exchange
+
+    original = exchange.robust_mix
+
+    def logged(*args: Any) -> Any:
+        tensors, stats = original(*args)
+        logging.getLogger("clip").warning("w=%.0f v=%.0f %s", args[2], args[4], stats)
+        return tensors, stats
+
+    exchange.robust_mix = logged
+
+
+class BanLog(logging.Handler):
+    """Collects the "banning peer" records of the gossip averagers: (monotonic time, peer, reason)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.bans: list[tuple[float, str, str]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.name.startswith("swarm.gossip") and str(record.msg).startswith("banning peer"):
+            peer, _duration, _strike, reason = record.args
+            self.bans.append((time.monotonic(), str(peer), str(reason)))
+
+
+def _wait_for_go(conn: Any, stop: threading.Event) -> str | None:
+    """The summary path the test sends to start training, or None when stopped first."""
+    while not stop.is_set():
+        if conn.poll(0.2):
+            return conn.recv()
+    return None
+
+
+def peer_main(
+    conn: Any, overrides: Sequence[str], initial_peers: Sequence[str], attack: str | None, identity: str
+) -> None:
+    """Build a trainer, report its id and addresses, train on "go", write its summary, report "done"
+    with the bans it pronounced. SIGTERM stops it cleanly at any point (closing its node and daemon)."""
+    os.setpgid(0, 0)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
+    ban_log = BanLog()
+    logging.getLogger("swarm").addHandler(ban_log)
+    if os.environ.get("MALICIOUS_DEBUG"):
+        _log_clips()
+    from peers._common import shutdown_on_signals
+    from peers.join import write_summary
+    from swarm.config import load_config
+    from swarm.network import NetworkOptions
+    from swarm.trainer import TrainingPeer
+
+    peer = None
+    with shutdown_on_signals() as stop:
+        try:
+            config = load_config(None, overrides=list(overrides), env={})
+            network = NetworkOptions(
+                initial_peers=list(initial_peers),
+                identity_path=identity,
+                startup_timeout_s=config.network.startup_timeout_s,
+            )
+            peer = TrainingPeer(config, network)
+            if attack is not None:
+                _install_attack(peer, attack)
+            conn.send(("ready", peer.node.peer_id, peer.node.visible_maddrs()))
+            summary_path = _wait_for_go(conn, stop)
+            if summary_path is not None:
+                started = time.monotonic()
+                peer.run(stop)
+                finished = time.monotonic()
+                write_summary(peer, Path(summary_path))
+                conn.send(("done", {"started": started, "finished": finished, "bans": ban_log.bans}, None))
+        except BaseException:
+            conn.send(("error", traceback.format_exc(), None))
+        finally:
+            if peer is not None:
+                peer.close()
+
+
+@dataclass
+class Swarm:
+    """Trainers of one run, started and stopped together; ``attacks`` maps a peer's index to the
+    attack it runs (an honest swarm has none).
+
+    Peer ``i`` uses ``identities[i]``: its peer id, and so its data shard, is the same in every swarm
+    built from the same files, which makes the swarms' losses comparable peer by peer.
+    """
+
+    overrides: list[str]
+    attacks: dict[int, str]
+    identities: list[str]
+    procs: list[Any] = field(default_factory=list)
+    conns: list[Any] = field(default_factory=list)
+    peer_ids: list[str] = field(default_factory=list)
+
+    @property
+    def size(self) -> int:
+        return len(self.identities)
+
+    def _spawn(self, initial_peers: list[str]) -> None:
+        parent, child = CONTEXT.Pipe()
+        index = len(self.procs)
+        args = (child, self.overrides, initial_peers, self.attacks.get(index), self.identities[index])
+        proc = CONTEXT.Process(target=peer_main, args=args)
+        proc.start()
+        self.procs.append(proc)
+        self.conns.append(parent)
+
+    def start_first(self) -> None:
+        """Start peer 0; the others join through its addresses."""
+        self._spawn([])
+
+    def start_rest(self) -> None:
+        """Start peers 1.. at once (each checks its identity file against the swarm for seconds)."""
+        first_id, maddrs = self._reply(0, "ready", timeout=120)
+        self.peer_ids = [first_id]
+        for _ in range(1, self.size):
+            self._spawn(maddrs)
+
+    def wait_ready(self) -> None:
+        self.peer_ids += [self._reply(i, "ready", timeout=120)[0] for i in range(1, self.size)]
+
+    def go(self, directory: Path) -> list[Path]:
+        paths = [directory / f"peer-{i}.json" for i in range(self.size)]
+        for conn, path in zip(self.conns, paths, strict=True):
+            conn.send(str(path))
+        return paths
+
+    def wait_done(self, timeout: float) -> list[dict[str, Any]]:
+        """Wait for every peer's "done"; return what each reported (start and finish times, bans)."""
+        deadline = time.monotonic() + timeout
+        return [
+            self._reply(index, "done", timeout=max(1.0, deadline - time.monotonic()))[0]
+            for index in range(self.size)
+        ]
+
+    def _reply(self, index: int, expected: str, timeout: float) -> tuple[Any, Any]:
+        if not self.conns[index].poll(timeout):
+            raise TimeoutError(f"peer {index} sent no {expected!r} within {timeout:.0f} s")
+        kind, first, second = self.conns[index].recv()
+        if kind != expected:
+            raise RuntimeError(f"peer {index} failed:\n{first}")
+        return first, second
+
+    @property
+    def pgids(self) -> list[int]:
+        return [proc.pid for proc in self.procs]
+
+    def close(self, timeout: float = 60.0) -> list[str]:
+        """Stop every peer gracefully (SIGTERM to those still running: each closes its node, whose DHT
+        process stops its daemon); return what of their process groups outlived that (then killed)."""
+        for proc in self.procs:
+            if proc.is_alive():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        for proc in self.procs:
+            proc.join(max(0.1, deadline - time.monotonic()))
+        groups = set(self.pgids)
+        outlived = outliving(lambda: group_processes(groups), max(0.1, deadline - time.monotonic()))
+        described = [describe(p) for p in outlived]
+        kill_all(outlived)
+        for proc in self.procs:
+            proc.join(10)
+        return described
