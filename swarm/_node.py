@@ -216,12 +216,13 @@ class SwarmNode:
         at most one record interval older than :meth:`members`'.
         """
         recent = self._recent_members
-        if recent is None:
+        if recent is None:  # from now on the announcer thread keeps it current
             recent = self._recent_members = self.members()
         return list(recent)
 
     def _read_members(self) -> None:
-        self._recent_members = self.members()
+        if self._recent_members is not None:  # only for nodes that use the view (not bootstraps, monitors)
+            self._recent_members = self.members()
 
     def close(self) -> None:
         """Stop announcing and answering checks, and shut down the DHT process and its p2p daemon."""

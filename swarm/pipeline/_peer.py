@@ -217,26 +217,8 @@ class StagePeer:
             self._report(result)
 
     def _report(self, result: RoundResult) -> None:
-        if self._on_sync is None or self.role is None:
-            return
-        p = self.progress
-        self._on_sync(
-            SyncReport(
-                round=p.round,
-                step=p.step,
-                loss=p.loss,
-                eval_loss=p.eval_loss,
-                samples_per_s=p.samples_per_s,
-                outcome=result.outcome,
-                partner=result.partner,
-                bytes_sent=result.bytes_sent,
-                bytes_received=result.bytes_received,
-                drift=p.drift,
-                lr=self.role.lr,
-                weight=result.weight,
-                role=result.role,
-            )
-        )
+        if self._on_sync is not None and self.role is not None:
+            self._on_sync(SyncReport.of(self.progress, result, self.role.lr))
 
     def abort(self) -> None:
         if self.role is not None:

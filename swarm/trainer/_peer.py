@@ -75,6 +75,26 @@ class SyncReport:
     weight: float
     role: RoundRole = "initiator"
 
+    @classmethod
+    def of(cls, progress: Progress, result: RoundResult, lr: float) -> SyncReport:
+        """The report of ``result``, booked into ``progress`` just before."""
+        p = progress
+        return cls(
+            round=p.round,
+            step=p.step,
+            loss=p.loss,
+            eval_loss=p.eval_loss,
+            samples_per_s=p.samples_per_s,
+            outcome=result.outcome,
+            partner=result.partner,
+            bytes_sent=result.bytes_sent,
+            bytes_received=result.bytes_received,
+            drift=p.drift,
+            lr=lr,
+            weight=result.weight,
+            role=result.role,
+        )
+
 
 class TrainingPeer:
     """A trainer in the swarm. Build it, call :meth:`run` until a stop event, then :meth:`close`.
@@ -276,26 +296,8 @@ class TrainingPeer:
         return status
 
     def _report(self, result: RoundResult) -> None:
-        if self._on_sync is None:
-            return
-        p = self.progress
-        self._on_sync(
-            SyncReport(
-                round=p.round,
-                step=p.step,
-                loss=p.loss,
-                eval_loss=p.eval_loss,
-                samples_per_s=p.samples_per_s,
-                outcome=result.outcome,
-                partner=result.partner,
-                bytes_sent=result.bytes_sent,
-                bytes_received=result.bytes_received,
-                drift=p.drift,
-                lr=self.inner.optimizer.param_groups[0]["lr"],
-                weight=result.weight,
-                role=result.role,
-            )
-        )
+        if self._on_sync is not None:
+            self._on_sync(SyncReport.of(self.progress, result, self.inner.optimizer.param_groups[0]["lr"]))
 
     # ------------------------------------------------------------------ checkpoints
 
