@@ -4,7 +4,6 @@ compute side of a stage server (provisional gradients, commits, rollbacks), rout
 from __future__ import annotations
 
 import itertools
-import random
 import subprocess
 import sys
 from collections import Counter
@@ -29,6 +28,7 @@ from swarm.pipeline import (
     stage_loads,
     stage_parameters,
 )
+from swarm.pipeline._balance import _ballot
 from swarm.pipeline._compute import DeviceClock, Outcome, Work
 from swarm.pipeline._protocol import Request
 from swarm.pipeline._router import StageMember
@@ -259,8 +259,11 @@ def test_fixed_routing_pins_each_data_holder_to_one_peer_per_stage() -> None:
 # ---------------------------------------------------------------- choosing and changing stages
 
 
-def _record(stage: int, capacity: float, state: str = "training", speed: float = 0.0) -> SimpleNamespace:
+def _record(
+    stage: int, capacity: float, state: str = "training", speed: float = 0.0, peer_id: str = ""
+) -> SimpleNamespace:
     return SimpleNamespace(
+        peer_id=peer_id or f"peer-{next(_ids)}",
         role="trainer",
         state=state,
         stage=stage,
@@ -268,6 +271,9 @@ def _record(stage: int, capacity: float, state: str = "training", speed: float =
         samples_per_s=speed,
         config_hash="ab",
     )
+
+
+_ids = itertools.count()
 
 
 def test_a_joiner_takes_the_stage_with_the_lowest_capacity() -> None:
@@ -278,28 +284,52 @@ def test_a_joiner_takes_the_stage_with_the_lowest_capacity() -> None:
 
 
 def test_rebalancing_needs_a_clear_persistent_gain_keeps_a_peer_per_stage_and_moves_rarely() -> None:
-    rebalancer = Rebalancer(hysteresis=0.25, patience=3, min_interval_s=100, seed=0)
-    rebalancer._rng = SimpleNamespace(random=lambda: 0.0)  # the coin that spreads moves always says yes
-    lopsided = stage_loads([_record(0, 30), _record(1, 30), _record(1, 30), _record(1, 30)], 2)
-    assert [rebalancer.consider(1, 30, lopsided, now=t) for t in (0, 1)] == [None, None]  # not persistent yet
-    assert rebalancer.consider(1, 30, lopsided, now=2) == 0
-    assert [rebalancer.consider(1, 30, lopsided, now=t) for t in (3, 4, 5)] == [None, None, None]  # too soon
-    near = stage_loads([_record(0, 50), _record(1, 30), _record(1, 30)], 2)  # 50 vs 60: moving gives 30 vs 80
-    assert all(rebalancer.consider(1, 30, near, now=1000 + t) is None for t in range(5))
-    alone = stage_loads([_record(0, 90), _record(1, 10)], 2)
-    assert all(rebalancer.consider(1, 10, alone, now=2000 + t) is None for t in range(5))
-    unmeasured = stage_loads([_record(0, 30), _record(1, 30), _record(1, 0), _record(1, 30)], 2)
-    assert all(rebalancer.consider(1, 30, unmeasured, now=3000 + t) is None for t in range(5))
+    rebalancer = Rebalancer(hysteresis=0.25, patience=3, min_interval_s=100, epoch_s=1e9)
+
+    def consider(capacity: float, others: list[SimpleNamespace], now: float) -> int | None:
+        return rebalancer.consider("me", 1, capacity, others, 2, now)
+
+    loser = _loser("me", 1, 0)  # a peer the election for 1 -> 0 ranks after us
+    lopsided = [_record(0, 30), _record(1, 30, peer_id=loser), _record(1, 30, peer_id=loser + "x")]
+    lopsided[2].peer_id = _loser("me", 1, 0, after=loser)
+    assert [consider(30, lopsided, now=t) for t in (0, 1)] == [None, None]  # not persistent yet
+    assert consider(30, lopsided, now=2) == 0  # 30 vs 90 (us included): moving gives 60 vs 60
+    assert [consider(30, lopsided, now=t) for t in (3, 4, 5)] == [None, None, None]  # too soon
+    near = [_record(0, 50), _record(1, 30)]  # 50 vs 60 with us: moving gives 30 vs 80
+    assert all(consider(30, near, now=1000 + t) is None for t in range(5))
+    alone = [_record(0, 90)]
+    assert all(consider(10, alone, now=2000 + t) is None for t in range(5))
+    unmeasured = [_record(0, 30), _record(1, 0), _record(1, 30)]
+    assert all(consider(30, unmeasured, now=3000 + t) is None for t in range(5))
 
 
-def test_peers_of_one_stage_do_not_all_move_at_once() -> None:
-    loads = stage_loads([_record(0, 10)] + [_record(1, 30)] * 6, 2)
-    movers = 0
-    for seed in range(200):
-        rebalancer = Rebalancer(patience=1, min_interval_s=0, seed=seed)
-        movers += rebalancer.consider(1, 30, loads, now=0) == 0
-    assert 10 < movers < 70  # about 1 in 6 per check
-    random.seed(0)
+def _loser(me: str, stage: int, target: int, after: str = "") -> str:
+    """A peer id (not ``after``) that the election from ``stage`` to ``target`` ranks after ``me``."""
+    ids = (f"peer-{i}" for i in itertools.count())
+    return next(p for p in ids if p != after and _ballot(p, stage, target, 0) > _ballot(me, stage, target, 0))
+
+
+def test_exactly_one_peer_of_a_stage_moves_and_an_emptied_stage_is_refilled_at_once() -> None:
+    def movers(records: list[SimpleNamespace], stage: int, now: float, last_move: float = -1e9) -> list[str]:
+        """Who moves, each peer of ``stage`` deciding alone from the same records."""
+        moved = []
+        for me in records:
+            if me.stage == stage:
+                rebalancer = Rebalancer(patience=1, min_interval_s=1000, epoch_s=10)
+                rebalancer._last_move = last_move
+                if rebalancer.consider(me.peer_id, stage, me.stage_capacity, records, 2, now) is not None:
+                    moved.append(me.peer_id)
+        return moved
+
+    # six equal peers of stage 1 against one at stage 0
+    records = [_record(0, 10)] + [_record(1, 30) for _ in range(6)]
+    elected = [movers(records, 1, now=10 * epoch + 5) for epoch in range(20)]
+    assert all(len(moved) == 1 for moved in elected)
+    assert len({moved[0] for moved in elected}) > 1  # another epoch, another peer (the last may be pinned)
+    # two peers moved anyway (their views differed): one of the three at stage 0 refills stage 1 although
+    # they moved a moment ago (an empty stage stops the whole swarm)
+    records = [_record(0, 10), _record(0, 30), _record(0, 30)]
+    assert len(movers(records, 0, now=1, last_move=0)) == 1
 
 
 # ---------------------------------------------------------------- the programs

@@ -8,13 +8,21 @@ stage with the lowest capacity (an empty stage first, stage 0 (the data holders)
 :class:`Rebalancer` moves a running peer when the bottleneck would clearly gain: from stage ``a`` to
 the bottleneck ``b`` if ``min(C_a - c, C_b + c) > (1 + hysteresis) * min(C_a, C_b)`` (``c`` our own
 capacity), the same proposal held for ``patience`` checks in a row, our stage keeps at least one
-other peer, at most one move per ``min_interval_s``, and, so that the peers of a stage do not all move
-at once, with probability ``1 / peers of our stage`` per check.
+other peer, and at most one move per ``min_interval_s`` (unless ``b`` has no peer left: an empty stage
+halts the whole swarm, so refilling it cannot wait).
+
+So that the peers of a stage do not all move at once (each seeing the others stay), a move is taken
+only by the peer the records *elect* for it: among the peers of ``a`` whose own move would pass the
+rule above, the one with the lowest hash of ``(peer id, a, b, epoch)``, the epoch being wall-clock time
+in units of ``epoch_s``. Every peer reads the same records and elects the same one, with no message
+exchanged; a new epoch elects another peer when the last one did not move (it does not rebalance, or
+moved too recently). Views that differ for a moment (a record not yet refreshed, an epoch boundary)
+can still elect two, and the refill rule repairs a stage left empty.
 """
 
 from __future__ import annotations
 
-import random
+import hashlib
 import statistics
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -85,24 +93,42 @@ class Rebalancer:
         hysteresis: float = 0.25,
         patience: int = 3,
         min_interval_s: float = 300.0,
-        seed: int | None = None,
+        epoch_s: float = 90.0,
     ) -> None:
         self.hysteresis, self.patience, self.min_interval_s = hysteresis, patience, min_interval_s
-        self._rng = random.Random(seed)
+        self.epoch_s = epoch_s
         self._proposal: int | None = None
         self._streak = 0
         self._last_move = -float("inf")
 
-    def consider(self, stage: int, capacity: float, loads: list[StageLoad], now: float) -> int | None:
-        """The stage to move to now, or None. ``capacity``: ours (samples per device second)."""
+    def consider(
+        self, me: str, stage: int, capacity: float, records: list[Any], num_stages: int, now: float
+    ) -> int | None:
+        """The stage to move to now, or None.
+
+        ``me``, ``stage`` and ``capacity`` (samples per device second) describe this peer; ``records``
+        are the run's live trainer records (ours among them or not: ours counts with ``capacity``);
+        ``now`` is wall-clock time (the same on every peer, give or take its clock's error).
+        """
+        others = [r for r in records if r.peer_id != me]
+        loads = stage_loads([*others, _Self(me, stage, capacity)], num_stages)
         target = self._proposal_of(stage, capacity, loads)
         self._streak = (
             self._streak + 1 if target is not None and target == self._proposal else int(target is not None)
         )
         self._proposal = target
-        if target is None or self._streak < self.patience or now - self._last_move < self.min_interval_s:
+        if target is None or self._streak < self.patience:
             return None
-        if self._rng.random() >= 1.0 / max(1, loads[stage].peers):
+        if loads[target].peers > 0 and now - self._last_move < self.min_interval_s:
+            return None
+        candidates = [(me, capacity)] + [
+            (r.peer_id, r.stage_capacity)
+            for r in others
+            if r.role == "trainer" and r.state in ACTIVE and r.stage == stage
+        ]
+        movers = [peer for peer, cap in candidates if self._proposal_of(stage, cap, loads) == target]
+        epoch = int(now // self.epoch_s)
+        if min(movers, key=lambda peer: _ballot(peer, stage, target, epoch)) != me:
             return None
         self._last_move, self._proposal, self._streak = now, None, 0
         return target
@@ -122,3 +148,21 @@ class Rebalancer:
         before = min(ours.capacity, target.capacity)
         after = min(ours.capacity - capacity, target.capacity + capacity)
         return target.stage if after > (1 + self.hysteresis) * before else None
+
+
+@dataclass(frozen=True)
+class _Self:
+    """This peer as a record, with its current capacity (its announced record may be older)."""
+
+    peer_id: str
+    stage: int
+    stage_capacity: float
+    role: str = "trainer"
+    state: str = "training"
+    samples_per_s: float = 0.0
+
+
+def _ballot(peer_id: str, stage: int, target: int, epoch: int) -> bytes:
+    """The order in which the peers of ``stage`` are elected to move to ``target`` during ``epoch``: the same
+    on every peer."""
+    return hashlib.sha256(f"{peer_id}:{stage}:{target}:{epoch}".encode()).digest()

@@ -82,7 +82,9 @@ class StagePeer:
             record_ttl_s=config.network.record_ttl_s,
         )
         pipe = config.pipeline
-        self.rebalancer = Rebalancer(min_interval_s=pipe.rebalance_min_interval_s)
+        self.rebalancer = Rebalancer(
+            min_interval_s=pipe.rebalance_min_interval_s, epoch_s=3 * (pipe.rebalance_every_s or 30.0)
+        )
         self._next_rebalance = time.monotonic() + (pipe.rebalance_every_s or 0)
         try:
             period = min(1.0, interval)
@@ -129,13 +131,20 @@ class StagePeer:
         logger.info("serving stage %d of %d (%d parameters)", stage, self.num_stages, self.n_params)
 
     def move_to(self, stage: int) -> None:
-        """Leave the current stage (its last steps applied) and serve ``stage`` with that stage's state."""
+        """Leave the current stage (its last steps applied) and serve ``stage`` with that stage's state.
+
+        The record says ``joining`` from the start, so that the others stop routing to us and no other
+        peer of the old stage takes our leaving as its own chance to move (docs/pipeline.md).
+        """
+        state, self._state = self._state, "joining"
+        self.node.announce_now()
         old = self.role
         self.role = None
         if old is not None:
             self._completed(old.leave())
             old.close()
         self._enter(stage, fresh=True)
+        self._state = state
         self.moves += 1  # counts completed moves: the new stage is served by now
 
     # ------------------------------------------------------------------ the loop
@@ -186,9 +195,12 @@ class StagePeer:
         if every is None or now < self._next_rebalance or self._capacity <= 0:
             return
         self._next_rebalance = now + every
-        loads = stage_loads(self.roster.records(), self.num_stages)
-        target = self.rebalancer.consider(self._role().stage, self._capacity, loads, now)
+        records = self.roster.records()
+        target = self.rebalancer.consider(
+            self.node.peer_id, self._role().stage, self._capacity, records, self.num_stages, time.time()
+        )
         if target is not None:
+            loads = stage_loads(records, self.num_stages)
             logger.info("moving from stage %d to the under-served stage %d (%s)", self.stage, target, loads)
             self.move_to(target)
 
