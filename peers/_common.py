@@ -25,7 +25,13 @@ if TYPE_CHECKING:  # the network stack imports torch and hivemind: load it only 
 
 R = TypeVar("R")
 
-CONFIG_OPTION = typer.Option(None, "--config", "-c", help="Run config YAML file (defaults if omitted).")
+CONFIG_OPTION = typer.Option(
+    None,
+    "--config",
+    "-c",
+    help="Run config YAML file. Omitted: join and monitor use the one the swarm behind --initial-peers "
+    "publishes; other commands use the defaults.",
+)
 SET_OPTION = typer.Option(
     None, "--set", help="Override a config key, e.g. --set train.lr=1e-3. Repeatable.", show_default=False
 )

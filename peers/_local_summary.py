@@ -12,6 +12,7 @@ from rich.table import Table
 
 SUMMARY_KEYS = (
     "eval_loss",
+    "eval_bits_per_byte",
     "tokens_per_second",
     "wire_bytes_per_param_per_sync",
     "exchange_bytes_per_param",
@@ -32,7 +33,11 @@ def collect(summary_files: list[Path]) -> list[dict[str, Any]]:
 
 
 def swarm_summary(rows: list[dict[str, Any]], baseline_unigram_loss: float | None) -> dict[str, Any]:
-    """Swarm-level numbers: mean eval loss and drift, total throughput, mean wire bytes."""
+    """Swarm-level numbers: mean eval loss and drift, total throughput, mean wire bytes.
+
+    ``eval_loss`` and the unigram baseline are in ``eval_loss_unit`` (bits per token, per byte for
+    byte-level data); ``eval_bits_per_byte`` is the eval loss per byte of text whatever the tokenizer.
+    """
 
     def mean(key: str) -> float | None:
         values = [r[key] for r in rows if r.get(key) is not None]
@@ -41,7 +46,8 @@ def swarm_summary(rows: list[dict[str, Any]], baseline_unigram_loss: float | Non
     return {
         "peers": len(rows),
         "eval_loss": mean("eval_loss"),
-        "eval_loss_unit": rows[0]["eval_loss_unit"] if rows else "bits/byte",
+        "eval_loss_unit": rows[0].get("eval_loss_unit", "bits/byte") if rows else "bits/byte",
+        "eval_bits_per_byte": mean("eval_bits_per_byte"),
         "baseline_unigram_loss": baseline_unigram_loss,
         "tokens_per_second": sum(r.get("tokens_per_second") or 0.0 for r in rows),
         "wire_bytes_per_param_per_sync": mean("wire_bytes_per_param_per_sync"),
@@ -56,18 +62,21 @@ def print_summary(summary: dict[str, Any], console: Console | None = None) -> No
     """A rich table with one row per peer and a bold swarm row."""
     console = console or Console()
     table = Table(title=f"swarm local: {summary['peers']} peers")
-    for column in ("peer", "steps", "eval loss", "tokens/s", "wire B/param/sync", "drift", "util"):
+    unit = summary["eval_loss_unit"]
+    for column in ("peer", "steps", f"eval ({unit})", "tokens/s", "wire B/param/sync", "drift", "util"):
         table.add_column(column, justify="right")
     for row in summary["per_peer"]:
         table.add_row(row["name"], str(row.get("steps", "-")), *_cells(row))
     table.add_row("[b]swarm[/b]", "", *_cells(summary))
     console.print(table)
-    unit = summary["eval_loss_unit"]
-    if summary["baseline_unigram_loss"] is not None and summary["eval_loss"] is not None:
-        console.print(
-            f"eval loss {summary['eval_loss']:.3f} {unit} vs unigram baseline "
-            f"{summary['baseline_unigram_loss']:.3f} {unit}"
-        )
+    if summary["eval_loss"] is None:
+        return
+    line = f"eval loss {summary['eval_loss']:.3f} {unit}"
+    if unit != "bits/byte" and summary.get("eval_bits_per_byte") is not None:
+        line += f" ({summary['eval_bits_per_byte']:.3f} bits/byte)"
+    if summary["baseline_unigram_loss"] is not None:
+        line += f" vs unigram baseline {summary['baseline_unigram_loss']:.3f} {unit}"
+    console.print(line)
 
 
 def _cells(row: dict[str, Any]) -> list[str]:

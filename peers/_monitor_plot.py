@@ -9,6 +9,7 @@ from typing import Any
 Series = dict[str, tuple[list[float], list[float]]]
 
 SWARM_MEAN = "swarm mean"
+LOSS_UNITS = ("bits/byte", "bits/token")
 
 
 def series(snapshots: list[dict[str, Any]], field: str, total_field: str) -> Series:
@@ -46,7 +47,7 @@ def plot_history(snapshots: list[dict[str, Any]], output: Path) -> None:
     from matplotlib import pyplot as plt
 
     fig, (loss_ax, rate_ax) = plt.subplots(2, 1, figsize=(9, 7), sharex=True)
-    _draw(loss_ax, series(snapshots, "loss", "loss_mean"), "loss")
+    _draw(loss_ax, series(snapshots, "loss", "loss_mean"), f"training loss ({loss_unit(snapshots)})")
     _draw(rate_ax, series(snapshots, "samples_per_s", "samples_per_s"), "samples / s")
     rate_ax.set_xlabel("time (minutes since first snapshot)")
     fig.suptitle(f"swarm run {snapshots[0].get('run_id', '?') if snapshots else '?'}")
@@ -54,6 +55,16 @@ def plot_history(snapshots: list[dict[str, Any]], output: Path) -> None:
     output.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(output, format="png", dpi=100)
     plt.close(fig)
+
+
+def loss_unit(snapshots: list[dict[str, Any]]) -> str:
+    """The unit the history's losses are in (its latest snapshot that says; bits/byte if none does)."""
+    for snap in reversed(snapshots):
+        totals = snap.get("totals")
+        unit = totals.get("loss_unit") if isinstance(totals, dict) else None
+        if unit in LOSS_UNITS:
+            return str(unit)
+    return LOSS_UNITS[0]
 
 
 def _draw(ax, data: Series, ylabel: str) -> None:

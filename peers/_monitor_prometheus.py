@@ -16,6 +16,7 @@ from prometheus_client.registry import Collector
 from swarm.metrics import PeerView, SwarmSnapshot
 
 PEER_LABELS = ("peer_id", "public_name", "role")
+LOSS_UNIT = ", in bits per token (per byte for byte-level data)"
 
 PEER_GAUGES: tuple[tuple[str, str, str], ...] = (
     ("swarm_peer_up", "1 if the peer is compatible and not stale", "active"),
@@ -23,7 +24,7 @@ PEER_GAUGES: tuple[tuple[str, str, str], ...] = (
     ("swarm_peer_samples_total", "Samples the peer has trained", "samples_total"),
     ("swarm_peer_round", "The peer's local sync round", "round"),
     ("swarm_peer_step", "The peer's local inner step", "step"),
-    ("swarm_peer_loss", "The peer's last training loss", "loss"),
+    ("swarm_peer_loss", "The peer's smoothed training loss" + LOSS_UNIT, "loss"),
     ("swarm_peer_drift", "The peer's reported drift from the swarm mean", "drift"),
     ("swarm_peer_upload_bytes_per_second", "Upload rate from byte-counter deltas", "upload_bps"),
     ("swarm_peer_download_bytes_per_second", "Download rate from byte-counter deltas", "download_bps"),
@@ -38,8 +39,14 @@ TOTAL_GAUGES: tuple[tuple[str, str, str], ...] = (
     ("swarm_incompatible_peers", "Peers with another protocol or config hash", "incompatible"),
     ("swarm_samples_per_second", "Total samples per second of active peers", "samples_per_s"),
     ("swarm_samples_total", "Samples trained by the swarm", "samples_total"),
-    ("swarm_loss_mean", "Mean recent loss of active peers", "loss_mean"),
-    ("swarm_loss_best", "Best recent loss of active peers", "loss_best"),
+    ("swarm_loss_mean", "Mean recent training loss of active peers" + LOSS_UNIT, "loss_mean"),
+    ("swarm_loss_best", "Best recent training loss of active peers" + LOSS_UNIT, "loss_best"),
+    ("swarm_eval_loss_mean", "Mean held-out loss of active peers" + LOSS_UNIT, "eval_loss_mean"),
+    (
+        "swarm_eval_bits_per_byte_mean",
+        "Mean held-out loss of active peers in bits per byte of text",
+        "eval_bits_per_byte_mean",
+    ),
     ("swarm_syncs_per_minute", "Sync rounds per minute, summed over peers", "syncs_per_min"),
     ("swarm_progress_ratio", "Samples trained / run.target_samples", "progress"),
     ("swarm_eta_seconds", "Seconds to run.target_samples at the current rate", "eta_s"),

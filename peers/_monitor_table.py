@@ -13,7 +13,7 @@ from rich.console import Group, JustifyMethod, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from swarm.metrics import PeerView, StageView, SwarmSnapshot
+from swarm.metrics import PeerView, StageView, SwarmSnapshot, SwarmTotals
 
 STATE_STYLES = {
     "training": "green",
@@ -114,8 +114,7 @@ def header_lines(snapshot: SwarmSnapshot) -> list[Text]:
             style="bold",
         ),
         Text(
-            f"{si(t.samples_per_s)} samples/s, {si(t.samples_total)} samples trained, "
-            f"loss mean {_loss(t.loss_mean)} best {_loss(t.loss_best)}, "
+            f"{si(t.samples_per_s)} samples/s, {si(t.samples_total)} samples trained, {_losses(t)}, "
             f"{'-' if t.syncs_per_min is None else f'{t.syncs_per_min:.1f}'} syncs/min, "
             f"up {si(t.upload_bps, 'B/s')} down {si(t.download_bps, 'B/s')}"
         ),
@@ -129,6 +128,16 @@ def header_lines(snapshot: SwarmSnapshot) -> list[Text]:
         )
     lines.extend(_stage_line(stage) for stage in snapshot.stages)
     return lines
+
+
+def _losses(t: SwarmTotals) -> str:
+    """'loss mean 4.21 best 4.1 eval 4.33 bits/byte': every loss of the snapshot is in one unit; a
+    tokenized run (bits/token) adds its held-out loss per byte, which compares across tokenizers."""
+    text = f"loss mean {_loss(t.loss_mean)} best {_loss(t.loss_best)}"
+    text += f" eval {_loss(t.eval_loss_mean)} {t.loss_unit}"
+    if t.loss_unit != "bits/byte" and t.eval_bits_per_byte_mean is not None:
+        text += f" ({_loss(t.eval_bits_per_byte_mean)} bits/byte)"
+    return text
 
 
 def _stage_line(stage: StageView) -> Text:

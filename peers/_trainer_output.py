@@ -16,16 +16,26 @@ if TYPE_CHECKING:
 
 
 def format_sync_line(report: SyncReport) -> str:
-    """The per-sync line: round, losses, throughput, learning rate, partner, bytes, drift."""
+    """The per-sync line: round, losses and their unit, throughput, learning rate, partner, bytes, drift.
+
+    Its words keep their positions (tests and benchmarks split the line on spaces): ``round R step S
+    loss L eval E UNIT RATE samples/s lr=LR sync OUTCOME with PARTNER sent ... drift D``. A tokenized
+    run (UNIT ``bits/token``) adds its held-out loss per byte, ``eval B bits/byte``, before ``drift``.
+    """
     partner = report.partner[-8:] if report.partner else "-"
-    loss = f"{report.loss:.3f}" if report.loss is not None else "-"
-    eval_text = f"{report.eval_loss:.3f}" if report.eval_loss is not None else "-"
-    drift = f"{report.drift:.4f}" if report.drift is not None else "-"
+    per_byte = ""
+    if report.loss_unit != "bits/byte":
+        per_byte = f"eval {_number(report.eval_bits_per_byte, '.3f')} bits/byte "
     return (
-        f"round {report.round:4d} step {report.step:6d} loss {loss} eval {eval_text} "
-        f"{report.samples_per_s:7.1f} samples/s lr {report.lr:.2e} sync {report.outcome} with {partner} "
-        f"sent {report.bytes_sent / 1024:.1f} KiB recv {report.bytes_received / 1024:.1f} KiB drift {drift}"
+        f"round {report.round:4d} step {report.step:6d} loss {_number(report.loss, '.3f')} "
+        f"eval {_number(report.eval_loss, '.3f')} {report.loss_unit} {report.samples_per_s:7.1f} samples/s "
+        f"lr={report.lr:.2e} sync {report.outcome} with {partner} sent {report.bytes_sent / 1024:.1f} KiB "
+        f"recv {report.bytes_received / 1024:.1f} KiB {per_byte}drift {_number(report.drift, '.4f')}"
     )
+
+
+def _number(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
 
 
 class TrainerOutput:
@@ -75,7 +85,9 @@ class TrainerOutput:
         """Print the sync line, advance the bar, append the peer's own snapshot to the history."""
         self.echo(format_sync_line(report))
         if self._progress is not None and self._task is not None:
-            eval_text = f"eval {report.eval_loss:.3f}" if report.eval_loss is not None else ""
+            eval_text = (
+                f"eval {report.eval_loss:.3f} {report.loss_unit}" if report.eval_loss is not None else ""
+            )
             self._progress.update(
                 self._task, completed=report.step, status=f"round {report.round} {eval_text}"
             )

@@ -1,10 +1,10 @@
 """`swarm bootstrap`: a stable entry peer that others join through.
 
-It announces itself like any peer (role ``bootstrap``), publishes the run config in the DHT (joiners
-fetch it with ``swarm config pull`` and are refused when theirs differs), checks that others can dial
-it back, optionally keeps and serves the latest model state (``--serve-state``), and prints the line a
-joiner pastes. That line is a contract other tools parse: ``swarm join --initial-peers <multiaddr>``
-alone on a line.
+It announces itself like any peer (role ``bootstrap``), publishes the run config in the DHT (``swarm
+join`` and ``swarm monitor`` without ``--config`` use it, ``swarm config pull`` writes it to a file, and
+a joiner with a differing ``--config`` is refused), checks that others can dial it back, optionally
+keeps and serves the latest model state (``--serve-state``), and prints the line a joiner pastes.
+That line is a contract other tools parse: ``swarm join --initial-peers <multiaddr>`` alone on a line.
 """
 
 from __future__ import annotations
@@ -133,8 +133,11 @@ def _print_lines(node: SwarmNode, config: RunConfig, config_path: str | None) ->
     typer.echo(f"bootstrap peer {node.peer_id} is up for run {config.run.run_id!r}")
     typer.echo("join this swarm with:")
     typer.echo(join_line(maddr))
-    config_hint = f" --config {config_path}" if config_path else ""
-    typer.echo(f"(joiners need the same run config{config_hint}; config hash {config.config_hash()})")
+    source = f" ({config_path})" if config_path else ""
+    typer.echo(
+        f"(joiners and monitors fetch this run config{source} from the swarm, signed by this peer; "
+        f"config hash {config.config_hash()})"
+    )
     typer.echo(f"fetch the run config with: swarm config pull --initial-peers {maddr} -o run.yaml")
     typer.echo(f"or join in one command: scripts/join.sh {maddr}")
-    typer.echo(f"watch it with: swarm monitor --initial-peers {maddr}{config_hint}")
+    typer.echo(f"watch it with: swarm monitor --initial-peers {maddr}")

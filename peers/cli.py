@@ -8,7 +8,7 @@ from pathlib import Path
 import typer
 
 from peers import _common as common
-from peers.config_cmd import config_app
+from peers.config_cmd import config_app, load_peer_config
 from peers.export_cmd import export, generate
 from peers.monitor import monitor_app
 
@@ -75,8 +75,7 @@ def join(
     """Join a swarm through an initial peer and train in it."""
     from peers.join import run_join
 
-    cfg = common.load_run_config(config, set_)
-    network = common.resolve_network(cfg, network_flags)
+    cfg, network = load_peer_config(config, set_ or (), network_flags, check=True)  # no --config: the swarm's
     if not network.initial_peers:
         common.fail("swarm join needs --initial-peers (the line `swarm bootstrap` printed)")
     with common.shutdown_on_signals() as stop:
@@ -89,6 +88,7 @@ def join(
             history_path=history,
             stop=stop,
             stage=stage,
+            check_swarm=config is not None,  # a config fetched from the swarm was checked on the way
         )
 
 

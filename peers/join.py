@@ -25,11 +25,14 @@ def run_join(
     history_path: Path | None = None,
     stop: threading.Event,
     stage: str = "auto",
+    check_swarm: bool = True,
 ) -> None:
     """Train in the swarm until ``stop`` is set or the run's step/sample limit is reached.
 
-    With ``pipeline.num_stages > 1`` the peer serves one pipeline stage instead (``stage``: ``auto`` or
-    its index; peers/stage.py)."""
+    First the config is checked against the swarm's (exit 2 when it cannot train there), unless
+    ``check_swarm`` is off because the caller fetched it from the swarm and checked it on the way. With
+    ``pipeline.num_stages > 1`` the peer serves one pipeline stage instead (``stage``: ``auto`` or its
+    index; peers/stage.py)."""
     stages = _stages(config)
     if stages > 1:
         from peers.stage import parse_stage, run_stage_peer
@@ -51,7 +54,8 @@ def run_join(
     from swarm.state import CheckpointError
     from swarm.trainer import TrainingPeer
 
-    check_swarm_config(config, network)
+    if check_swarm:
+        check_swarm_config(config, network)
     output = TrainerOutput(config, history_path)
     try:
         peer = TrainingPeer(
@@ -107,8 +111,6 @@ def _stages(config: RunConfig) -> int:
 
 def write_summary(peer, path: Path) -> None:
     """Final numbers of this peer, for `swarm local`'s summary table."""
-    from swarm.training import evaluate
-
     metrics = peer.gossip_metrics()
     details = peer.backend.details()
     # pseudo-gradient exchanges only for gossip; every averaging round for the hivemind baseline
@@ -118,8 +120,9 @@ def write_summary(peer, path: Path) -> None:
         "steps": peer.progress.step,
         "rounds": peer.progress.round,
         "samples": peer.progress.samples_total,
-        "eval_loss": evaluate(peer.model, peer.eval_set, peer.config.train.eval_batches),
-        "eval_loss_unit": f"bits/{peer.eval_set.unit}",
+        "eval_loss": peer.evaluate(),
+        "eval_loss_unit": peer.eval_set.loss_unit,
+        "eval_bits_per_byte": peer.progress.eval_bits_per_byte,
         "tokens_per_second": peer.progress.samples_per_s * peer.config.model.block_size,
         # everything this peer sent for averaging (both roles, every exchange kind), per round and parameter
         "wire_bytes_per_param_per_sync": metrics.bytes_sent / max(peer.progress.round, 1) / peer.n_params,

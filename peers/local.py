@@ -256,7 +256,9 @@ def _watch(
 
 def progress_table(members: list, elapsed: float) -> Table:
     """The live view of `swarm local` on a terminal: one row per trainer."""
-    table = Table(title=f"swarm local, {elapsed:.0f}s (eval in bits/byte)", title_justify="left")
+    table = Table(
+        title=f"swarm local, {elapsed:.0f}s (losses in {_loss_unit(members)})", title_justify="left"
+    )
     table.add_column("trainer", no_wrap=True, min_width=7)
     table.add_column("state", no_wrap=True)
     for column in ("step", "loss", "eval", "smp/s", "syncs", "drift"):
@@ -280,6 +282,12 @@ def _fmt(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
+def _loss_unit(members: list) -> str:
+    """The unit the trainers' losses are in (one run: one unit)."""
+    units = {m.record.loss_unit for m in _trainers(members)}
+    return units.pop() if len(units) == 1 else "bits/byte"
+
+
 def _trainers(members: list) -> list:
     return sorted((m for m in members if m.record.role == "trainer"), key=lambda m: m.record.public_name)
 
@@ -295,7 +303,7 @@ def _progress_line(members: list) -> str:
         evaluation = f"{r.eval_loss:.2f}" if r.eval_loss is not None else "-"
         stage = f" stage {r.stage}" if staged else ""
         parts.append(f"{r.public_name or m.peer_id[-6:]}:{stage} step {r.step} eval {evaluation}")
-    return f"{len(trainers)} trainers | " + " | ".join(parts)
+    return f"{len(trainers)} trainers | " + " | ".join(parts) + f" ({_loss_unit(members)})"
 
 
 def _finish(config: RunConfig, log_dir: Path, peers: int, summary_path: Path | None) -> None:
@@ -307,7 +315,8 @@ def _finish(config: RunConfig, log_dir: Path, peers: int, summary_path: Path | N
         typer.echo("[local] no peer wrote a summary", err=True)
         return
     source = open_source(config.data)
-    baseline = unigram_bits(source.train, source.eval) if hasattr(source, "train") else None
+    vocab = config.model.vocab_size
+    baseline = unigram_bits(source.train, source.eval, vocab) if hasattr(source, "train") else None
     summary = swarm_summary(rows, baseline)
     print_summary(summary)
     if summary_path is not None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import typer
 
@@ -50,15 +50,26 @@ def monitor(
     max_drift: float = typer.Option(
         DEFAULT_MAX_DRIFT, "--max-drift", min=0.0, help="Warn about peers whose reported drift exceeds this."
     ),
+    http: str | None = typer.Option(
+        None, "--http", help="Serve a status page, /api/snapshot.json and /metrics on HOST:PORT."
+    ),
+    tensorboard_dir: Path | None = typer.Option(
+        None,
+        "--tensorboard-dir",
+        help="Write swarm scalars as TensorBoard event files to DIR (default: monitor.tensorboard_dir).",
+    ),
 ) -> None:
     """Show the live members of a run (joins in client mode; never counts as a member)."""
     if ctx.invoked_subcommand is not None:
         return
     if output_format not in FORMATS:
         common.fail(f"--format {output_format!r} is not one of {', '.join(FORMATS)}")
+    http_address = _http_address(http, once) if http is not None else None
     overrides = [*(set_ or []), *([f"run.run_id={run_id}"] if run_id else [])]
-    cfg = common.load_run_config(config, overrides)
-    network = common.resolve_network(cfg, common.NetworkFlags(initial_peers=initial_peers, client_mode=True))
+    from peers.config_cmd import load_peer_config  # no --config: watch the run the swarm publishes
+
+    flags = common.NetworkFlags(initial_peers=initial_peers, client_mode=True)
+    cfg, network = load_peer_config(config, overrides, flags)
     if not network.initial_peers:
         common.fail("swarm monitor needs --initial-peers")
     port = prometheus_port if prometheus_port is not None else cfg.monitor.prometheus_port
@@ -66,6 +77,8 @@ def monitor(
     with common.shutdown_on_signals() as stop:
         sinks = _open_sinks(output_format, once, prometheus_host, port, history_path)
         try:
+            tensorboard = tensorboard_dir or cfg.monitor.tensorboard_dir
+            sinks.extras = _open_extra_sinks(http_address, tensorboard, cfg.monitor.refresh_s, history_path)
             run_monitor(
                 cfg, network, sinks, policy=snapshot_policy(cfg, max_drift), once=once, wait_s=wait, stop=stop
             )
@@ -149,8 +162,15 @@ def wait_for_members(node: SwarmNode, wait_s: float, stop: threading.Event) -> l
     return members
 
 
+class _Sink(Protocol):
+    def update(self, snapshot: SwarmSnapshot) -> None: ...
+
+    def close(self) -> None: ...
+
+
 class _Sinks:
-    """Where each snapshot goes: the terminal (table / json / jsonl), Prometheus, a history file."""
+    """Where each snapshot goes: the terminal (table / json / jsonl), Prometheus, a history file, and
+    the ``extras`` (the status page, TensorBoard)."""
 
     def __init__(self, output_format: str, once: bool, exporter=None, history=None):
         from peers._monitor_output import TerminalOutput
@@ -158,18 +178,23 @@ class _Sinks:
         self.terminal = TerminalOutput(output_format, live=not once)
         self.exporter = exporter
         self.history = history
+        self.extras: list[_Sink] = []
 
     def emit(self, snapshot: SwarmSnapshot) -> None:
         if self.exporter is not None:
             self.exporter.update(snapshot)
         if self.history is not None:
             self.history.append(snapshot)
+        for sink in self.extras:
+            sink.update(snapshot)
         self.terminal.show(snapshot)
 
     def close(self) -> None:
         self.terminal.close()
         if self.exporter is not None:
             self.exporter.close()
+        for sink in self.extras:
+            sink.close()
 
 
 def _open_sinks(output_format: str, once: bool, host: str, port: int | None, history: Path | None) -> _Sinks:
@@ -187,3 +212,47 @@ def _open_sinks(output_format: str, once: bool, host: str, port: int | None, his
 
         writer = HistoryWriter(history)
     return _Sinks(output_format, once, exporter, writer)
+
+
+def _http_address(text: str, once: bool) -> tuple[str, int]:
+    from peers._monitor_http import parse_http_address
+
+    if once:
+        common.fail("--http serves a live page; it does not go with --once")
+    try:
+        return parse_http_address(text)
+    except ValueError as exc:
+        common.fail(f"--http: {exc}")
+
+
+def _open_extra_sinks(
+    http: tuple[str, int] | None, tensorboard: str | Path | None, refresh_s: float, history: Path | None
+) -> list[_Sink]:
+    """The status page (plots seeded from the ``--history`` file, if any) and the TensorBoard writer."""
+    extras: list[_Sink] = []
+    if http is not None:
+        extras.append(_open_status_page(*http, refresh_s, history))
+    if tensorboard is not None:
+        from peers._monitor_tensorboard import TensorBoardSink
+
+        try:
+            extras.append(TensorBoardSink(Path(tensorboard).expanduser()))
+        except (ImportError, OSError) as exc:
+            for sink in extras:
+                sink.close()
+            common.fail(f"cannot write TensorBoard events to {tensorboard}: {exc}")
+        typer.echo(f"tensorboard events in {tensorboard}", err=True)
+    return extras
+
+
+def _open_status_page(host: str, port: int, refresh_s: float, history: Path | None) -> _Sink:
+    from peers._monitor_http import StatusServer, url_of
+    from swarm.metrics import read_history
+
+    seed = read_history(history) if history is not None and history.is_file() else []
+    try:
+        server = StatusServer(host, port, refresh_s=refresh_s, seed=seed)
+    except OSError as exc:
+        common.fail(f"--http: cannot serve on {url_of(host, port)}: {exc}")
+    typer.echo(f"status page at {server.url}", err=True)
+    return server

@@ -10,7 +10,15 @@ torch_spec="${SWARM_TORCH_SPEC:-torch==2.13.0}"
 stamp="$venv/.swarm-setup-stamp"
 want="$(sha256sum pyproject.toml | cut -d' ' -f1) $torch_spec"
 
+# Byte-compile the project (a quick no-op when nothing changed). Where PYTHONDONTWRITEBYTECODE is set,
+# as in many containers, nothing is ever cached otherwise, and every peer process a local swarm or the
+# tests start would compile swarm/ and peers/ again: about a second of CPU each.
+compile_project() {
+    "$venv/bin/python" -m compileall -q swarm peers tests scripts >/dev/null
+}
+
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && [ -x "$venv/bin/swarm" ]; then
+    compile_project
     exit 0
 fi
 
@@ -31,5 +39,6 @@ install() {
 install --upgrade pip
 install "$torch_spec"
 install -e ".[dev]"
+compile_project
 echo "$want" > "$stamp"
 echo "[setup] done"

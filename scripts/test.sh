@@ -24,6 +24,7 @@ for arg in "$@"; do
 done
 
 bash scripts/setup.sh
+bash scripts/test_tools.sh   # OS packages some tests use (chromium); installs them as root
 echo "[test] ruff check + format --check"
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .

@@ -1,9 +1,11 @@
-"""Shared fixtures: peer processes that are always cleaned up, and a leak check for p2p daemons."""
+"""Shared fixtures: peer processes that are always cleaned up, a leak check for p2p daemons, and the
+fuzz tests' error log."""
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import logging
 import signal
 import subprocess
 from collections.abc import Callable, Iterator
@@ -12,6 +14,7 @@ import psutil
 import pytest
 
 from tests._processes import PeerProcess, describe, kill_all, outliving, session_processes
+from tests.workers.fuzz import ErrorLog
 
 _PR_SET_CHILD_SUBREAPER = 36
 
@@ -75,3 +78,14 @@ def no_daemon_leaks() -> Iterator[None]:
     yield
     leaked = [p for p in _daemons_below_us() if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
     assert not leaked, f"p2pd daemons leaked by this test: {[p.pid for p in leaked]}"
+
+
+@pytest.fixture(scope="module")
+def errors() -> Iterator[ErrorLog]:
+    """The fuzz tests' record of errors logged under ``swarm`` (any is a bug: hostile input is refused
+    with a warning, never an unexpected error)."""
+    handler = ErrorLog()
+    logger = logging.getLogger("swarm")
+    logger.addHandler(handler)
+    yield handler
+    logger.removeHandler(handler)

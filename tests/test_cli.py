@@ -107,8 +107,8 @@ def test_bootstrap_and_join_take_the_same_network_options(monkeypatch, tmp_path)
         "--initial-peers", f"{peer},{peer}", "--port", "4001", "--public-ip", "203.0.113.7",
         "--identity-path", str(tmp_path / "id.key"), "--client-mode", "--public-name", "alice",
     ]  # fmt: skip
-    for command in ("bootstrap", "join"):
-        result = runner.invoke(app, [command, *flags])
+    for command in ("bootstrap", "join"):  # with a config file: a join without one would look for the swarm's
+        result = runner.invoke(app, [command, *flags, "--config", "configs/local-tiny.yaml"])
         assert result.exit_code == 0, result.output
     (boot, boot_kwargs), (joiner, join_kwargs) = seen["bootstrap"], seen["join"]
     assert boot == joiner

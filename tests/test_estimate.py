@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -65,9 +66,10 @@ def test_checkpointing_reduces_activations() -> None:
     assert estimate.memory(True) < estimate.memory(False)
 
 
-def _local_run(spawn, tmp_path: Path, name: str, width: int) -> dict:
-    """Two gossip trainers of a ``width``-wide, 4-layer GPT (batch 1, as the estimate assumes) that
-    exchange in both roles; their summaries, each with its process's peak resident set."""
+def _local_run(spawn, tmp_path: Path, name: str, width: int) -> Callable[[], dict]:
+    """Start two gossip trainers of a ``width``-wide, 4-layer GPT (batch 1, as the estimate assumes) that
+    exchange in both roles; returns a function that waits for their summaries, each with its process's
+    peak resident set."""
     summary = tmp_path / f"{name}.json"
     overrides = [
         "model.n_layer=4",
@@ -84,8 +86,12 @@ def _local_run(spawn, tmp_path: Path, name: str, width: int) -> dict:
     ]
     args = ["local", "--peers", "2", "--config", "configs/local-tiny.yaml", "--summary", str(summary)]
     local = spawn(swarm_cli(*args, *(f"--set={o}" for o in overrides), "--log-dir", str(tmp_path / name)))
-    assert local.wait(timeout=280) == 0, local.output()
-    return json.loads(summary.read_text())
+
+    def summaries() -> dict:
+        assert local.wait(timeout=280) == 0, local.output()
+        return json.loads(summary.read_text())
+
+    return summaries
 
 
 @pytest.mark.multipeer
@@ -94,7 +100,8 @@ def test_the_estimate_matches_the_measured_peak_memory(spawn, tmp_path: Path) ->
     """CPU: the peak resident set of a trainer of a 7M-parameter model, over that of a trainer of a
     100x smaller one (the interpreter, torch and hivemind), is what the estimate says the larger model
     adds: weights, gradients, AdamW, activations, outer state, residual and exchange buffers."""
-    small, large = _local_run(spawn, tmp_path, "small", 32), _local_run(spawn, tmp_path, "large", 384)
+    runs = _local_run(spawn, tmp_path, "small", 32), _local_run(spawn, tmp_path, "large", 384)
+    small, large = (summaries() for summaries in runs)  # side by side: a peak is per process
     for run in (small, large):
         assert all(peer["exchanges_ok"] > 0 for peer in run["per_peer"]), run  # the buffers were used
     measured = min(p["peak_rss_bytes"] for p in large["per_peer"]) - max(

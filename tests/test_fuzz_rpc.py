@@ -15,7 +15,6 @@ garbage messages). Properties, for every case:
 from __future__ import annotations
 
 import asyncio
-import logging
 import tracemalloc
 from collections.abc import Callable, Iterator
 from types import SimpleNamespace
@@ -49,15 +48,6 @@ from tests.workers.fuzz import (
 RUN = "fuzzrpc"
 CODEC, BLOCK, CHUNK = "int8", 64, 4096
 FUZZ = fuzz_settings(80)
-
-
-@pytest.fixture(scope="module")
-def errors() -> Iterator[ErrorLog]:
-    handler = ErrorLog()
-    logger = logging.getLogger("swarm")
-    logger.addHandler(handler)
-    yield handler
-    logger.removeHandler(handler)
 
 
 # ------------------------------------------------------------------------------------- gossip

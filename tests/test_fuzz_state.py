@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
-import logging
 import tracemalloc
 from collections.abc import Iterator
 from types import SimpleNamespace
@@ -65,15 +64,6 @@ from tests.workers.fuzz import (
 RUN = "fuzzstate"
 CODEC, BLOCK, CHUNK = "int8", 64, 4096
 FUZZ = fuzz_settings(80)
-
-
-@pytest.fixture(scope="module")
-def errors() -> Iterator[ErrorLog]:
-    handler = ErrorLog()
-    logger = logging.getLogger("swarm")
-    logger.addHandler(handler)
-    yield handler
-    logger.removeHandler(handler)
 
 
 # ----------------------------------------------------------------------------- state transfer

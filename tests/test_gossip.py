@@ -229,6 +229,37 @@ def test_adversaries_are_rejected_and_banned_honest_peers_converge(pool: PeerPoo
     assert _rel(_mass_mean(states), honest_mean) < 1e-6
 
 
+def test_a_poisoned_anchor_is_clipped_and_its_sender_banned(pool: PeerPool) -> None:
+    """The parameter exchange's robust treatment (``averaging.param_clip_ratio`` 0.1): anchors a few
+    percent apart, and a partner serving its anchor x10 (under the 100x norm check). Honest peers clip
+    it, suspect it, ban it after ``clip_strikes``, never ban each other, and agree near their own mean:
+    each of the at most ``clip_strikes`` exchanges it gets with an honest peer moves that peer by at most
+    ``clip_ratio / 2`` of its norm (the plain mean would move it 4.5x)."""
+    honest, adversary = [0, 1, 2], [3]
+    numel, offset, ratio, strikes = 20_000, 10.0, 0.1, 2  # N(0, 1) on a common 10: about 14% apart
+    per_peer = [{"offset": offset} for _ in honest] + [{"offset": offset, "adversary": "x10"}]
+    robust = dict(robust_clip=True, clip_ratio=ratio, clip_strikes=strikes)
+    _setup(pool, honest + adversary, numel=numel, codec="fp32", per_peer=per_peer, **robust, **FAST)
+    adversary_ids, honest_ids = set(_ids(pool, adversary)), set(_ids(pool, honest))
+    honest_mean = torch.stack([make_vector(i, numel, offset).double() for i in honest]).mean(0)
+
+    def banned_and_agreed(states: list[dict]) -> bool:
+        banned = all(adversary_ids <= set(s["banned"]) for s in states)
+        return banned and _spread(states, _mass_mean(states)) < 1e-3
+
+    states, _ = _sync_until(
+        pool, honest + adversary, banned_and_agreed, batch=4, max_syncs=60, observe=honest
+    )
+    for state in states:
+        assert adversary_ids <= set(state["banned"]), state["banned"]
+        assert not honest_ids & set(state["banned"]), "honest peers banned each other"
+    assert sum(s["metrics"].exchanges_suspect for s in states) >= strikes
+    assert _spread(states, _mass_mean(states)) < 1e-3
+    damage = _rel(_mass_mean(states), honest_mean)
+    print(f"honest mean moved {damage:.3f} of its norm")
+    assert damage < strikes * ratio / 2 * 1.5
+
+
 def _ids(pool: PeerPool, indices: Sequence[int]) -> list[str]:
     return [pool.call(i, "get_peer_id") for i in indices]
 

@@ -105,6 +105,24 @@ def test_one_bad_partner_moves_us_at_most_tau(attack: str) -> None:
     assert moved < unclipped / 10  # what the plain mean would have done
 
 
+def test_anchors_are_clipped_relative_to_the_parameters_and_a_joiner_adopts_unclipped() -> None:
+    """The parameter exchange's policy (``averaging.param_clip_ratio``): an honest partner drifted a few
+    percent away averages exactly; a poisoned anchor (x10) is clipped to a quarter of our norm and is
+    suspect; a joiner (a stated weight of 1e-9) takes its partner's anchor whole."""
+    anchors = ClipPolicy(clip_ratio=0.25)
+    ours = _state(11, scale=10.0)
+    drifted = {n: t + 0.05 * torch.randn_like(t) * t.abs().mean() for n, t in ours.items()}
+    out, stats = robust_mix(ours, ours, 1.0, drifted, 1.0, anchors)
+    assert not stats.clipped and not stats.hard
+    assert all(torch.allclose(out[n], (ours[n] + drifted[n]) / 2, atol=1e-5) for n in ours)
+    poisoned = {n: t * 10 for n, t in drifted.items()}
+    out, stats = robust_mix(ours, ours, 1.0, poisoned, 1.0, anchors)
+    assert stats.hard and _norm({n: out[n] - ours[n] for n in ours}) <= 0.25 * _norm(ours) / 2 * (1 + 1e-6)
+    joiner = _state(12)
+    out, stats = robust_mix(joiner, joiner, 1e-9, ours, 1.0, anchors)
+    assert not stats.clipped and all(torch.allclose(out[n], ours[n], atol=1e-5) for n in ours)
+
+
 def test_blame_uses_our_recent_norm_not_only_the_current_one() -> None:
     """Right after its own sync a trainer's pseudo-gradient is small; a full round's update is fine."""
     fresh = _state(7, scale=0.01)

@@ -15,6 +15,7 @@ import torch
 
 from swarm.compression import ErrorFeedback, get_codec
 from swarm.gossip import PROTOCOL_VERSION, GossipAverager, PartnerInfo, SyncOutcome
+from swarm.gossip import _partners as partners_module
 from swarm.gossip._exchange import (
     ExchangeHooks,
     ExchangeSpec,
@@ -23,8 +24,11 @@ from swarm.gossip._exchange import (
     mix,
     run_exchange,
 )
-from swarm.gossip._partners import BanList, eligible_partners, pick_order
+from swarm.gossip._metrics import MetricsRecorder
+from swarm.gossip._options import GossipOptions
+from swarm.gossip._partners import FORGET_AFTER_S, BanList, eligible_partners, pick_order
 from swarm.gossip._protocol import Channel, Hello, MsgKind, ProtocolError, handler_name
+from swarm.gossip._reputation import Reputation
 from swarm.gossip._validation import NormPolicy, ValidationError, schema_hash, schema_of, validate_received
 from tests.workers.gossip_pool import p2pd_pids, wait_no_leak
 
@@ -120,6 +124,34 @@ def test_ban_list_exponential_backoff_and_forgive() -> None:
         BanList(base_s=5, max_s=1)
 
 
+def test_ban_list_forgets_old_offenders_and_stays_bounded(monkeypatch) -> None:
+    now = [0.0]
+    bans = BanList(base_s=10, max_s=40, clock=lambda: now[0])
+    bans.ban("old", "x")
+    now[0] = 10 + FORGET_AFTER_S + 1  # its ban ended long ago: its strikes are forgotten at the next ban
+    bans.ban("new", "x")
+    assert bans.strikes() == {"new": 1}
+    monkeypatch.setattr(partners_module, "MAX_TRACKED", 50)
+    for i in range(200):  # throwaway identities, banned one after another
+        now[0] += 0.01
+        bans.ban(f"sybil-{i}", "x")
+        bans.suspect(f"sly-{i}", "clipped", limit=3)
+    assert len(bans.strikes()) == 50 and len(bans._suspicions) == 50
+    assert bans.is_banned("sybil-199") and not bans.is_banned("sybil-0")  # the earliest-ending went first
+
+
+def test_failures_are_held_until_the_members_show_whether_the_partner_left() -> None:
+    reputation = Reputation(GossipOptions(ban_base_s=10, ban_max_s=40), MetricsRecorder())
+    for peer in ("gone", "leaving", "staying"):
+        reputation.failed(peer, "connection reset")
+    assert all(reputation.is_banned(p) for p in ("gone", "leaving", "staying"))  # not dialled meanwhile
+    assert reputation.bans.banned() == {}
+    listed = [PartnerInfo("leaving", PROTOCOL_VERSION, "cfg", leaving=True), PartnerInfo("staying", 1, "cfg")]
+    reputation.review(listed)
+    assert set(reputation.banned()) == {"staying"} and reputation.bans.strikes() == {"staying": 1}
+    assert not reputation.is_banned("gone") and not reputation.is_banned("leaving")
+
+
 def test_eligible_partners_filters_and_random_order() -> None:
     bans = BanList(10, 100)
     bans.ban("banned", "test")
@@ -132,9 +164,10 @@ def test_eligible_partners_filters_and_random_order() -> None:
         PartnerInfo("old", PROTOCOL_VERSION + 1, "cfg"),
         PartnerInfo("othercfg", PROTOCOL_VERSION, "zzz"),
         PartnerInfo("banned", PROTOCOL_VERSION, "cfg"),
+        PartnerInfo("leaving", PROTOCOL_VERSION, "cfg", leaving=True),
     ]
     eligible = eligible_partners(
-        candidates, self_id="me", protocol_version=PROTOCOL_VERSION, config_hash="cfg", bans=bans
+        candidates, self_id="me", protocol_version=PROTOCOL_VERSION, config_hash="cfg", banned=bans.is_banned
     )
     assert [p.peer_id for p in eligible] == ["good1", "good2"]
     import random

@@ -1,12 +1,13 @@
-"""Malicious peers: a 5-trainer swarm with an attacker still trains, and the attacker is banned.
+"""Malicious peers: a 5-trainer swarm with two attackers still trains, and both attackers are banned.
 
-Three swarms of five trainers (tests/workers/malicious.py, one process each) train the same tiny model
-side by side: a clean one, one where peer 0 sends its pseudo-gradients scaled x100, and one where it
-sends standard normal noise instead of its own. The honest peers' (1-4) final held-out loss must stay
-within ``LOSS_MARGIN`` bits per byte of the same peers' in the clean swarm (same identities, so the
-same data). Bans are checked as they happened, with the default ban times (a first ban lasts 10 s):
-while every peer trained, each honest peer banned the attacker, and no honest peer banned another,
-in any swarm. Undefended, the same attacks take every peer to Inf/NaN (docs/gossip.md).
+Two swarms of five trainers (tests/workers/malicious.py, one process each) train the same tiny model
+side by side: a clean one, and one with two attackers, peer 0 sending its pseudo-gradients scaled x100
+and peer 1 sending standard normal noise instead of its own. The honest peers' (2-4) final held-out
+loss must stay within ``LOSS_MARGIN`` bits per byte of the same peers' in the clean swarm (same
+identities, so the same data). Bans are checked as they happened, with the default ban times (a first
+ban lasts 10 s): while every peer trained, each honest peer banned both attackers; and over the whole
+run, in either swarm, no honest peer banned another, not even one that finished and left before it.
+Undefended, the same attacks take every peer to Inf/NaN (docs/gossip.md).
 
 A last, in-process test checks that nobody can overwrite another peer's membership record (and so
 its announced progress), even with a well-formed record signed by a key of its own.
@@ -37,8 +38,8 @@ from tests.workers.malicious import Swarm
 from tests.workers.tiny import DRIFT_CONTROL, tiny
 
 SIZE = 5
-SWARMS = {"clean": {}, "scaled": {0: "scaled"}, "random": {0: "random"}}  # swarm: {peer index: attack}
-HONEST = [1, 2, 3, 4]
+SWARMS = {"clean": {}, "attacked": {0: "scaled", 1: "random"}}  # swarm: {peer index: attack}
+HONEST = [2, 3, 4]
 STEPS = 100  # at 80, clean swarms of this model still end either side of the unigram plateau
 OVERRIDES = tiny(
     "train.eval_batches=8", f"train.max_steps={STEPS}", "averaging.sync_every_steps=5", *DRIFT_CONTROL
@@ -84,7 +85,7 @@ def _run(swarms: list[Swarm], tmp_path: Path) -> dict[str, tuple[Swarm, list[dic
 
 def _bans_while_all_trained(reports: list[dict[str, Any]], index: int) -> list[tuple[str, str]]:
     """(banned peer, reason) of the bans peer ``index`` pronounced before any peer of its swarm stopped
-    training (later, a partner that finished and left fails our dials, which is no misbehaviour)."""
+    training (an attacker that finished and left is no longer banned: leaving is no misbehaviour)."""
     first_done = min(report["finished"] for report in reports)
     return [(peer, reason) for at, peer, reason in reports[index]["bans"] if at < first_done]
 
@@ -113,11 +114,12 @@ def test_honest_peers_train_through_an_attacker_and_ban_it(swarms, tmp_path) -> 
         honest_ids = {swarm.peer_ids[i] for i in honest}
         assert report[name]["honest_loss"] <= clean + LOSS_MARGIN, (name, report)
         for i in honest:
-            bans = _bans_while_all_trained(peer_reports, i)
-            wrongly = [(peer, reason) for peer, reason in bans if peer in honest_ids]
+            # over the whole run: a partner that finished and left is no offender either
+            wrongly = [(peer, reason) for _, peer, reason in peer_reports[i]["bans"] if peer in honest_ids]
             assert not wrongly, f"{name}: honest peer {i} banned honest peers: {wrongly}"
+            bans = _bans_while_all_trained(peer_reports, i)
             missed = {swarm.peer_ids[a] for a in SWARMS[name]} - {peer for peer, _ in bans}
-            assert not missed, f"{name}: honest peer {i} never banned the attacker: {report}"
+            assert not missed, f"{name}: honest peer {i} never banned an attacker: {report}"
 
 
 class _ForgingSigner(RSASignatureValidator):

@@ -143,16 +143,43 @@ def test_totals_loss_throughput_progress_and_eta() -> None:
         protocol_version=PROTOCOL_VERSION, config_hash=HASH, record_ttl_s=TTL, target_samples=10_000
     )
     members = [
-        member(1, T0, samples_per_s=100.0, samples_total=2000, loss=3.0),
-        member(2, T0, samples_per_s=300.0, samples_total=4000, loss=2.0),
-        member(3, T0, samples_per_s=1e6, samples_total=10**6, loss=0.1, config_hash="cd" * 8),
+        member(1, T0, samples_per_s=100.0, samples_total=2000, loss=3.0, eval_loss=3.5),
+        member(2, T0, samples_per_s=300.0, samples_total=4000, loss=2.0, eval_loss=2.5),
+        member(3, T0, samples_per_s=1e6, samples_total=10**6, loss=0.1, eval_loss=0.1, config_hash="cd" * 8),
         member(4, T0, role="bootstrap", state="idle"),
     ]
     t = snap(members, policy=policy).totals
     assert t.peers == 4 and t.trainers == 2
     assert t.samples_per_s == 400.0 and t.samples_total == 6000
     assert t.loss_mean == pytest.approx(2.5) and t.loss_best == 2.0
+    assert t.eval_loss_mean == pytest.approx(3.0)  # the incompatible peer's is left out
     assert t.progress == pytest.approx(0.6) and t.eta_s == pytest.approx(10.0)
+
+
+def test_losses_are_averaged_in_the_unit_peers_report_and_say_it() -> None:
+    members = [
+        member(1, T0, loss=5.0, eval_loss=5.5, eval_bits_per_byte=1.5, loss_unit="bits/token"),
+        member(2, T0, loss=4.0, eval_loss=4.5, eval_bits_per_byte=1.25, loss_unit="bits/token"),
+        member(3, T0, loss=0.5, eval_loss=0.5, eval_bits_per_byte=0.5),  # a record in bits/byte (the default)
+    ]
+    s = snap(members)
+    assert (peer(s, 1).loss_unit, peer(s, 1).eval_bits_per_byte) == ("bits/token", 1.5)
+    assert peer(s, 3).loss_unit == "bits/byte"
+    t = s.totals
+    assert t.loss_unit == "bits/token"  # the majority's; the peer in another unit is not averaged in
+    assert (t.loss_mean, t.loss_best, t.eval_loss_mean) == (4.5, 4.0, 5.0)
+    assert t.eval_bits_per_byte_mean == pytest.approx(1.375)
+    doc = s.to_dict()
+    assert doc["totals"]["loss_unit"] == "bits/token" and doc["peers"][0]["loss_unit"] == "bits/token"
+    byte_level = snap([member(1, T0, loss=3.0)]).totals
+    assert (byte_level.loss_unit, byte_level.loss_mean, byte_level.eval_bits_per_byte_mean) == (
+        "bits/byte",
+        3.0,
+        None,
+    )
+    hostile = SimpleNamespace(**{**members[0].record.dict(), "loss_unit": "nats", "eval_bits_per_byte": -1.0})
+    view = snap([M(pid(1), hostile, T0 + TTL)]).peers[0]
+    assert (view.loss_unit, view.eval_bits_per_byte) == ("bits/byte", None)
 
 
 def test_eta_unknown_without_throughput_and_zero_when_done() -> None:

@@ -13,7 +13,7 @@ from rich.console import Console
 from typer.testing import CliRunner
 
 from peers._monitor_output import TerminalOutput
-from peers._monitor_plot import plot_history
+from peers._monitor_plot import loss_unit, plot_history
 from peers._monitor_prometheus import PrometheusExporter
 from peers._monitor_table import columns_for, duration, render, si
 from peers.cli import app
@@ -56,6 +56,28 @@ def test_table_fits_a_60_column_terminal_without_colour() -> None:
         assert pid(n)[-8:] in text
     assert "training" in text and "samples/s" in text and "! drift" in text
     assert "\x1b[" not in text
+
+
+def test_header_says_the_unit_of_every_loss() -> None:
+    console = Console(width=200, record=True, color_system=None)
+    console.print(render(sample_snapshots()[-1], console.width))
+    assert "loss mean 0.3201 best 0.1875 eval - bits/byte" in console.export_text()
+    tokenized = [
+        member(n, T0, loss=5.0 + n, eval_loss=6.0, eval_bits_per_byte=1.5, loss_unit="bits/token")
+        for n in (1, 2)
+    ]
+    console = Console(width=200, record=True, color_system=None)
+    console.print(render(build_snapshot(tokenized, None, T0, POLICY), console.width))
+    assert "loss mean 6.5 best 6 eval 6 bits/token (1.5 bits/byte)" in console.export_text()
+
+
+def test_plot_labels_the_loss_unit_of_its_history() -> None:
+    snaps = [s.to_dict() for s in sample_snapshots(2)]
+    assert loss_unit(snaps) == "bits/byte" and loss_unit([]) == "bits/byte"
+    snaps[-1]["totals"]["loss_unit"] = "bits/token"
+    assert loss_unit(snaps) == "bits/token"
+    snaps[-1]["totals"]["loss_unit"] = "nats"  # a foreign line: the earlier snapshot's unit holds
+    assert loss_unit(snaps) == "bits/byte"
 
 
 def test_wide_table_shows_every_column() -> None:
@@ -129,6 +151,7 @@ def test_prometheus_scrape_has_one_series_per_peer() -> None:
         f'peer_id="{pid(2)}"' in s and 'public_name="p2"' in s and 'role="trainer"' in s for s in series
     )
     assert "swarm_samples_per_second " in body and "swarm_eta_seconds " in body
+    assert "# HELP swarm_loss_mean Mean recent training loss of active peers, in bits per token" in body
 
 
 def test_plot_draws_more_than_a_blank_canvas(tmp_path) -> None:

@@ -21,10 +21,12 @@ PEER_FIELDS = {
     "download_bps", "syncs_per_min", "exchanges_ok", "exchanges_failed", "exchanges_rejected",
     "connectivity", "client_mode", "addresses", "started_at", "last_seen", "last_progress_at",
     "expires_in_s", "present", "compatible", "last_seen_ago_s", "stage", "stage_capacity",
+    "eval_bits_per_byte", "loss_unit",
 }  # fmt: skip
 TOTAL_FIELDS = {
     "peers", "trainers", "stale", "incompatible", "samples_per_s", "samples_total", "loss_mean", "loss_best",
-    "upload_bps", "download_bps", "syncs_per_min", "target_samples", "progress", "eta_s",
+    "upload_bps", "download_bps", "syncs_per_min", "target_samples", "progress", "eta_s", "eval_loss_mean",
+    "eval_bits_per_byte_mean", "loss_unit",
 }  # fmt: skip
 
 

@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+import re
+
+from rich.console import Console
+
+from peers._local_summary import print_summary, swarm_summary
 from peers._trainer_output import TrainerOutput, format_sync_line
 from swarm import PROTOCOL_VERSION, PeerRecord
 from swarm.config import load_config
@@ -27,10 +33,47 @@ def _record(step: int) -> PeerRecord:
 
 def test_sync_line_names_every_number() -> None:
     line = format_sync_line(_report(120))
-    for part in ("round   12", "step    120", "loss 3.250", "eval 3.500", "120.0 samples/s", "lr 1.00e-03"):
+    for part in ("round   12", "step    120", "120.0 samples/s", "lr=1.00e-03"):
         assert part in line
     assert f"with {PEER[-8:]}" in line and "sent 2.0 KiB recv 1.0 KiB" in line and "drift 0.0120" in line
-    assert "eval -" in format_sync_line(_report(10, eval_loss=None))
+    assert "eval - bits/byte" in format_sync_line(_report(10, eval_loss=None))
+
+
+def test_sync_line_labels_both_losses_with_one_unit() -> None:
+    byte_level = format_sync_line(_report(120))
+    assert " loss 3.250 eval 3.500 bits/byte " in byte_level and "nats" not in byte_level
+    tokenized = dataclasses.replace(_report(120), loss_unit="bits/token", eval_bits_per_byte=1.2345)
+    line = format_sync_line(tokenized)
+    assert " loss 3.250 eval 3.500 bits/token " in line and " eval 1.234 bits/byte drift 0.0120" in line
+
+
+def test_sync_line_words_keep_the_positions_parsers_rely_on() -> None:
+    """tests/workers/chaos.py, tests/test_partition.py and scripts/bench_training.py split the line."""
+    for report in (_report(120), dataclasses.replace(_report(120), loss_unit="bits/token")):
+        words = format_sync_line(report).split()
+        assert (words[0], words[2], words[4], words[6], words[12], words[14]) == (
+            "round", "step", "loss", "eval", "sync", "with",
+        )  # fmt: skip
+        assert (words[3], float(words[7]), words[13], words[15]) == ("120", 3.5, "ok", PEER[-8:])
+        assert words[-2:] == ["drift", "0.0120"]
+    bench = re.compile(r"^round\s+(\d+) step\s+(\d+) loss \S+ eval (\S+)")  # scripts/bench_training.py
+    assert bench.match(format_sync_line(_report(120))).groups() == ("12", "120", "3.500")
+
+
+def test_summary_names_the_unit_and_bits_per_byte_of_a_tokenized_run() -> None:
+    rows = [
+        {"name": f"peer-{i}", "steps": 10, "eval_loss": loss, "eval_loss_unit": "bits/token",
+         "eval_bits_per_byte": loss / 4}
+        for i, loss in ((1, 4.0), (2, 6.0))
+    ]  # fmt: skip
+    summary = swarm_summary(rows, baseline_unigram_loss=8.0)
+    assert (summary["eval_loss"], summary["eval_bits_per_byte"]) == (5.0, 1.25)
+    assert summary["eval_loss_unit"] == "bits/token"
+    console = Console(width=200, record=True)
+    print_summary(summary, console)
+    text = console.export_text()
+    assert "eval (bits/token)" in text
+    assert "eval loss 5.000 bits/token (1.250 bits/byte) vs unigram baseline 8.000 bits/token" in text
 
 
 def test_plain_lines_and_history_when_not_a_terminal(tmp_path, capsys) -> None:

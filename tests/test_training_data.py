@@ -10,9 +10,20 @@ import pytest
 import torch
 from torch import nn
 
-from swarm.config import DataSection
-from swarm.training import Corpus, EvalSet, TrainBatches, evaluate, make_eval_set, open_source, stdlib_files
-from swarm.training.data import HFStreamSource, corpus_from_files, expand_paths, is_held_out, unigram_bits
+from swarm.config import DataSection, TrainSection
+from swarm.training import (
+    GPT,
+    Corpus,
+    EvalSet,
+    InnerTrainer,
+    TrainBatches,
+    evaluate,
+    make_eval_set,
+    open_source,
+    stdlib_files,
+    unigram_bits,
+)
+from swarm.training.data import HFStreamSource, corpus_from_files, expand_paths, is_held_out
 
 BLOCK = 16
 
@@ -139,6 +150,24 @@ class Uniform(nn.Module):
 def test_uniform_model_scores_eight_bits_per_byte() -> None:
     eval_set = EvalSet(random_corpus().eval, block_size=BLOCK, batch_size=4)
     assert evaluate(Uniform(), eval_set, batches=3) == pytest.approx(math.log2(256), abs=1e-5)
+
+
+def test_training_and_held_out_loss_of_one_batch_are_the_same_number() -> None:
+    """Both losses are bits per byte: scored on the very batch it trains on (lr 0, no dropout), the
+    held-out evaluation gives the training step's loss; a step reporting nats would be ln 2 times it."""
+    from swarm.config import ModelSection
+
+    model = GPT(ModelSection(block_size=BLOCK, n_embd=32, n_head=2, n_layer=1))
+    x, y = next(TrainBatches(random_corpus(), BLOCK, 8, peer_key="a", seed=0))
+    trainer = InnerTrainer(model, TrainSection(batch_size=8, weight_decay=0.0), torch.device("cpu"))
+    stats = trainer.step(iter([(x, y)]), lr=0.0)
+    windows = torch.cat([x, y[:, -1:]], dim=1)  # each row: its inputs and the last target
+    same_batch = EvalSet(windows.flatten(), block_size=BLOCK, batch_size=8)
+    assert torch.equal(next(same_batch.batches(1))[1], y)  # the evaluation scores exactly that batch
+    held_out = evaluate(model, same_batch, batches=1)
+    assert held_out == pytest.approx(stats.loss, rel=1e-4)
+    assert 7.5 < stats.loss < 8.5  # an untrained model: about log2(256) bits per byte
+    assert same_batch.loss_unit == "bits/byte" and same_batch.bits_per_byte(held_out, 1) == held_out
 
 
 def test_eval_batches_are_fixed_and_spread_over_the_text() -> None:

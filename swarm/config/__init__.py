@@ -5,12 +5,11 @@ variables < ``--set section.key=value`` overrides. See docs/configuration.md.
 """
 
 from swarm.config._errors import ConfigError
+from swarm.config._exchange_sections import AveragingSection, CompressionSection
 from swarm.config._load import load_config
 from swarm.config._schema import (
     RUN_ID_PATTERN,
     SECTIONS,
-    AveragingSection,
-    CompressionSection,
     DataSection,
     ModelSection,
     MonitorSection,

@@ -14,20 +14,23 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from swarm._tokenizer import Tokenizer, TokenizerError, load_tokenizer
+from swarm.config._exchange_sections import AveragingSection, CompressionSection, PipelineSection
+from swarm.config._section import Section, cross_field
 from swarm.config._view import config_hash, swarm_view
 
 RUN_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
 
 
-def _cross_field(other: str, message: str, **context: Any) -> PydanticCustomError:
-    return PydanticCustomError("cross_field", message, {"other": other, **context})
+def _tokenizer_of(spec: str) -> Tokenizer:
+    """``data.tokenizer``, loaded (once per process); a failure is a config error naming the key."""
+    try:
+        return load_tokenizer(spec)
+    except TokenizerError as error:
+        raise PydanticCustomError("tokenizer", "{reason}", {"reason": str(error)}) from error
 
 
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, validate_assignment=True)
-
-
-class RunSection(_Section):
+class RunSection(Section):
     """Identity of the run; every peer of one swarm uses the same values."""
 
     run_id: str = Field(
@@ -41,7 +44,7 @@ class RunSection(_Section):
     )
 
 
-class NetworkSection(_Section):
+class NetworkSection(Section):
     """How this peer joins the swarm (per peer: never part of the config hash)."""
 
     initial_peers: list[str] = Field(
@@ -87,7 +90,7 @@ class NetworkSection(_Section):
     def _ttl_outlives_a_missed_refresh(cls, value: float, info: ValidationInfo) -> float:
         interval = info.data.get("record_interval_s")
         if interval is not None and value < 2 * interval:
-            raise _cross_field(
+            raise cross_field(
                 "record_interval_s",
                 "must be >= 2 * record_interval_s = {minimum} so a record survives one late refresh",
                 minimum=2 * interval,
@@ -95,7 +98,7 @@ class NetworkSection(_Section):
         return value
 
 
-class ModelSection(_Section):
+class ModelSection(Section):
     """The model every peer trains."""
 
     kind: Literal["gpt", "hf"] = Field(
@@ -107,7 +110,9 @@ class ModelSection(_Section):
         64, ge=8, le=16384, validate_default=True, description="Embedding width; divisible by n_head."
     )
     block_size: int = Field(64, ge=8, le=131072, description="Context length in tokens.")
-    vocab_size: int = Field(256, ge=2, le=1 << 20, description="Vocabulary size (256 for byte-level data).")
+    vocab_size: int = Field(
+        256, ge=2, le=1 << 20, description="Vocabulary size: 256 for bytes; if left out, data.tokenizer's."
+    )
     dropout: float = Field(0.0, ge=0, le=1, description="Dropout probability.")
     hf_config: dict[str, Any] | None = Field(
         None, description="For kind 'hf': keyword arguments of the transformers config (no weights download)."
@@ -118,11 +123,11 @@ class ModelSection(_Section):
     def _embd_splits_into_heads(cls, value: int, info: ValidationInfo) -> int:
         heads = info.data.get("n_head")
         if heads is not None and value % heads:
-            raise _cross_field("n_head", "must be divisible by n_head = {n_head}", n_head=heads)
+            raise cross_field("n_head", "must be divisible by n_head = {n_head}", n_head=heads)
         return value
 
 
-class DataSection(_Section):
+class DataSection(Section):
     """Where training text comes from."""
 
     source: Literal["stdlib", "files", "hf"] = Field(
@@ -141,23 +146,34 @@ class DataSection(_Section):
         description="For source 'hf': the dataset name, e.g. 'roneneldan/TinyStories'.",
     )
     eval_fraction: float = Field(0.01, gt=0, lt=0.5, description="Share of the data held out for evaluation.")
+    tokenizer: str | None = Field(
+        None,
+        description="A transformers tokenizer (local directory or Hub name) to train on instead of bytes.",
+    )
+
+    @field_validator("tokenizer")
+    @classmethod
+    def _tokenizer_loads(cls, value: str | None) -> str | None:
+        if value is not None:
+            _tokenizer_of(value)
+        return value
 
     @field_validator("paths")
     @classmethod
     def _files_need_paths(cls, value: list[str], info: ValidationInfo) -> list[str]:
         if info.data.get("source") == "files" and not value:
-            raise _cross_field("source", "must name at least one file or directory when source is 'files'")
+            raise cross_field("source", "must name at least one file or directory when source is 'files'")
         return value
 
     @field_validator("hf_dataset")
     @classmethod
     def _hf_needs_dataset(cls, value: str | None, info: ValidationInfo) -> str | None:
         if info.data.get("source") == "hf" and not value:
-            raise _cross_field("source", "must name a dataset when source is 'hf'")
+            raise cross_field("source", "must name a dataset when source is 'hf'")
         return value
 
 
-class TrainSection(_Section):
+class TrainSection(Section):
     """Inner (local) training loop."""
 
     device: str = Field(
@@ -199,166 +215,7 @@ class TrainSection(_Section):
     )
 
 
-class AveragingSection(_Section):
-    """Gossip averaging: outer optimizer and exchange policy."""
-
-    backend: Literal["gossip", "allreduce", "hivemind", "none"] = Field(
-        "gossip",
-        description="'gossip': quantized pairwise averaging; 'allreduce': group all-reduce of "
-        "pseudo-gradients (OpenDiLoCo, baseline); 'hivemind': hivemind.Optimizer (baseline); "
-        "'none': every peer trains alone.",
-    )
-    sync_every_steps: int = Field(20, ge=1, description="Inner steps between syncs (H of DiLoCo).")
-    sync_every_seconds: Annotated[float, Field(gt=0)] | None = Field(
-        None, description="Also sync when this many seconds passed since the last one."
-    )
-    max_lag_rounds: int = Field(
-        1,
-        ge=0,
-        le=16,
-        description=(
-            "gossip: our exchange runs in the background while the next round trains; the device "
-            "waits only when it lags this many rounds behind (0 = a blocking sync)."
-        ),
-    )
-    outer_state_device: Literal["auto", "device", "host"] = Field(
-        "auto",
-        description=(
-            "Where the outer anchor, momentum, error-feedback residuals and exchange buffers live: next "
-            "to the parameters, or in (pinned) host memory; auto picks host memory on a GPU the other "
-            "layout would not fit."
-        ),
-    )
-    outer_lr: float = Field(0.7, gt=0, description="Learning rate of the outer SGD on pseudo-gradients.")
-    outer_momentum: float = Field(0.9, ge=0, lt=1, description="Momentum of the outer SGD.")
-    nesterov: bool = Field(True, description="Use Nesterov momentum in the outer SGD.")
-    exchange_timeout_s: float = Field(
-        30.0, gt=0, description="Give up on a partner after this many seconds (per peer)."
-    )
-    chunk_timeout_s: float = Field(10.0, gt=0, description="Give up when one chunk takes longer (per peer).")
-    max_norm_ratio: float = Field(
-        100.0, gt=1, description="Reject a partner's update whose norm exceeds ours by this factor."
-    )
-    robust_clip: bool = Field(
-        True,
-        description="Clip a partner's pseudo-gradient difference to clip_ratio times the smaller norm "
-        "of the pair (docs/gossip.md, 'Malicious partners').",
-    )
-    clip_ratio: float = Field(
-        2.0, gt=0, description="Clip radius relative to the smaller pseudo-gradient norm of the pair."
-    )
-    clip_hard_factor: float = Field(
-        10.0,
-        ge=1,
-        description="A difference over this many clip radii (from our own norm) counts against the partner.",
-    )
-    clip_strikes: int = Field(
-        2, ge=1, description="Hard-clipped exchanges in a row that ban a partner (with backoff)."
-    )
-    ban_base_s: float = Field(
-        10.0, gt=0, description="First ban of a misbehaving partner, in seconds (per peer)."
-    )
-    ban_max_s: float = Field(
-        600.0, gt=0, validate_default=True, description="Longest ban; bans double up to it (per peer)."
-    )
-    param_sync_every: int = Field(
-        10, ge=1, description="Average full parameters with a partner every this many syncs (drift control)."
-    )
-    max_drift: float = Field(
-        0.02,
-        gt=0,
-        description="Bound on relative L2 distance to a partner; above it parameters sync every round.",
-    )
-    param_codec: Literal["fp32", "fp16", "bf16"] = Field(
-        "fp32", description="Codec for the occasional full-parameter exchange."
-    )
-
-    @field_validator("ban_max_s")
-    @classmethod
-    def _max_ban_not_below_base(cls, value: float, info: ValidationInfo) -> float:
-        base = info.data.get("ban_base_s")
-        if base is not None and value < base:
-            raise _cross_field("ban_base_s", "must be >= ban_base_s = {ban_base_s}", ban_base_s=base)
-        return value
-
-
-class CompressionSection(_Section):
-    """How updates are encoded on the wire."""
-
-    codec: Literal["fp32", "fp16", "bf16", "int8", "int4"] = Field(
-        "int8", description="Codec for pseudo-gradients; int8/int4 are blockwise quantized."
-    )
-    block_size: int = Field(
-        64, ge=16, le=4096, description="Elements per quantization block (a power of two)."
-    )
-    chunk_bytes: int = Field(1 << 20, ge=4096, le=64 << 20, description="Bytes per streamed chunk.")
-    error_feedback: bool = Field(True, description="Carry quantization error over to the next sync.")
-    max_tensor_elements: int = Field(
-        1 << 30, ge=1, description="Largest tensor a decoder accepts, in elements."
-    )
-
-    @field_validator("block_size")
-    @classmethod
-    def _power_of_two(cls, value: int) -> int:
-        if value & (value - 1):
-            raise ValueError("must be a power of two")
-        return value
-
-
-class PipelineSection(_Section):
-    """Pipeline stages across peers, for models larger than one peer's device (docs/pipeline.md)."""
-
-    num_stages: Annotated[int, Field(ge=1, le=256)] | Literal["auto"] = Field(
-        1,
-        description="Contiguous stages the model is cut into, one per peer (1 = no pipeline); 'auto': the "
-        "fewest whose largest stage fits memory_budget_gb.",
-    )
-    memory_budget_gb: Annotated[float, Field(gt=0, le=1e6)] | None = Field(
-        None,
-        validate_default=True,
-        description="This peer's device memory for one stage, in GiB; needed by num_stages 'auto'.",
-    )
-    microbatch_size: int = Field(
-        4, ge=1, le=4096, description="Samples per micro-batch sent through the stages."
-    )
-    activation_codec: Literal["fp32", "fp16", "bf16", "int8", "int4"] = Field(
-        "int8",
-        description="Codec of activations and their gradients between stages (blockwise int8: 8 bits).",
-    )
-    max_inflight: int = Field(
-        4, ge=1, le=256, description="Micro-batches a data holder (stage 0) keeps in the pipeline at once."
-    )
-    request_timeout_s: float = Field(
-        30.0,
-        gt=0,
-        le=3600,
-        description="Give up on a stage peer's answer after this long and retry elsewhere.",
-    )
-    routing: Literal["stochastic", "fixed"] = Field(
-        "stochastic",
-        description="'stochastic': each micro-batch goes to a random peer per stage, weighted by measured "
-        "throughput and queue; 'fixed': always the same peer per stage (benchmark baseline).",
-    )
-    max_queue: int = Field(
-        64, ge=1, le=4096, description="Requests a stage server queues before answering busy."
-    )
-    rebalance_every_s: Annotated[float, Field(gt=0)] | None = Field(
-        30.0,
-        description="Check every this many seconds whether to move to an under-served stage; null: never.",
-    )
-    rebalance_min_interval_s: float = Field(
-        300.0, ge=0, description="A peer moves to another stage at most once per this many seconds."
-    )
-
-    @field_validator("memory_budget_gb")
-    @classmethod
-    def _auto_needs_a_budget(cls, value: float | None, info: ValidationInfo) -> float | None:
-        if info.data.get("num_stages") == "auto" and value is None:
-            raise _cross_field("num_stages", "must be set when num_stages is 'auto'")
-        return value
-
-
-class MonitorSection(_Section):
+class MonitorSection(Section):
     """The live view (per peer: never part of the config hash)."""
 
     refresh_s: float = Field(2.0, gt=0, description="Seconds between monitor refreshes.")
@@ -367,6 +224,11 @@ class MonitorSection(_Section):
         None, description="Serve Prometheus metrics on this port; None disables the endpoint."
     )
     history_path: str | None = Field(None, description="Append monitor snapshots to this JSON-lines file.")
+    tensorboard_dir: str | None = Field(
+        None,
+        description="Write swarm scalars (eval and train loss, samples/s, bytes/s, peers) as TensorBoard "
+        "event files in this directory on every refresh.",
+    )
 
 
 SECTIONS: tuple[str, ...] = (
@@ -407,12 +269,32 @@ class RunConfig(BaseModel):
             return {key: ({} if value is None and key in SECTIONS else value) for key, value in data.items()}
         return data
 
+    @field_validator("data")
+    @classmethod
+    def _vocab_from_tokenizer(cls, data: DataSection, info: ValidationInfo) -> DataSection:
+        """With ``data.tokenizer``, ``model.vocab_size`` is its size unless set larger (padding)."""
+        model = info.data.get("model")
+        if data.tokenizer is not None and model is not None:
+            size = _tokenizer_of(data.tokenizer).vocab_size
+            if "vocab_size" not in model.model_fields_set:
+                model.vocab_size = size
+            hf_size = (model.hf_config or {}).get("vocab_size")
+            vocab = min(model.vocab_size, hf_size) if isinstance(hf_size, int) else model.vocab_size
+            if vocab < size:
+                message = (
+                    "data.tokenizer has {size} tokens, more than the model's vocab_size {vocab}: "
+                    "leave model.vocab_size out to take it from the tokenizer"
+                )
+                raise PydanticCustomError("tokenizer", message, {"size": size, "vocab": vocab})
+        return data
+
     def swarm_view(self) -> dict[str, Any]:
         """The swarm-wide part of the config (everything but :data:`PER_PEER_KEYS`), JSON-ready.
 
         ``pipeline.num_stages: auto`` is resolved (from this peer's memory budget): peers must agree on
         the cut itself, so a peer whose budget gives another count has another hash. Without a pipeline
-        (one stage) the section is left out, so the hashes of unpipelined runs did not change with it.
+        (one stage) the section is left out, so the hashes of unpipelined runs did not change with it;
+        ``data.tokenizer`` enters as its content's fingerprint, and not at all when unset.
         """
         view = swarm_view(self.model_dump(mode="json"))
         if view["pipeline"]["num_stages"] == "auto":
@@ -421,6 +303,10 @@ class RunConfig(BaseModel):
             view["pipeline"]["num_stages"] = resolve_num_stages(self)
         if view["pipeline"]["num_stages"] == 1:
             del view["pipeline"]
+        if self.data.tokenizer is None:  # byte-level runs keep the hashes they had before tokenizers
+            del view["data"]["tokenizer"]
+        else:  # the tokenizer's content, not its name or path, is what peers must share
+            view["data"]["tokenizer"] = load_tokenizer(self.data.tokenizer).fingerprint
         return view
 
     def config_hash(self) -> str:

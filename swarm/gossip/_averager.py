@@ -158,6 +158,7 @@ class GossipAverager(StreamService):
                 if local is None:
                     return self._result(SyncOutcome.SKIPPED, None, None, 0.0, "nothing to offer")
                 candidates = list(self._partner_source())
+                self._reputation.review(candidates)
                 result = self._loop.run(self._initiate_abortable(local, candidates))
             sent, received = sent + result.bytes_sent, received + result.bytes_received
             pause = self._rng.uniform(backoff / 2, backoff)
@@ -194,7 +195,7 @@ class GossipAverager(StreamService):
 
     def banned_peers(self) -> dict[str, float]:
         """Currently banned peer ids and the seconds left on each ban."""
-        return self._reputation.bans.banned()
+        return self._reputation.banned()
 
     def ban_strikes(self) -> dict[str, int]:
         """Strikes (bans so far, expired ones included) per peer since its last good exchange."""
@@ -225,7 +226,7 @@ class GossipAverager(StreamService):
         The cancelled exchange (and one we are serving, which would otherwise hold the exchange lock
         for up to ``exchange_timeout_s``) does not commit (exactly as if the partner had vanished, see
         docs/gossip.md): our tensors stay bit-identical, and the caller's ``sync`` returns once the
-        exchange has unwound. Partners that dial us from now on get BUSY ("shutting down"), so none
+        exchange has unwound. Partners that dial us from now on get BUSY ("leaving"), so none
         starts an exchange that :meth:`close` would cut off. Thread-safe and idempotent.
         """
         self._aborted = True
@@ -300,7 +301,8 @@ class GossipAverager(StreamService):
             self._commit(partner, local, ended.mixed, latency)
             result = self._result(ended.outcome, partner, channel, latency, ended.reason)
             if local.offer is not None and self._offerer is not None:  # offer mode
-                done = Committed(ended.mixed.tensors, theirs.weight, initiator, result, theirs.probe)
+                scale = ended.mixed.clip.scale if ended.mixed.clip is not None else 1.0
+                done = Committed(ended.mixed.tensors, theirs.weight, initiator, result, theirs.probe, scale)
                 await in_thread(self._offerer.committed, local.offer, done)
             return result
         else:
@@ -346,7 +348,7 @@ class GossipAverager(StreamService):
             await channel.send_json(MsgKind.REJECT, {"reason": BANNED_REASON})
             return
         if self._aborted:
-            await channel.send_json(MsgKind.BUSY, {"reason": "shutting down"})
+            await channel.send_json(MsgKind.BUSY, {"reason": "leaving"})
             return
         if not self._lock.acquire(blocking=False):
             await channel.send_json(MsgKind.BUSY, {"reason": "in another exchange"})
@@ -394,7 +396,7 @@ class GossipAverager(StreamService):
             self_id=self.peer_id,
             protocol_version=PROTOCOL_VERSION,
             config_hash=self.config_hash,
-            bans=self._reputation.bans,
+            banned=self._reputation.is_banned,
         )
         if len(eligible) > 1:
             # Never the same partner twice in a row when there is a choice: with back-to-back syncs

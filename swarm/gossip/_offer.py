@@ -45,6 +45,8 @@ class Committed:
     initiator: bool
     result: SyncResult
     partner_probe: tuple[float, ...] = ()
+    clip_scale: float = 1.0
+    """The robust clip's factor on the partner's pull (1.0: not clipped, or no clip)."""
 
 
 class Offerer(Protocol):

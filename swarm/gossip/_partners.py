@@ -11,6 +11,11 @@ from dataclasses import dataclass
 
 logger = logging.getLogger(__name__)
 
+MAX_TRACKED = 4096
+"""Peers a ban list remembers at most (bans, strikes, suspicions): beyond it, the earliest-ending go."""
+FORGET_AFTER_S = 3600.0
+"""A peer's strikes are forgotten this long (or ``ban_max_s``, if longer) after its last ban ended."""
+
 
 @dataclass(frozen=True)
 class PartnerInfo:
@@ -20,6 +25,8 @@ class PartnerInfo:
     protocol_version: int
     config_hash: str
     client_mode: bool = False
+    leaving: bool = False
+    """Its record says it is shutting down: not dialled, and failures with it are no misbehaviour."""
 
 
 PartnerSource = Callable[[], Sequence[PartnerInfo]]
@@ -57,10 +64,12 @@ class BanList:
     def ban(self, peer_id: str, reason: str) -> float:
         """Ban ``peer_id``; return the ban duration in seconds."""
         with self._lock:
+            now = self._clock()
             strikes = self._strikes.get(peer_id, 0) + 1
             self._strikes[peer_id] = strikes
             duration = min(self._max, self._base * 2 ** min(strikes - 1, 62))
-            self._until[peer_id] = self._clock() + duration
+            self._until[peer_id] = now + duration
+            self._prune(now)
         logger.warning("banning peer %s for %.1f s (strike %d): %s", peer_id, duration, strikes, reason)
         return duration
 
@@ -69,6 +78,8 @@ class BanList:
         with self._lock:
             count = self._suspicions.get(peer_id, 0) + 1
             self._suspicions[peer_id] = 0 if count >= limit else count
+            while len(self._suspicions) > MAX_TRACKED:  # the oldest first (dicts keep insertion order)
+                del self._suspicions[next(iter(self._suspicions))]
         if count < limit:
             logger.warning("suspicious partner %s (%d/%d before a ban): %s", peer_id, count, limit, reason)
             return None
@@ -76,9 +87,28 @@ class BanList:
 
     def forgive(self, peer_id: str) -> None:
         with self._lock:
-            self._strikes.pop(peer_id, None)
-            self._until.pop(peer_id, None)
-            self._suspicions.pop(peer_id, None)
+            self._forget(peer_id)
+
+    def _prune(self, now: float) -> None:
+        """Forget peers whose last ban ended over ``FORGET_AFTER_S`` (or ``max_s``) ago, then the
+        earliest-ending beyond ``MAX_TRACKED``: throwaway identities must not grow the list without bound."""
+        forget_before = now - max(self._max, FORGET_AFTER_S)
+        for peer in [peer for peer, until in self._until.items() if until < forget_before]:
+            self._forget(peer)
+        if len(self._until) > MAX_TRACKED:
+            for peer in sorted(self._until, key=self._until.__getitem__)[: len(self._until) - MAX_TRACKED]:
+                self._forget(peer)
+
+    def _forget(self, peer: str) -> None:
+        self._until.pop(peer, None)
+        self._strikes.pop(peer, None)
+        self._suspicions.pop(peer, None)
+
+    def next_duration(self, peer_id: str) -> float:
+        """How long ``peer_id``'s next ban would last."""
+        with self._lock:
+            strikes = self._strikes.get(peer_id, 0) + 1
+        return min(self._max, self._base * 2 ** min(strikes - 1, 62))
 
     def strikes(self) -> dict[str, int]:
         """Strikes per peer since its last good exchange (bans so far, expired ones included)."""
@@ -105,17 +135,17 @@ def eligible_partners(
     self_id: str,
     protocol_version: int,
     config_hash: str,
-    bans: BanList,
+    banned: Callable[[str], bool],
 ) -> list[PartnerInfo]:
-    """Candidates we may dial: not ourselves, dialable, compatible, not banned; duplicates dropped."""
+    """Candidates we may dial: not ourselves, dialable, staying, compatible, not banned; no duplicates."""
     seen: set[str] = set()
     result = []
     for info in candidates:
-        if info.peer_id in seen or info.peer_id == self_id or info.client_mode:
+        if info.peer_id in seen or info.peer_id == self_id or info.client_mode or info.leaving:
             continue
         if info.protocol_version != protocol_version or info.config_hash != config_hash:
             continue
-        if bans.is_banned(info.peer_id):
+        if banned(info.peer_id):
             continue
         seen.add(info.peer_id)
         result.append(info)

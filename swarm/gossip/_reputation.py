@@ -2,7 +2,10 @@
 
 The rules (docs/gossip.md, "Never a stall" and "Malicious partners"), on top of a :class:`BanList`:
 
-- an exchange or a handshake that failed through the partner's fault bans it (exponential backoff);
+- an exchange or a handshake that failed through the partner's fault bans it (exponential backoff),
+  unless the partner was leaving: such a failure is *held* (the partner is not dialled meanwhile)
+  until the next read of the members, then becomes a ban if the partner is still listed and not
+  ``leaving``, and is dropped otherwise. Leaving a run is not misbehaving;
 - BUSY costs nothing; a REJECT saying that it banned *us* does not ban it back: that is no evidence
   against it (perhaps the failure was ours), and banning back would keep the pair apart long after
   its ban on us expired;
@@ -16,13 +19,18 @@ The robust clip blames relative to our own recent norms, so they are kept here t
 from __future__ import annotations
 
 import collections
+import logging
+import threading
+from collections.abc import Sequence
 
 from swarm.gossip._handshake import BANNED_REASON, Reply
 from swarm.gossip._metrics import MetricsRecorder
 from swarm.gossip._options import GossipOptions
-from swarm.gossip._partners import BanList
+from swarm.gossip._partners import BanList, PartnerInfo
 from swarm.gossip._protocol import MsgKind
 from swarm.gossip._robust import ClipStats
+
+logger = logging.getLogger(__name__)
 
 
 class Reputation:
@@ -38,17 +46,43 @@ class Reputation:
         self._clip_strikes = options.clip_strikes
         self._metrics = metrics
         self._own_norms: collections.deque[float] = collections.deque(maxlen=8)
+        self._held: dict[str, str] = {}  # peer: the failure to judge at the next read of the members
+        self._lock = threading.Lock()
 
     def is_banned(self, peer: str) -> bool:
+        """Banned, or a failure of its is held: either way, not a partner for now."""
+        with self._lock:
+            if peer in self._held:
+                return True
         return self.bans.is_banned(peer)
+
+    def banned(self) -> dict[str, float]:
+        """Banned peers and the seconds left on each ban; held ones with the ban they would get."""
+        banned = self.bans.banned()
+        with self._lock:
+            held = list(self._held)
+        return {**{peer: self.bans.next_duration(peer) for peer in held}, **banned}
+
+    def review(self, partners: Sequence[PartnerInfo]) -> None:
+        """Judge the held failures against a fresh read of the members: a partner still listed, and not
+        leaving, is banned; one that left (or says it is leaving) is not."""
+        with self._lock:
+            held, self._held = self._held, {}
+        staying = {info.peer_id for info in partners if not info.leaving}
+        for peer, reason in held.items():
+            if peer in staying:
+                self.bans.ban(peer, reason)
+            else:
+                logger.info("not banning %s, which left the run: %s", peer, reason)
 
     def norm_reference(self) -> float:
         """The largest norm we sent in recent exchanges: what the robust clip blames relative to."""
         return max(self._own_norms, default=0.0)
 
     def failed(self, peer: str, reason: str) -> None:
-        """An exchange with ``peer`` failed through its fault: ban it."""
-        self.bans.ban(peer, reason)
+        """An exchange with ``peer`` failed through its fault: hold it toward a ban (see :meth:`review`)."""
+        with self._lock:
+            self._held.setdefault(peer, reason)
 
     def answered(self, peer: str, reply: Reply) -> None:
         """``peer`` did not accept our HELLO: judge the answer (or the failure) and count it."""
@@ -56,9 +90,9 @@ class Reputation:
             self._metrics.count("busy")
             return
         if reply.kind is None:
-            self.bans.ban(peer, f"dial/handshake failed: {reply.reason}")
+            self.failed(peer, f"dial/handshake failed: {reply.reason}")
         elif reply.reason != BANNED_REASON:
-            self.bans.ban(peer, f"refused the handshake: {reply.reason}")
+            self.failed(peer, f"refused the handshake: {reply.reason}")
         self._metrics.count("failed")
 
     def committed(self, peer: str, clip: ClipStats | None) -> None:

@@ -40,6 +40,10 @@ class ClipPolicy:
     clip_ratio: float = 2.0
     clip_floor: float = 1e-8
     hard_factor: float = 10.0
+    join_weight: float = 1e-6
+    """An exchange where one side states a weight of at most this is a joiner taking over its
+    partner's tensors, not an average: it is not clipped. (The other side moves by at most that weight's
+    share; a partner claiming a *huge* weight instead is clipped as usual.)"""
 
     def __post_init__(self) -> None:
         if not (self.clip_ratio > 0 and self.clip_floor >= 0 and self.hard_factor >= 1):
@@ -98,7 +102,10 @@ def robust_mix(
     reference: float = 0.0,
 ) -> tuple[dict[str, torch.Tensor], ClipStats]:
     """``x' = x + s v/(w+v) (p - q)`` in float64, rounded once to the local dtype; weights unchanged."""
-    stats = clip_scale(sent, remote, policy, reference)
+    if min(local_weight, remote_weight) <= policy.join_weight:
+        stats = ClipStats(scale=1.0, excess=0.0, hard=False, own_norm=_norm(sent))
+    else:
+        stats = clip_scale(sent, remote, policy, reference)
     factor = stats.scale * remote_weight / (local_weight + remote_weight)
     out = {}
     for name, mine in local.items():

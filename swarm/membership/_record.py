@@ -46,6 +46,8 @@ PeerRole = Literal["bootstrap", "trainer", "averager"]
 PeerState = Literal["joining", "idle", "training", "syncing", "leaving"]
 Reachability = Literal["unknown", "direct", "relay", "client"]
 """What a peer says about how others reach it (``client``: they cannot, it only dials out)."""
+LossUnit = Literal["bits/byte", "bits/token"]
+"""The unit of a record's losses: bits per token of the run's data, a byte for byte-level data."""
 
 
 class PeerRecord(pydantic.BaseModel):
@@ -64,9 +66,15 @@ class PeerRecord(pydantic.BaseModel):
     round: Count = 0
     step: Count = 0
     samples_total: Count = 0
+    # losses in loss_unit, converted at the source (the trainer publishes bits, never nats): loss the
+    # smoothed training loss, eval_loss the last held-out one; eval_bits_per_byte is that held-out loss
+    # per UTF-8 byte of text (equal to eval_loss for byte-level data; compares across tokenizers)
     loss: Loss | None = None
     eval_loss: Loss | None = None
+    eval_bits_per_byte: Loss | None = None
+    loss_unit: LossUnit = "bits/byte"
     drift: NonNegative | None = None
+    rollbacks: Count = 0  # times its parameters went non-finite and were put back (docs/security.md)
     bytes_sent: Count = 0
     bytes_received: Count = 0
     exchanges_ok: Count = 0

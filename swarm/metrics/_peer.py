@@ -19,6 +19,7 @@ MAX_VALUE = 1e18
 MAX_TIME = 1e12
 MIN_RATE_INTERVAL_S = 0.05
 ACTIVE_STATES = ("training", "syncing")
+LOSS_UNITS = ("bits/byte", "bits/token")
 
 Connectivity = Literal["direct", "relay", "client", "unknown"]
 
@@ -74,6 +75,9 @@ class PeerView:
     compatible: bool = True
     stage: int = 0
     stage_capacity: float = 0.0
+    eval_bits_per_byte: float | None = None
+    loss_unit: str = "bits/byte"
+    """What ``loss`` and ``eval_loss`` are in: bits per token, or per byte for byte-level data."""
 
     @property
     def short_id(self) -> str:
@@ -134,6 +138,8 @@ def observe(
         expires_in_s=_round(expires_at - now),
         stage=min(_count(getattr(r, "stage", 0)), 255),
         stage_capacity=_value(getattr(r, "stage_capacity", 0.0)) or 0.0,
+        eval_bits_per_byte=_value(getattr(r, "eval_bits_per_byte", None)),
+        loss_unit=_loss_unit(getattr(r, "loss_unit", None)),
     )
     if previous is None:
         return view, 0
@@ -195,6 +201,11 @@ def _with_rates(view: PeerView, previous: PeerView) -> PeerView:
         download_bps=_round((view.bytes_received - previous.bytes_received) / dt),
         syncs_per_min=_round((view.round - previous.round) * 60.0 / dt),
     )
+
+
+def _loss_unit(value: object) -> str:
+    """A known loss unit; a record without one (or with garbage) is read as bits per byte."""
+    return value if isinstance(value, str) and value in LOSS_UNITS else LOSS_UNITS[0]
 
 
 def _text(value: object, limit: int) -> str:

@@ -47,6 +47,12 @@ class SwarmTotals:
     target_samples: int | None
     progress: float | None
     eta_s: float | None
+    eval_loss_mean: float | None = None
+    """Mean held-out loss of the active peers that have evaluated: the swarm's eval loss."""
+    eval_bits_per_byte_mean: float | None = None
+    """The same per byte of text (equal to ``eval_loss_mean`` for byte-level data)."""
+    loss_unit: str = "bits/byte"
+    """The unit of the losses above: the one most active peers report; peers in another are left out."""
 
 
 @dataclass(frozen=True)
@@ -153,7 +159,10 @@ def _order(view: PeerView) -> tuple:
 def _totals(peers: Sequence[PeerView], retired: int, target: int | None) -> SwarmTotals:
     compatible = [p for p in peers if p.compatible]
     active = [p for p in compatible if p.active]
-    losses = [p.loss for p in active if p.loss is not None]
+    unit = _loss_unit_of(active)
+    scored = [p for p in active if p.loss_unit == unit]
+    losses = [p.loss for p in scored if p.loss is not None]
+    eval_losses = [p.eval_loss for p in scored if p.eval_loss is not None]
     samples_per_s = sum(p.samples_per_s for p in active)
     samples_total = retired + sum(p.samples_total for p in compatible)
     progress = eta = None
@@ -176,7 +185,20 @@ def _totals(peers: Sequence[PeerView], retired: int, target: int | None) -> Swar
         target_samples=target,
         progress=None if progress is None else round(progress, 6),
         eta_s=eta,
+        eval_loss_mean=round(sum(eval_losses) / len(eval_losses), 6) if eval_losses else None,
+        eval_bits_per_byte_mean=_mean([p.eval_bits_per_byte for p in scored]),
+        loss_unit=unit,
     )
+
+
+def _loss_unit_of(active: Sequence[PeerView]) -> str:
+    units = Counter(p.loss_unit for p in active if p.loss is not None or p.eval_loss is not None)
+    return units.most_common(1)[0][0] if units else "bits/byte"
+
+
+def _mean(values: list[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return round(sum(known) / len(known), 6) if known else None
 
 
 def _sum(values: list[float | None]) -> float | None:

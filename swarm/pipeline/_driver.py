@@ -52,7 +52,7 @@ class ChainFailed(Exception):
 
 @dataclass
 class BatchStats:
-    """One batch through the pipeline: samples whose gradient reached stage 0, their mean loss."""
+    """One batch through the pipeline: samples whose gradient reached stage 0, their mean loss in nats."""
 
     samples: int
     dropped: int

@@ -36,8 +36,15 @@ from swarm.pipeline._balance import Rebalancer, choose_stage, stage_loads
 from swarm.pipeline._estimate import plan_stages
 from swarm.pipeline._roster import Roster
 from swarm.pipeline._stage_role import DataHolderRole, ServerRole, StageRole, make_role
-from swarm.trainer import Progress, RoundResult, SyncReport
-from swarm.training import lr_at, make_eval_set, open_source, resolve_device, total_samples_of
+from swarm.trainer import Progress, RoundResult, SwarmLedger, SyncReport
+from swarm.training import (
+    lr_at,
+    make_eval_set,
+    nats_to_bits,
+    open_source,
+    resolve_device,
+    total_samples_of,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -65,10 +72,11 @@ class StagePeer:
         self.device = resolve_device(config.train.device)
         self.source = open_source(config.data)
         self.eval_set = make_eval_set(self.source, config.model.block_size)
-        self.progress = Progress()
+        self.progress = Progress(loss_unit=self.eval_set.loss_unit)
         self.total_samples = total_samples_of(config.train, config.run.target_samples)
         self.role: StageRole | None = None
         self.moves = 0
+        self.ledger = SwarmLedger()
         self._state = "joining"
         self._capacity = 0.0
         device_name, memory = describe_device(str(self.device))
@@ -160,6 +168,7 @@ class StagePeer:
                 self._completed(self._role().work(self._lr(), stop))
                 self._maybe_rebalance()
         self._state = "leaving"
+        self.node.announce_soon()  # partners stop dialling us, and do not count our going as a fault
         self._completed(self._role().finish())
 
     def _role(self) -> StageRole:
@@ -175,11 +184,11 @@ class StagePeer:
         (``run.target_samples``, which every sample counts once towards, whatever the stage)."""
         holders = self.roster.holder_samples(exclude=self.node.peer_id)
         own = self.progress.samples_total if self.stage == 0 else 0
-        if self.config.run.target_samples is not None:
-            return sum(holders) + own
+        if self.config.run.target_samples is not None:  # plausible claims, leavers' kept (SwarmLedger)
+            return self.ledger.observe(holders, own) + own
         if self.stage == 0 or not holders:
             return self.progress.samples_total
-        return sum(holders) // len(holders)
+        return sum(samples for _, samples in holders) // len(holders)
 
     def _finished(self, max_steps: int | None) -> bool:
         target = self.config.run.target_samples
@@ -207,9 +216,13 @@ class StagePeer:
     def step_done(
         self, samples: int, loss: float | None, seconds: float, compute: float, device: float
     ) -> None:
-        """Book one inner step of the current role (called by the role)."""
+        """Book one inner step of the current role (called by the role).
+
+        ``loss`` is the stages' cross-entropy in nats; it is booked, like every loss, in bits.
+        """
         previous = self.progress.loss
-        self.progress.record_step(samples, 0.0 if loss is None else loss, seconds, compute, device)
+        bits = 0.0 if loss is None else nats_to_bits(loss)
+        self.progress.record_step(samples, bits, seconds, compute, device)
         if loss is None:
             self.progress.loss = previous
         if device > 0:
@@ -224,9 +237,19 @@ class StagePeer:
             if result.drift is not None:
                 p.drift = result.drift
             if p.round % self.config.train.eval_every_rounds == 0 and isinstance(self.role, DataHolderRole):
-                p.eval_loss = self.role.evaluate(self.eval_set, self.config.train.eval_batches)
+                self._evaluate(self.role)
             self.node.announce_soon()
             self._report(result)
+
+    def _evaluate(self, role: DataHolderRole) -> float | None:
+        """The held-out loss through the pipeline, booked in bits per token and per byte."""
+        batches = self.config.train.eval_batches
+        p = self.progress
+        p.eval_loss = role.evaluate(self.eval_set, batches)
+        p.eval_bits_per_byte = (
+            None if p.eval_loss is None else self.eval_set.bits_per_byte(p.eval_loss, batches)
+        )
+        return p.eval_loss
 
     def _report(self, result: RoundResult) -> None:
         if self._on_sync is not None and self.role is not None:
@@ -247,26 +270,12 @@ class StagePeer:
         return self.role.backend.metrics() if self.role is not None else GossipMetrics()
 
     def _status(self) -> dict[str, Any]:
-        p = self.progress
-        metrics = self.gossip_metrics()
-        status = {
-            "state": self._state,
-            "step": p.step,
-            "round": p.round,
-            "samples_total": p.samples_total,
-            "samples_per_s": float(p.samples_per_s),
-            "loss": _bounded(p.loss),
-            "eval_loss": _bounded(p.eval_loss),
-            "drift": _bounded(p.drift),
-            "bytes_sent": metrics.bytes_sent + (self.role.activation_bytes[0] if self.role else 0),
-            "bytes_received": metrics.bytes_received + (self.role.activation_bytes[1] if self.role else 0),
-            "exchanges_ok": metrics.exchanges_ok,
-            "exchanges_failed": metrics.exchanges_failed,
-            "exchanges_rejected": metrics.exchanges_rejected,
-            "state_hash": "",
-            "stage": self.stage or 0,
-            "stage_capacity": float(min(self._capacity, 1e12)),
-        }
+        status = self.progress.record_fields(self._state, self.gossip_metrics())
+        activation = self.role.activation_bytes if self.role is not None else (0, 0)
+        status["bytes_sent"] += activation[0]
+        status["bytes_received"] += activation[1]
+        status["stage"] = self.stage or 0
+        status["stage_capacity"] = float(min(self._capacity, 1e12))
         if self.role is not None:
             status.update(self.role.backend.status())
         if self.role is None:
@@ -277,11 +286,7 @@ class StagePeer:
         """Final numbers of this peer (``swarm local``'s summary); data holders evaluate once more."""
         p = self.progress
         role = self.role
-        eval_loss = (
-            role.evaluate(self.eval_set, self.config.train.eval_batches)
-            if isinstance(role, DataHolderRole)
-            else None
-        )
+        eval_loss = self._evaluate(role) if isinstance(role, DataHolderRole) else None
         metrics = self.gossip_metrics()
         details = role.backend.details() if role is not None else {}
         exchanges = details.get("pseudo_gradient_metrics", metrics)
@@ -296,7 +301,8 @@ class StagePeer:
             "rounds": p.round,
             "samples": p.samples_total,
             "eval_loss": eval_loss,
-            "eval_loss_unit": f"bits/{self.eval_set.unit}",
+            "eval_loss_unit": self.eval_set.loss_unit,
+            "eval_bits_per_byte": p.eval_bits_per_byte if eval_loss is not None else None,
             "tokens_per_second": p.samples_per_s * self.config.model.block_size,
             "wire_bytes_per_param_per_sync": metrics.bytes_sent / max(p.round, 1) / n_params,
             "exchange_bytes_per_param": exchanges.bytes_sent / max(exchanges.exchanges_ok, 1) / n_params,
@@ -320,9 +326,3 @@ class StagePeer:
                 self.role.close()
         self.roster.close()
         self.node.close()
-
-
-def _bounded(value: float | None) -> float | None:
-    if value is None or not (0.0 <= value <= 1e6):
-        return None
-    return float(value)

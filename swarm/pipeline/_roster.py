@@ -74,10 +74,12 @@ class Roster:
         with self._lock:
             return list(self._records)
 
-    def holder_samples(self, exclude: str) -> list[int]:
-        """Samples trained by each live data holder but ``exclude``."""
+    def holder_samples(self, exclude: str) -> list[tuple[str, int]]:
+        """``(peer id, samples trained)`` of each live data holder but ``exclude``."""
         with self._lock:
-            return [r.samples_total for r in self._records if r.stage == 0 and r.peer_id != exclude]
+            return [
+                (r.peer_id, r.samples_total) for r in self._records if r.stage == 0 and r.peer_id != exclude
+            ]
 
     def holders_gone(self, grace_s: float = 10.0) -> bool:
         """Data holders were here, and none has been active for ``grace_s`` seconds: a server is done."""

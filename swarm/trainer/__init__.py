@@ -14,6 +14,7 @@ from swarm.trainer._backend import (
     RoundRole,
 )
 from swarm.trainer._factory import make_backend
+from swarm.trainer._ledger import SwarmLedger
 from swarm.trainer._peer import SyncReport, TrainingPeer
 from swarm.trainer._progress import Progress
 
@@ -26,6 +27,7 @@ __all__ = [
     "RoundOutcome",
     "RoundResult",
     "RoundRole",
+    "SwarmLedger",
     "SyncReport",
     "TrainingPeer",
     "make_backend",

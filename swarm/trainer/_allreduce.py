@@ -320,6 +320,10 @@ class AllReduceBackend(NoGuard):
 
     # ------------------------------------------------------------------ the rest of the protocol
 
+    def rollback(self) -> bool:
+        with self._lock:
+            return self.outer.restore()
+
     def on_client_mode(self) -> None:
         """Nobody can dial us: restart the averager in client mode (it joins groups, leads none)."""
         if self._averager is not None and not self._averager.client_mode:

@@ -139,6 +139,11 @@ class AveragingBackend(Protocol):
     def sync_round(self) -> list[RoundResult]:
         """Run (or start) one round; returns the rounds completed by the time it returns."""
 
+    def rollback(self) -> bool:
+        """The parameters went non-finite: put back those of the last completed round and drop the steps
+        since. False when this backend cannot (its anchor is not finite either); the core then takes
+        the swarm's state again."""
+
     def on_client_mode(self) -> None:
         """Nobody can dial this peer (failed reachability check): stop serving anything."""
 

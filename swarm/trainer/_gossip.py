@@ -109,7 +109,13 @@ class GossipBackend:
 
     def _partners(self) -> list[PartnerInfo]:
         return [
-            PartnerInfo(m.peer_id, m.record.protocol_version, m.record.config_hash, m.record.client_mode)
+            PartnerInfo(
+                m.peer_id,
+                m.record.protocol_version,
+                m.record.config_hash,
+                m.record.client_mode,
+                leaving=m.record.state == "leaving",
+            )
             for m in self._members()
             if m.record.role == "trainer"
         ]
@@ -269,6 +275,9 @@ class GossipBackend:
         return (drift is not None and drift > avg.max_drift) or self._own_rounds % avg.param_sync_every == 0
 
     # ------------------------------------------------------------------ status and lifecycle
+
+    def rollback(self) -> bool:
+        return self.live.rollback()
 
     def on_client_mode(self) -> None:
         """Recreate the averagers without a handler, and stop serving state."""

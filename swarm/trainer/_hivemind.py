@@ -43,6 +43,7 @@ from swarm.trainer._hivemind_wire import (
     count_stream_bytes,
     hivemind_codec,
 )
+from swarm.training import all_finite
 from swarm.training.inner import parameter_groups
 
 logger = logging.getLogger(__name__)
@@ -208,6 +209,11 @@ class HivemindBackend(NoGuard):
 
     def sync_round(self) -> list[RoundResult]:
         return []
+
+    def rollback(self) -> bool:
+        """hivemind keeps no anchor of ours: take the swarm's state again (its own catch-up path)."""
+        self.optimizer.load_state_from_peers()
+        return all_finite(p.detach() for p in self._context.model.parameters())
 
     def on_client_mode(self) -> None:
         """hivemind takes client mode from the DHT only at start-up; nothing to switch here."""

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from swarm._device import release_free_host_memory
-from swarm.training import OuterOptimizer
+from swarm.training import OuterOptimizer, all_finite
 
 Tensors = dict[str, torch.Tensor]
 
@@ -104,6 +104,8 @@ class LiveModel:
                 return None
             samples = self.steps * self._samples_per_step
             mean = {name: delta.div_(samples) for name, delta in self._pseudo_gradient().items()}
+            if not all_finite(mean.values()):  # never served: the training thread rolls back
+                return None
             probe = tuple(
                 value
                 for name, positions in self._probe_at.items()
@@ -114,7 +116,7 @@ class LiveModel:
     def anchor_snapshot(self) -> Tensors | None:
         """A copy of our anchor, or None while an anchor update waits to be applied."""
         with self.lock:
-            if "anchor" in self._pending_kinds:
+            if "anchor" in self._pending_kinds or not all_finite(self.outer.anchor.values()):
                 return None
             return {name: t.clone() for name, t in self.outer.anchor.items()}
 
@@ -173,6 +175,18 @@ class LiveModel:
         for name, param in self._params.items():
             step = moves[name] if consumed is None else moves[name] + consumed[name]
             param.add_(step.to(param.device, param.dtype))
+
+    @torch.no_grad()
+    def rollback(self) -> bool:
+        """The parameters went non-finite: back to the anchor, dropping the steps since and any update
+        queued for them (computed against parameters that no longer exist). False if the anchor is not
+        finite either (nothing changed then)."""
+        with self.lock:
+            if not self.outer.restore():
+                return False
+            self._pending, self.steps = [], 0
+            self._pending_kinds.clear()
+        return True
 
     def reset(self) -> None:
         """After loading new parameters and anchor (joining): nothing is pending, no steps are held."""

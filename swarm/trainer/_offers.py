@@ -46,8 +46,9 @@ class AnchorOffers:
     """Offers a copy of our anchor; a committed exchange shifts our anchor (and model) by its pull.
 
     ``weight`` is 1 between peers (the pair's mean); a joiner sets a tiny weight to take over its
-    partner's parameters. The shift also measures drift: with partner share ``s = v / (w + v)``, the
-    distance to the partner before the exchange is ``|shift| / s``, reported relative to our anchor.
+    partner's parameters. The shift also measures drift: with partner share ``s = v / (w + v)`` and the
+    robust clip's factor ``c``, the distance to the partner before the exchange is ``|shift| / (s c)``,
+    reported relative to our anchor.
     """
 
     def __init__(self, live: LiveModel) -> None:
@@ -61,7 +62,7 @@ class AnchorOffers:
     def committed(self, offer: Offer, exchange: Committed) -> None:
         shift = {name: exchange.mixed[name].sub_(before) for name, before in offer.tensors.items()}
         share = exchange.partner_weight / (offer.weight + exchange.partner_weight)
-        drift = relative_norm(shift, offer.tensors) / max(share, 1e-12)
+        drift = relative_norm(shift, offer.tensors) / max(share * exchange.clip_scale, 1e-12)
         self._live.queue(
             Update("anchor", shift=shift, info=_info(exchange, weight=offer.weight, drift=drift))
         )

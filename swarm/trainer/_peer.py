@@ -15,6 +15,7 @@ What a round is (a gossip exchange, a hivemind epoch, a solo outer step) is the 
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -40,10 +41,12 @@ from swarm.trainer._backend import (
     RoundRole,
 )
 from swarm.trainer._factory import make_backend
+from swarm.trainer._ledger import SwarmLedger
 from swarm.trainer._progress import Progress
 from swarm.training import (
     InnerTrainer,
     TrainBatches,
+    all_finite,
     build_model,
     count_parameters,
     evaluate,
@@ -74,6 +77,9 @@ class SyncReport:
     lr: float
     weight: float
     role: RoundRole = "initiator"
+    loss_unit: str = "bits/byte"
+    """The unit of ``loss`` and ``eval_loss``: bits per token, or per byte for byte-level data."""
+    eval_bits_per_byte: float | None = None
 
     @classmethod
     def of(cls, progress: Progress, result: RoundResult, lr: float) -> SyncReport:
@@ -93,6 +99,8 @@ class SyncReport:
             lr=lr,
             weight=result.weight,
             role=result.role,
+            loss_unit=p.loss_unit,
+            eval_bits_per_byte=p.eval_bits_per_byte,
         )
 
 
@@ -117,10 +125,12 @@ class TrainingPeer:
         self.model = build_model(config.model, config.run.seed).to(self.device)
         self.n_params = count_parameters(self.model)
         self.eval_set = make_eval_set(self.source, config.model.block_size)
-        self.progress = Progress()
+        self.progress = Progress(loss_unit=self.eval_set.loss_unit)
         self.total_samples = total_samples_of(config.train, config.run.target_samples)
         self._backend: AveragingBackend | None = None
         self.joined = JoinResult()
+        self.ledger = SwarmLedger()
+        self._saved: tuple[tuple[int, int], Path] | None = None  # (step, round) of the newest checkpoint
         self._state: PeerState = "joining"
         self._joined = False
         self._last_checkpoint = time.monotonic()
@@ -189,11 +199,12 @@ class TrainingPeer:
         with self.aborting_on(stop):
             while not stop.is_set() and not self._finished(max_steps):
                 self._completed(self._inner_step())
-                if self.backend.sync_due():
+                if self.backend.sync_due() and self._parameters_finite():
                     self._state = "syncing"
                     self._completed(self.backend.sync_round())
                     self._state = "training"
         self._state = "leaving"
+        self.node.announce_soon()  # partners stop dialling us, and do not count our going as a fault
         self._completed(self.backend.finish())
 
     def join_swarm(self) -> None:
@@ -220,10 +231,41 @@ class TrainingPeer:
         lr = lr_at(self._schedule_progress(), self.config.train, self.total_samples)
         stats = self.inner.step(self.batches, lr=lr, guard=self.backend.update_guard)
         self.progress.samples_drawn = self.batches.samples_drawn
+        if not math.isfinite(stats.loss):
+            self._roll_back(f"loss ({stats.loss})")
+            return []
         self.progress.record_step(
             stats.samples, stats.loss, stats.seconds, stats.compute_seconds, stats.device_seconds
         )
         return self.backend.after_step(stats.samples)
+
+    def _parameters_finite(self) -> bool:
+        """Checked before each round (our pseudo-gradient must be finite to be worth anything); rolls
+        back when they are not."""
+        if all_finite(p.detach() for p in self.model.parameters()):
+            return True
+        self._roll_back("parameters")
+        return False
+
+    def _roll_back(self, what: str) -> None:
+        """A non-finite loss or parameters: back to the last round's parameters (the backend's anchor),
+        with a fresh inner optimizer state, counted in the record; the swarm's state if the anchor is
+        not finite either. Non-finite tensors are never served (see LiveModel) nor saved."""
+        self.progress.rollbacks += 1
+        logger.warning(
+            "non-finite %s at step %d: rolling back to the last round's parameters (rollback %d)",
+            what,
+            self.progress.step,
+            self.progress.rollbacks,
+        )
+        if self.backend.inner_optimizer() is None:
+            self.inner.optimizer.state.clear()  # AdamW's moments may hold NaN as well
+        if not self.backend.rollback():
+            logger.warning("the last round's parameters are not finite either: taking the swarm's state")
+            self.joined = self.backend.join(fresh=True)
+            if not all_finite(p.detach() for p in self.model.parameters()):
+                raise RuntimeError("training diverged and no finite state could be fetched from the swarm")
+        self.node.announce_soon()
 
     def _completed(self, rounds: list[RoundResult]) -> None:
         """Book each completed round: evaluate, announce, report; checkpoint once they are booked."""
@@ -232,13 +274,23 @@ class TrainingPeer:
             self.progress.round += 1
             if result.drift is not None:
                 self.progress.drift = result.drift
-            if self.progress.round % self.config.train.eval_every_rounds == 0:
-                self.progress.eval_loss = evaluate(self.model, self.eval_set, self.config.train.eval_batches)
+            # leaving: the last rounds are booked, but a shutdown must not wait for an evaluation and
+            # a checkpoint of each (the caller saves one checkpoint at the end)
+            leaving = self._state == "leaving"
+            if self.progress.round % self.config.train.eval_every_rounds == 0 and not leaving:
+                self.evaluate()
             self.progress.swarm_samples = self._swarm_samples()
             self.node.announce_soon()
             self._report(result)
-        if rounds:
+        if rounds and self._state != "leaving":
             self._maybe_checkpoint()
+
+    def evaluate(self) -> float:
+        """Score the model on the held-out split now; book it in bits per token and per byte."""
+        batches = self.config.train.eval_batches
+        self.progress.eval_loss = evaluate(self.model, self.eval_set, batches)
+        self.progress.eval_bits_per_byte = self.eval_set.bits_per_byte(self.progress.eval_loss, batches)
+        return self.progress.eval_loss
 
     def _schedule_progress(self) -> int:
         """Samples that drive the learning-rate schedule.
@@ -259,38 +311,27 @@ class TrainingPeer:
     # ------------------------------------------------------------------ swarm views
 
     def _swarm_samples(self) -> int:
-        """Samples processed by all live trainers (ours at least): drives the learning-rate schedule.
+        """Samples processed by the run's trainers (ours at least): drives the learning-rate schedule.
 
-        A peer that took over a state counts at least that state's samples, even once its donors left.
+        The others count as far as the :class:`SwarmLedger` finds their claims plausible, those that
+        left included, so the count never drops. A peer that took over a state counts at least that
+        state's samples, even once its donors left.
         """
-        others = (m for m in self.node.recent_members() if m.peer_id != self.node.peer_id)
-        seen = sum(m.record.samples_total for m in others)
+        claims = [
+            (m.peer_id, m.record.samples_total)
+            for m in self.node.recent_members()
+            if m.peer_id != self.node.peer_id and m.record.role == "trainer"
+        ]
+        others = self.ledger.observe(claims, self.progress.samples_total)
         joined = self.joined.meta.get("samples_total", 0)
-        return max(seen, joined) + self.progress.samples_total
+        return max(others, joined) + self.progress.samples_total
 
     def gossip_metrics(self) -> GossipMetrics:
         """The backend's wire and exchange counters (both roles)."""
         return self._backend.metrics() if self._backend is not None else GossipMetrics()
 
     def _status(self) -> dict[str, Any]:
-        p = self.progress
-        metrics = self.gossip_metrics()
-        status = {
-            "state": self._state,
-            "step": p.step,
-            "round": p.round,
-            "samples_total": p.samples_total,
-            "samples_per_s": float(p.samples_per_s),
-            "loss": _bounded(p.loss),
-            "eval_loss": _bounded(p.eval_loss),
-            "drift": _bounded(p.drift),
-            "bytes_sent": metrics.bytes_sent,
-            "bytes_received": metrics.bytes_received,
-            "exchanges_ok": metrics.exchanges_ok,
-            "exchanges_failed": metrics.exchanges_failed,
-            "exchanges_rejected": metrics.exchanges_rejected,
-            "state_hash": "",
-        }
+        status = self.progress.record_fields(self._state, self.gossip_metrics())
         if self._backend is not None:
             status.update(self._backend.status())
         return status
@@ -311,12 +352,16 @@ class TrainingPeer:
         }
 
     def save_checkpoint(self) -> Path | None:
-        """Write a checkpoint now (if ``train.checkpoint_dir`` is set); return its path."""
+        """Write a checkpoint now (if ``train.checkpoint_dir`` is set) unless the newest one already
+        holds this step and round; return its path."""
         directory = self.config.train.checkpoint_dir
         if directory is None:
             return None
         self._last_checkpoint = time.monotonic()
-        return save_checkpoint(directory, self._checkpoint_state(), self.progress.step)
+        at = (self.progress.step, self.progress.round)
+        if self._saved is None or self._saved[0] != at:
+            self._saved = (at, save_checkpoint(directory, self._checkpoint_state(), self.progress.step))
+        return self._saved[1]
 
     def _maybe_checkpoint(self) -> None:
         if time.monotonic() - self._last_checkpoint >= self.config.train.checkpoint_every_s:
@@ -345,10 +390,3 @@ class TrainingPeer:
         if self._backend is not None:
             self._backend.close()
         self.node.close()
-
-
-def _bounded(value: float | None) -> float | None:
-    """Records accept finite losses in [0, 1e6]; anything else is reported as unknown."""
-    if value is None or not (0.0 <= value <= 1e6):
-        return None
-    return float(value)

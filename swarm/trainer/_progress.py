@@ -6,10 +6,17 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from swarm.gossip import GossipMetrics
+
 
 @dataclass
 class Progress:
-    """Where this peer is. Everything here is plain numbers, so it checkpoints and announces as is."""
+    """Where this peer is. Everything here is plain values, so it checkpoints and announces as is.
+
+    Losses are in ``loss_unit``, bits per token (bits per byte for byte-level data): ``loss`` the
+    smoothed training loss, ``eval_loss`` the last held-out one; ``eval_bits_per_byte`` is the latter
+    per byte of text (equal to it for byte-level data).
+    """
 
     step: int = 0
     round: int = 0
@@ -19,7 +26,11 @@ class Progress:
     swarm_samples: int = 0
     loss: float | None = None
     eval_loss: float | None = None
+    eval_bits_per_byte: float | None = None
+    loss_unit: str = "bits/byte"
     drift: float | None = None
+    rollbacks: int = 0
+    """Times the parameters went non-finite and were put back (TrainingPeer._roll_back)."""
     compute_seconds: float = 0.0
     device_seconds: float = 0.0
     started: float = field(default_factory=time.monotonic)
@@ -50,11 +61,41 @@ class Progress:
         """Share of wall time the device was busy (forward, backward, optimizer) since start."""
         return self.device_seconds / max(time.monotonic() - self.started, 1e-9)
 
+    def record_fields(self, state: str, metrics: GossipMetrics) -> dict[str, Any]:
+        """The membership record's fields that describe this progress, the peer's ``state`` and its
+        exchange ``metrics``; losses outside what records accept are reported as unknown."""
+        return {
+            "state": state,
+            "step": self.step,
+            "round": self.round,
+            "samples_total": self.samples_total,
+            "samples_per_s": float(self.samples_per_s),
+            "loss": _bounded(self.loss),
+            "eval_loss": _bounded(self.eval_loss),
+            "eval_bits_per_byte": _bounded(self.eval_bits_per_byte),
+            "loss_unit": self.loss_unit,
+            "drift": _bounded(self.drift),
+            "rollbacks": self.rollbacks,
+            "bytes_sent": metrics.bytes_sent,
+            "bytes_received": metrics.bytes_received,
+            "exchanges_ok": metrics.exchanges_ok,
+            "exchanges_failed": metrics.exchanges_failed,
+            "exchanges_rejected": metrics.exchanges_rejected,
+            "state_hash": "",
+        }
+
     def checkpoint_state(self) -> dict[str, Any]:
-        volatile = ("started", "_rate", "compute_seconds", "device_seconds")
+        volatile = ("started", "_rate", "compute_seconds", "device_seconds", "loss_unit")
         return {k: v for k, v in asdict(self).items() if k not in volatile}
 
     def restore(self, state: dict[str, Any]) -> None:
         for key, value in state.items():
             if key in self.checkpoint_state():
                 setattr(self, key, value)
+
+
+def _bounded(value: float | None) -> float | None:
+    """Records accept finite losses in [0, 1e6]; anything else is reported as unknown."""
+    if value is None or not (0.0 <= value <= 1e6):
+        return None
+    return float(value)

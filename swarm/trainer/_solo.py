@@ -69,6 +69,11 @@ class SoloBackend(NoGuard):
         self._clock.restart()
         return [RoundResult("solo", weight=weight, role="local")]
 
+    def rollback(self) -> bool:
+        self._samples = 0
+        self._clock.restart()
+        return self.outer.restore()
+
     def on_client_mode(self) -> None:
         pass
 

@@ -61,9 +61,9 @@ def make_averager(
         max_norm_ratio=avg.max_norm_ratio,
         ban_base_s=avg.ban_base_s,
         ban_max_s=avg.ban_max_s,
-        # pseudo-gradients only: the anchor exchange measures drift from the plain weighted mean
-        robust_clip=avg.robust_clip and not suffix,
-        clip_ratio=avg.clip_ratio,
+        # anchors are clipped relative to the parameters' norm, so by a much smaller ratio
+        robust_clip=avg.robust_clip,
+        clip_ratio=avg.param_clip_ratio if suffix else avg.clip_ratio,
         clip_hard_factor=avg.clip_hard_factor,
         clip_strikes=avg.clip_strikes,
         respect_bans_of=respect_bans_of,

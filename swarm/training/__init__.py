@@ -1,16 +1,7 @@
 """Training components: model, data, the inner loop and the outer (DiLoCo) step. See docs/training.md."""
 
-from swarm.training.data import (
-    Corpus,
-    EvalSet,
-    HFStreamSource,
-    TrainBatches,
-    evaluate,
-    make_eval_set,
-    open_source,
-    stdlib_files,
-    unigram_bits,
-)
+from swarm.training.data import Corpus, HFStreamSource, TrainBatches, open_source, stdlib_files
+from swarm.training.evaluation import EvalSet, evaluate, make_eval_set, nats_to_bits, unigram_bits
 from swarm.training.inner import (
     InnerTrainer,
     StepStats,
@@ -21,7 +12,7 @@ from swarm.training.inner import (
     total_samples_of,
 )
 from swarm.training.model import GPT, build_model, count_parameters, lm_loss
-from swarm.training.outer import OuterOptimizer, drift
+from swarm.training.outer import OuterOptimizer, all_finite, drift
 
 __all__ = [
     "GPT",
@@ -32,6 +23,7 @@ __all__ = [
     "OuterOptimizer",
     "StepStats",
     "TrainBatches",
+    "all_finite",
     "auto_micro_batch_size",
     "build_model",
     "count_parameters",
@@ -41,6 +33,7 @@ __all__ = [
     "lr_at",
     "make_eval_set",
     "make_inner_optimizer",
+    "nats_to_bits",
     "open_source",
     "resolve_device",
     "stdlib_files",

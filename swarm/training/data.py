@@ -1,4 +1,4 @@
-"""Training text as byte-level tokens: where it comes from, how peers share it, and how it is scored.
+"""Training text as tokens: where it comes from, how peers share it, and how it is cut into batches.
 
 Sources (``data.source``):
 
@@ -6,7 +6,9 @@ Sources (``data.source``):
 * ``files``: local text files, directories (read recursively) or glob patterns (``data.paths``);
 * ``hf``: a Hugging Face ``datasets`` dataset, streamed (needs the optional ``datasets`` package).
 
-Text is tokenized as raw bytes (token = byte value, 256 tokens), so losses are in bits per byte.
+Text is tokenized as raw bytes (token = byte value, 256 tokens, losses in bits per byte), or with the
+``transformers`` tokenizer ``data.tokenizer`` names (losses in bits per token; the evaluation also
+reports bits per byte, :mod:`swarm.training.evaluation`).
 
 Held-out split: text is cut into pieces (a whole file, or 64 KiB of a longer one; a whole document
 for streams) and a piece is held out when a hash of its *content* falls below ``eval_fraction``. The
@@ -22,6 +24,7 @@ shard, and every peer still sees the whole corpus once per epoch.
 
 from __future__ import annotations
 
+import codecs
 import functools
 import glob
 import hashlib
@@ -35,8 +38,8 @@ from typing import Any, Protocol
 
 import numpy as np
 import torch
-from torch import nn
 
+from swarm._tokenizer import Tokenizer, load_tokenizer
 from swarm.config import DataSection
 
 logger = logging.getLogger(__name__)
@@ -57,11 +60,24 @@ def is_held_out(piece: bytes, eval_fraction: float) -> bool:
     return int.from_bytes(digest, "little") < eval_fraction * 2**64
 
 
+def encode(texts: Sequence[bytes | str], tokenizer: Tokenizer | None) -> torch.Tensor:
+    """Texts as one token tensor: their UTF-8 bytes (uint8), or the tokenizer's ids of each (int32)."""
+    if tokenizer is None:
+        joined = bytearray(b"".join(t if isinstance(t, bytes) else t.encode("utf-8") for t in texts))
+        return torch.frombuffer(joined, dtype=torch.uint8) if joined else torch.zeros(0, dtype=torch.uint8)
+    decoded = [t if isinstance(t, str) else t.decode("utf-8", errors="replace") for t in texts]
+    ids = [np.asarray(row, dtype=np.int32) for row in tokenizer.encode(decoded)]
+    return torch.from_numpy(np.concatenate(ids) if ids else np.zeros(0, dtype=np.int32))
+
+
 class TokenSource(Protocol):
     """What :class:`TrainBatches` and :func:`make_eval_set` need from a source of tokens."""
 
     @property
     def unit(self) -> str: ...
+
+    @property
+    def tokenizer(self) -> Tokenizer | None: ...
 
     @property
     def eval(self) -> torch.Tensor: ...
@@ -73,13 +89,17 @@ class TokenSource(Protocol):
 
 @dataclass(frozen=True, eq=False)
 class Corpus:
-    """A whole corpus in memory: one uint8 tensor of training bytes and one of held-out bytes."""
+    """A whole corpus in memory: one tensor of training tokens and one of held-out tokens."""
 
     name: str
     train: torch.Tensor
     eval: torch.Tensor
     documents: int
-    unit: str = "byte"
+    tokenizer: Tokenizer | None = None
+
+    @property
+    def unit(self) -> str:
+        return "byte" if self.tokenizer is None else "token"
 
     def iter_windows(
         self, block_size: int, peer_key: str, seed: int, skip: int = 0
@@ -113,14 +133,13 @@ class Corpus:
 
 
 class HFStreamSource:
-    """A streamed Hugging Face dataset of text documents, as byte-level tokens.
+    """A streamed Hugging Face dataset of text documents, as tokens (bytes, or ``tokenizer``'s ids).
 
     Each peer streams the documents in its own order (``shuffle`` with a seed from its peer key, over
     a buffer of ``shuffle_buffer`` documents), skips held-out documents, and cuts the rest, joined
-    by newlines, into windows. The evaluation split is the first ``eval_bytes`` of held-out text.
+    by newlines, into windows. The evaluation split is the held-out documents up to ``eval_bytes`` of
+    text (cut there when tokens are bytes).
     """
-
-    unit = "byte"
 
     def __init__(
         self,
@@ -131,8 +150,11 @@ class HFStreamSource:
         text_field: str = "text",
         eval_bytes: int = 1 << 20,
         shuffle_buffer: int = 10_000,
+        tokenizer: Tokenizer | None = None,
     ) -> None:
         self.name = name
+        self.tokenizer = tokenizer
+        self.unit = "byte" if tokenizer is None else "token"
         self._dataset = dataset
         self._eval_fraction = eval_fraction
         self._text_field = text_field
@@ -159,14 +181,18 @@ class HFStreamSource:
 
     @functools.cached_property
     def eval(self) -> torch.Tensor:
-        held_out = bytearray()
+        held_out: list[bytes] = []
+        size = 0
         for text in self._documents(self._dataset, held_out=True):
-            held_out += text
-            if len(held_out) >= self._eval_bytes:
+            held_out.append(text)
+            size += len(text)
+            if size >= self._eval_bytes:
                 break
         if not held_out:
             raise ValueError(f"{self.name}: no held-out documents; raise data.eval_fraction")
-        return torch.frombuffer(held_out[: self._eval_bytes], dtype=torch.uint8)
+        if self.tokenizer is None:
+            held_out = [b"".join(held_out)[: self._eval_bytes]]
+        return encode(held_out, self.tokenizer)
 
     def iter_windows(
         self, block_size: int, peer_key: str, seed: int, skip: int = 0
@@ -179,19 +205,19 @@ class HFStreamSource:
         epoch = 0
         while True:
             stream.set_epoch(epoch)
-            pending = bytearray()
+            pending = encode([], self.tokenizer)
             produced = False
             for text in self._documents(stream, held_out=False):
-                pending += text
+                pending = torch.cat([pending, encode([text], self.tokenizer)])
                 while len(pending) >= span:
-                    window, pending = bytes(pending[:span]), pending[span:]
+                    window, pending = pending[:span], pending[span:]
                     produced = True
                     if skip:
                         skip -= 1
                         continue
-                    yield torch.frombuffer(bytearray(window), dtype=torch.uint8)[None]
+                    yield window.clone()[None]
             if not produced:
-                raise ValueError(f"{self.name}: no training window of {span} bytes in the whole stream")
+                raise ValueError(f"{self.name}: no training window of {span} tokens in the whole stream")
             epoch += 1
 
 
@@ -228,49 +254,70 @@ def expand_paths(paths: Sequence[str]) -> list[Path]:
     return found
 
 
-def corpus_from_files(files: Sequence[Path], eval_fraction: float, name: str = "files") -> Corpus:
-    """Read ``files`` once into a training and a held-out byte buffer (see the module docstring)."""
-    train, held_out = bytearray(), bytearray()
+def _split_pieces(files: Sequence[Path], eval_fraction: float, as_text: bool) -> tuple[list, list]:
+    """Each file's pieces, sorted into training and held-out ones by content (module docstring).
+
+    ``as_text``: pieces are decoded, with one incremental decoder per file so that a character cut by a
+    piece boundary is kept whole (in the later piece); the split itself is the same as for bytes.
+    """
+    train: list[bytes | str] = []
+    held_out: list[bytes | str] = []
     for path in files:
-        text = path.read_bytes()
-        for start in range(0, len(text), SPLIT_PIECE_BYTES):
-            piece = text[start : start + SPLIT_PIECE_BYTES]
-            (held_out if is_held_out(piece, eval_fraction) else train).extend(piece)
+        data = path.read_bytes()
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        for start in range(0, len(data), SPLIT_PIECE_BYTES):
+            piece = data[start : start + SPLIT_PIECE_BYTES]
+            last = start + SPLIT_PIECE_BYTES >= len(data)
+            side = held_out if is_held_out(piece, eval_fraction) else train
+            side.append(decoder.decode(piece, final=last) if as_text else piece)
+    return train, held_out
+
+
+def corpus_from_files(
+    files: Sequence[Path], eval_fraction: float, name: str = "files", tokenizer: Tokenizer | None = None
+) -> Corpus:
+    """Read ``files`` once into training and held-out tokens (see the module docstring)."""
+    train, held_out = _split_pieces(files, eval_fraction, as_text=tokenizer is not None)
     if not train or not held_out:
         # Too little text for a split by pieces (e.g. one short file): hold out its tail instead.
-        joined = train + held_out
+        joined: Any = ("" if tokenizer else b"").join(train + held_out)  # str pieces, or bytes
         cut = len(joined) - max(1, math.ceil(len(joined) * eval_fraction))
-        train, held_out = joined[:cut], joined[cut:]
+        train, held_out = [joined[:cut]], [joined[cut:]]
+        what = "characters" if tokenizer else "bytes"
         logger.warning(
-            "%s: too few pieces to split by content; holding out the last %d bytes", name, len(held_out)
+            "%s: too few pieces to split by content; holding out the last %d %s", name, len(held_out[0]), what
         )
-    if not train:
+    if not any(train):
         raise ValueError(f"{name}: no text to train on")
-    corpus = Corpus(
-        name=name,
-        train=torch.frombuffer(train, dtype=torch.uint8),
-        eval=torch.frombuffer(held_out, dtype=torch.uint8),
-        documents=len(files),
-    )
+    corpus = Corpus(name, encode(train, tokenizer), encode(held_out, tokenizer), len(files), tokenizer)
+    unit = corpus.unit
     logger.info(
-        "%s: %d files, %d training bytes, %d held-out bytes", name, len(files), len(train), len(held_out)
+        "%s: %d files, %d training %ss, %d held-out %ss",
+        name,
+        len(files),
+        len(corpus.train),
+        unit,
+        len(corpus.eval),
+        unit,
     )
     return corpus
 
 
 @functools.lru_cache(maxsize=4)
-def _cached_corpus(source: str, paths: tuple[str, ...], eval_fraction: float) -> Corpus:
-    if source == "stdlib":
-        return corpus_from_files(stdlib_files(), eval_fraction, name="stdlib")
-    return corpus_from_files(expand_paths(paths), eval_fraction, name="files")
+def _cached_corpus(
+    source: str, paths: tuple[str, ...], eval_fraction: float, tokenizer: Tokenizer | None
+) -> Corpus:
+    files = stdlib_files() if source == "stdlib" else expand_paths(paths)
+    return corpus_from_files(files, eval_fraction, name=source, tokenizer=tokenizer)
 
 
 def open_source(data: DataSection) -> Corpus | HFStreamSource:
     """The token source ``data`` describes; an in-memory corpus is read once per process."""
+    tokenizer = load_tokenizer(data.tokenizer) if data.tokenizer is not None else None
     if data.source == "hf":
         assert data.hf_dataset is not None  # the config validator guarantees it
-        return HFStreamSource.from_name(data.hf_dataset, data.eval_fraction)
-    return _cached_corpus(data.source, tuple(data.paths), data.eval_fraction)
+        return HFStreamSource.from_name(data.hf_dataset, data.eval_fraction, tokenizer=tokenizer)
+    return _cached_corpus(data.source, tuple(data.paths), data.eval_fraction, tokenizer)
 
 
 @dataclass
@@ -310,57 +357,3 @@ class TrainBatches:
         self.samples_drawn += self.batch_size
         batch = batch.long()
         return batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
-
-
-@dataclass(frozen=True, eq=False)
-class EvalSet:
-    """Held-out tokens and how to cut them into evaluation windows."""
-
-    tokens: torch.Tensor
-    block_size: int
-    batch_size: int = 32
-    unit: str = "byte"
-
-    def batches(self, count: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """``count`` batches of windows spread evenly over the held-out text, the same on every peer."""
-        span = self.block_size + 1
-        last = len(self.tokens) - span
-        if last < 0:
-            raise ValueError(f"held-out text has {len(self.tokens)} tokens, fewer than one window of {span}")
-        starts = torch.linspace(0, last, count * self.batch_size).round().long()
-        for chunk in starts.split(self.batch_size):
-            rows = self.tokens[chunk[:, None] + torch.arange(span)].long()
-            yield rows[:, :-1], rows[:, 1:]
-
-
-def make_eval_set(source: TokenSource, block_size: int, batch_size: int = 32) -> EvalSet:
-    """The evaluation windows of ``source``'s held-out split."""
-    return EvalSet(source.eval, block_size, batch_size, source.unit)
-
-
-@torch.no_grad()
-def evaluate(model: nn.Module, eval_data: EvalSet, batches: int = 8) -> float:
-    """Mean next-token loss on the held-out split, in bits per token (bits per byte here)."""
-    from swarm.training.model import lm_loss
-
-    device = next(model.parameters()).device
-    was_training = model.training
-    model.eval()
-    total = 0.0
-    try:
-        for x, y in eval_data.batches(batches):
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-                total += lm_loss(model, x.to(device), y.to(device)).item()
-    finally:
-        model.train(was_training)
-    return total / batches / math.log(2)
-
-
-def unigram_bits(train: torch.Tensor, held_out: torch.Tensor, vocab_size: int = 256) -> float:
-    """Bits per token of the best context-free model: training token frequencies scored on held-out text.
-
-    A trained model should end well below this baseline; add-one smoothing keeps it finite.
-    """
-    counts = torch.bincount(train.long(), minlength=vocab_size).double() + 1
-    log_probs = (counts / counts.sum()).log2()
-    return float(-log_probs[held_out.long()].mean())

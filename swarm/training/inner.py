@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from swarm.config import TrainSection
+from swarm.training.evaluation import nats_to_bits
 from swarm.training.model import lm_loss
 
 logger = logging.getLogger(__name__)
@@ -145,10 +146,11 @@ def auto_micro_batch_size(
 class StepStats:
     """What one inner step did.
 
-    ``seconds`` is wall time including any padding; ``compute_seconds`` is the part really spent in
-    forward, backward and the optimizer step; ``device_seconds`` is how long the (possibly emulated)
-    device was busy: the compute, or ``train.step_time_s`` when that is longer, times
-    ``train.slowdown``.
+    ``loss`` is the batch's mean training loss in bits per token (bits per byte for byte-level data),
+    the unit of the held-out loss, so that the two compare directly. ``seconds`` is wall time
+    including any padding; ``compute_seconds`` is the part really spent in forward, backward and the
+    optimizer step; ``device_seconds`` is how long the (possibly emulated) device was busy: the
+    compute, or ``train.step_time_s`` when that is longer, times ``train.slowdown``.
     """
 
     loss: float
@@ -233,7 +235,7 @@ class InnerTrainer:
         waited = getattr(self.optimizer, "communication_seconds", 0.0)
         with guard() if guard is not None else contextlib.nullcontext():
             self.optimizer.step()
-            mean_loss = float(total_loss / samples)  # also waits for the device to finish
+            mean_loss = nats_to_bits(float(total_loss / samples))  # also waits for the device to finish
         waited = getattr(self.optimizer, "communication_seconds", 0.0) - waited
         compute = time.perf_counter() - compute_started - waited
         device = max(compute, self.cfg.step_time_s) * self.cfg.slowdown

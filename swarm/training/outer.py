@@ -13,7 +13,7 @@ step lands exactly where the inner steps ended: the peer trains as if alone.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -71,6 +71,18 @@ class OuterOptimizer:
             out = torch.empty(tensor.shape, dtype=torch.float32, pin_memory=True)
             return out.copy_(tensor.detach())
         return tensor.detach().to(device, torch.float32, copy=True)
+
+    @torch.no_grad()
+    def restore(self) -> bool:
+        """Put the anchor back into the model, after its parameters went non-finite.
+
+        Returns False, changing nothing, when the anchor itself is not finite.
+        """
+        if not all_finite(self.anchor.values()):
+            return False
+        for name, param in self._params.items():
+            param.copy_(self.anchor[name])
+        return True
 
     @torch.no_grad()
     def pseudo_gradient(self) -> dict[str, torch.Tensor]:
@@ -148,6 +160,12 @@ class OuterOptimizer:
         self.momentum_buffers = {
             n: buffers[n].to(self._device_of(self._params[n]), torch.float32, copy=True) for n in buffers
         }
+
+
+@torch.no_grad()
+def all_finite(tensors: Iterable[torch.Tensor]) -> bool:
+    """Whether every element of every tensor is finite (no NaN, no Inf)."""
+    return all(bool(torch.isfinite(t).all()) for t in tensors)
 
 
 def drift(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) -> float:

@@ -68,14 +68,19 @@ def _tamper_norm(named: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch
     return [(name, t * 1000.0) for name, t in named]
 
 
+def _tamper_x10(named: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    """Under the 100x norm check: only the robust clip stops it."""
+    return [(name, t * 10.0) for name, t in named]
+
+
 def adversary_hooks(kind: str, codec: str, on_stall: Callable[[], None] | None = None) -> Any:
-    """Test-only hooks that make a peer send NaN, a wrong shape, or a 1000x norm."""
+    """Test-only hooks that make a peer send NaN, a wrong shape, a 1000x norm, or a 10x norm."""
     from swarm.compression import get_codec
     from swarm.gossip._exchange import ExchangeHooks
 
     if kind == "nan":
         return ExchangeHooks(codec=NanCodec(get_codec(codec)))
-    tampers = {"shape": _tamper_shape, "norm": _tamper_norm}
+    tampers = {"shape": _tamper_shape, "norm": _tamper_norm, "x10": _tamper_x10}
     return ExchangeHooks(tamper=tampers[kind])
 
 

@@ -1,0 +1,175 @@
+"""The sections about how peers exchange: averaging, compression, pipeline stages (docs/configuration.md)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import Field, ValidationInfo, field_validator
+
+from swarm.config._section import Section, cross_field
+
+
+class AveragingSection(Section):
+    """Gossip averaging: outer optimizer and exchange policy."""
+
+    backend: Literal["gossip", "allreduce", "hivemind", "none"] = Field(
+        "gossip",
+        description="'gossip': quantized pairwise averaging; 'allreduce': group all-reduce of "
+        "pseudo-gradients (OpenDiLoCo, baseline); 'hivemind': hivemind.Optimizer (baseline); "
+        "'none': every peer trains alone.",
+    )
+    sync_every_steps: int = Field(20, ge=1, description="Inner steps between syncs (H of DiLoCo).")
+    sync_every_seconds: Annotated[float, Field(gt=0)] | None = Field(
+        None, description="Also sync when this many seconds passed since the last one."
+    )
+    max_lag_rounds: int = Field(
+        1,
+        ge=0,
+        le=16,
+        description=(
+            "gossip: our exchange runs in the background while the next round trains; the device "
+            "waits only when it lags this many rounds behind (0 = a blocking sync)."
+        ),
+    )
+    outer_state_device: Literal["auto", "device", "host"] = Field(
+        "auto",
+        description=(
+            "Where the outer anchor, momentum, error-feedback residuals and exchange buffers live: next "
+            "to the parameters, or in (pinned) host memory; auto picks host memory on a GPU the other "
+            "layout would not fit."
+        ),
+    )
+    outer_lr: float = Field(0.7, gt=0, description="Learning rate of the outer SGD on pseudo-gradients.")
+    outer_momentum: float = Field(0.9, ge=0, lt=1, description="Momentum of the outer SGD.")
+    nesterov: bool = Field(True, description="Use Nesterov momentum in the outer SGD.")
+    exchange_timeout_s: float = Field(
+        30.0, gt=0, description="Give up on a partner after this many seconds (per peer)."
+    )
+    chunk_timeout_s: float = Field(10.0, gt=0, description="Give up when one chunk takes longer (per peer).")
+    max_norm_ratio: float = Field(
+        100.0, gt=1, description="Reject a partner's update whose norm exceeds ours by this factor."
+    )
+    robust_clip: bool = Field(
+        True,
+        description="Clip a partner's pseudo-gradient difference to clip_ratio times the smaller norm "
+        "of the pair, and its anchor difference to param_clip_ratio times (docs/gossip.md, "
+        "'Malicious partners').",
+    )
+    clip_ratio: float = Field(
+        2.0, gt=0, description="Clip radius relative to the smaller pseudo-gradient norm of the pair."
+    )
+    param_clip_ratio: float = Field(
+        0.1,
+        gt=0,
+        description="Clip radius of the parameter exchange, relative to the smaller parameter norm "
+        "of the pair.",
+    )
+    clip_hard_factor: float = Field(
+        10.0,
+        ge=1,
+        description="A difference over this many clip radii (from our own norm) counts against the partner.",
+    )
+    clip_strikes: int = Field(
+        2, ge=1, description="Hard-clipped exchanges in a row that ban a partner (with backoff)."
+    )
+    ban_base_s: float = Field(
+        10.0, gt=0, description="First ban of a misbehaving partner, in seconds (per peer)."
+    )
+    ban_max_s: float = Field(
+        600.0, gt=0, validate_default=True, description="Longest ban; bans double up to it (per peer)."
+    )
+    param_sync_every: int = Field(
+        10, ge=1, description="Average full parameters with a partner every this many syncs (drift control)."
+    )
+    max_drift: float = Field(
+        0.02,
+        gt=0,
+        description="Bound on relative L2 distance to a partner; above it parameters sync every round.",
+    )
+    param_codec: Literal["fp32", "fp16", "bf16"] = Field(
+        "fp32", description="Codec for the occasional full-parameter exchange."
+    )
+
+    @field_validator("ban_max_s")
+    @classmethod
+    def _max_ban_not_below_base(cls, value: float, info: ValidationInfo) -> float:
+        base = info.data.get("ban_base_s")
+        if base is not None and value < base:
+            raise cross_field("ban_base_s", "must be >= ban_base_s = {ban_base_s}", ban_base_s=base)
+        return value
+
+
+class CompressionSection(Section):
+    """How updates are encoded on the wire."""
+
+    codec: Literal["fp32", "fp16", "bf16", "int8", "int4"] = Field(
+        "int8", description="Codec for pseudo-gradients; int8/int4 are blockwise quantized."
+    )
+    block_size: int = Field(
+        64, ge=16, le=4096, description="Elements per quantization block (a power of two)."
+    )
+    chunk_bytes: int = Field(1 << 20, ge=4096, le=64 << 20, description="Bytes per streamed chunk.")
+    error_feedback: bool = Field(True, description="Carry quantization error over to the next sync.")
+    max_tensor_elements: int = Field(
+        1 << 30, ge=1, description="Largest tensor a decoder accepts, in elements."
+    )
+
+    @field_validator("block_size")
+    @classmethod
+    def _power_of_two(cls, value: int) -> int:
+        if value & (value - 1):
+            raise ValueError("must be a power of two")
+        return value
+
+
+class PipelineSection(Section):
+    """Pipeline stages across peers, for models larger than one peer's device (docs/pipeline.md)."""
+
+    num_stages: Annotated[int, Field(ge=1, le=256)] | Literal["auto"] = Field(
+        1,
+        description="Contiguous stages the model is cut into, one per peer (1 = no pipeline); 'auto': the "
+        "fewest whose largest stage fits memory_budget_gb.",
+    )
+    memory_budget_gb: Annotated[float, Field(gt=0, le=1e6)] | None = Field(
+        None,
+        validate_default=True,
+        description="This peer's device memory for one stage, in GiB; needed by num_stages 'auto'.",
+    )
+    microbatch_size: int = Field(
+        4, ge=1, le=4096, description="Samples per micro-batch sent through the stages."
+    )
+    activation_codec: Literal["fp32", "fp16", "bf16", "int8", "int4"] = Field(
+        "int8",
+        description="Codec of activations and their gradients between stages (blockwise int8: 8 bits).",
+    )
+    max_inflight: int = Field(
+        4, ge=1, le=256, description="Micro-batches a data holder (stage 0) keeps in the pipeline at once."
+    )
+    request_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        le=3600,
+        description="Give up on a stage peer's answer after this long and retry elsewhere.",
+    )
+    routing: Literal["stochastic", "fixed"] = Field(
+        "stochastic",
+        description="'stochastic': each micro-batch goes to a random peer per stage, weighted by measured "
+        "throughput and queue; 'fixed': always the same peer per stage (benchmark baseline).",
+    )
+    max_queue: int = Field(
+        64, ge=1, le=4096, description="Requests a stage server queues before answering busy."
+    )
+    rebalance_every_s: Annotated[float, Field(gt=0)] | None = Field(
+        30.0,
+        description="Check every this many seconds whether to move to an under-served stage; null: never.",
+    )
+    rebalance_min_interval_s: float = Field(
+        300.0, ge=0, description="A peer moves to another stage at most once per this many seconds."
+    )
+
+    @field_validator("memory_budget_gb")
+    @classmethod
+    def _auto_needs_a_budget(cls, value: float | None, info: ValidationInfo) -> float | None:
+        if info.data.get("num_stages") == "auto" and value is None:
+            raise cross_field("num_stages", "must be set when num_stages is 'auto'")
+        return value

@@ -1,0 +1,106 @@
+"""How a model is scored: held-out windows, the loss in bits, and bits per byte across tokenizers.
+
+Every loss this project reports is in **bits per token**: the training loss of an inner step, the
+held-out loss, what records, lines, summaries and plots show. For byte-level data a token is a byte,
+so that is bits per byte. A tokenized run (``data.tokenizer``) also reports its held-out loss in bits
+per byte: the total bits over the evaluated tokens divided by the UTF-8 bytes those tokens decode to,
+which compares runs with different tokenizers (a token covers several bytes).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from swarm._tokenizer import Tokenizer
+from swarm.training.data import TokenSource
+from swarm.training.model import lm_loss
+
+LN2 = math.log(2)
+
+
+def nats_to_bits(nats: float) -> float:
+    """A cross-entropy in nats (what ``lm_loss`` computes) in bits."""
+    return nats / LN2
+
+
+@dataclass(frozen=True, eq=False)
+class EvalSet:
+    """Held-out tokens and how to cut them into evaluation windows.
+
+    ``tokenizer`` is None when tokens are bytes; else it decodes windows to count their bytes.
+    """
+
+    tokens: torch.Tensor
+    block_size: int
+    batch_size: int = 32
+    unit: str = "byte"
+    tokenizer: Tokenizer | None = None
+    _target_bytes: dict[int, int] = field(default_factory=dict, init=False, repr=False)
+
+    @property
+    def loss_unit(self) -> str:
+        """The unit of every loss of this run: ``bits/byte`` or ``bits/token``."""
+        return f"bits/{self.unit}"
+
+    def batches(self, count: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """``count`` batches of windows spread evenly over the held-out text, the same on every peer."""
+        span = self.block_size + 1
+        last = len(self.tokens) - span
+        if last < 0:
+            raise ValueError(f"held-out text has {len(self.tokens)} tokens, fewer than one window of {span}")
+        starts = torch.linspace(0, last, count * self.batch_size).round().long()
+        for chunk in starts.split(self.batch_size):
+            rows = self.tokens[chunk[:, None] + torch.arange(span)].long()
+            yield rows[:, :-1], rows[:, 1:]
+
+    def target_bytes(self, count: int) -> int:
+        """UTF-8 bytes that the targets of :meth:`batches` ``(count)`` decode to (computed once per count)."""
+        if count not in self._target_bytes:
+            if self.tokenizer is None:
+                total = count * self.batch_size * self.block_size
+            else:
+                decoded = self.tokenizer.decoded_bytes
+                total = sum(decoded(row.tolist()) for _, y in self.batches(count) for row in y)
+            self._target_bytes[count] = total
+        return self._target_bytes[count]
+
+    def bits_per_byte(self, bits_per_token: float, count: int) -> float:
+        """The held-out loss :func:`evaluate` ``(model, self, count)`` gave, in bits per byte of text."""
+        tokens = count * self.batch_size * self.block_size
+        return bits_per_token * tokens / max(self.target_bytes(count), 1)
+
+
+def make_eval_set(source: TokenSource, block_size: int, batch_size: int = 32) -> EvalSet:
+    """The evaluation windows of ``source``'s held-out split."""
+    return EvalSet(source.eval, block_size, batch_size, source.unit, source.tokenizer)
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, eval_data: EvalSet, batches: int = 8) -> float:
+    """Mean next-token loss on the held-out split in bits per token (``eval_data.loss_unit``)."""
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    total = 0.0
+    try:
+        for x, y in eval_data.batches(batches):
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+                total += lm_loss(model, x.to(device), y.to(device)).item()
+    finally:
+        model.train(was_training)
+    return nats_to_bits(total / batches)
+
+
+def unigram_bits(train: torch.Tensor, held_out: torch.Tensor, vocab_size: int = 256) -> float:
+    """Bits per token of the best context-free model: training token frequencies scored on held-out text.
+
+    A trained model should end well below this baseline; add-one smoothing keeps it finite.
+    """
+    counts = torch.bincount(train.long(), minlength=vocab_size).double() + 1
+    log_probs = (counts / counts.sum()).log2()
+    return float(-log_probs[held_out.long()].mean())
