@@ -212,3 +212,19 @@ def test_probe_distance_estimates_the_relative_distance_and_refuses_mismatched_p
     true = float((a - b).norm() / a.norm())
     assert estimate == pytest.approx(true, rel=0.25)
     assert probe_distance((1.0, 2.0), (1.0,)) is None and probe_distance((), ()) is None
+
+
+def test_non_finite_parameters_never_reach_the_anchor_and_roll_back_to_it() -> None:
+    model, live = _live()
+    _step(model, live, 0)
+    anchor = {name: t.clone() for name, t in live.outer.anchor.items()}
+    solo = Update("solo")
+    live.queue(solo)  # a round with no partner, queued before the parameters went bad ...
+    with torch.no_grad():
+        model.weight[0, 0] = float("nan")
+    assert live.delta_snapshot() is None  # ... never offered to a partner
+    live.apply_pending()  # ... and applied after: it must not carry the NaN into the anchor
+    assert all(torch.equal(live.outer.anchor[n], anchor[n]) for n in anchor) and solo.steps == 0
+    assert live.rollback()
+    assert all(torch.equal(p.detach(), anchor[n]) for n, p in model.named_parameters())
+    assert live.steps == 0 and live.delta_snapshot() is None

@@ -37,7 +37,7 @@ from swarm.trainer._joining import adopt, choose_donors, progress_of, snapshot_o
 from swarm.trainer._live import LiveModel, Update
 from swarm.trainer._offers import AnchorOffers, DeltaOffers
 from swarm.trainer._sync import SyncWorker, make_averager
-from swarm.training import OuterOptimizer
+from swarm.training import OuterOptimizer, all_finite
 
 logger = logging.getLogger(__name__)
 
@@ -200,7 +200,7 @@ class GossipBackend:
     def _publish_state(self, wait: bool = True) -> None:
         """Serve our state to joiners and announce its digest (joiners ask for it in our record): at
         once when joining, in the background from the training thread."""
-        if self.state_server is not None:
+        if self.state_server is not None and all_finite(self.outer.anchor.values()):
             snapshot = snapshot_of(self.outer, self._context.progress, self._joined_meta)
             self.state_server.publish(snapshot)
             self._state_hash = snapshot.digest

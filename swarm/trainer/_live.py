@@ -153,6 +153,9 @@ class LiveModel:
             self.steps -= update.steps
         elif update.kind == "solo":
             own = self._pseudo_gradient()
+            if not all_finite(own.values()):  # the training thread rolls back; the anchor stays good
+                update.steps, update.info["weight"] = 0, 0
+                return
             self._move_params(self.outer.advance(own), own)
             update.steps, self.steps = self.steps, 0
             update.info["weight"] = update.steps * self._samples_per_step
