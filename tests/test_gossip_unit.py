@@ -28,7 +28,7 @@ from swarm.gossip._metrics import MetricsRecorder
 from swarm.gossip._options import GossipOptions
 from swarm.gossip._partners import FORGET_AFTER_S, BanList, eligible_partners, pick_order
 from swarm.gossip._protocol import Channel, Hello, MsgKind, ProtocolError, handler_name
-from swarm.gossip._reputation import Reputation
+from swarm.gossip._reputation import HOLD_S, Reputation
 from swarm.gossip._validation import NormPolicy, ValidationError, schema_hash, schema_of, validate_received
 from tests.workers.gossip_pool import p2pd_pids, wait_no_leak
 
@@ -141,12 +141,18 @@ def test_ban_list_forgets_old_offenders_and_stays_bounded(monkeypatch) -> None:
 
 
 def test_failures_are_held_until_the_members_show_whether_the_partner_left() -> None:
-    reputation = Reputation(GossipOptions(ban_base_s=10, ban_max_s=40), MetricsRecorder())
+    now = [0.0]
+    options = GossipOptions(ban_base_s=10, ban_max_s=40)
+    reputation = Reputation(options, MetricsRecorder(), clock=lambda: now[0])
     for peer in ("gone", "leaving", "staying"):
         reputation.failed(peer, "connection reset")
     assert all(reputation.is_banned(p) for p in ("gone", "leaving", "staying"))  # not dialled meanwhile
     assert reputation.bans.banned() == {}
-    listed = [PartnerInfo("leaving", PROTOCOL_VERSION, "cfg", leaving=True), PartnerInfo("staying", 1, "cfg")]
+    staying = PartnerInfo("staying", 1, "cfg")
+    reputation.review([PartnerInfo("leaving", PROTOCOL_VERSION, "cfg"), staying])  # its record is late
+    assert reputation.bans.banned() == {}  # too early to judge: still held
+    now[0] = HOLD_S
+    listed = [PartnerInfo("leaving", PROTOCOL_VERSION, "cfg", leaving=True), staying]
     reputation.review(listed)
     assert set(reputation.banned()) == {"staying"} and reputation.bans.strikes() == {"staying": 1}
     assert not reputation.is_banned("gone") and not reputation.is_banned("leaving")

@@ -21,7 +21,8 @@ from __future__ import annotations
 import collections
 import logging
 import threading
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 
 from swarm.gossip._handshake import BANNED_REASON, Reply
 from swarm.gossip._metrics import MetricsRecorder
@@ -32,6 +33,10 @@ from swarm.gossip._robust import ClipStats
 
 logger = logging.getLogger(__name__)
 
+HOLD_S = 5.0
+"""A failure is judged this long after it happened at the earliest: time for a leaving partner's record
+to say so."""
+
 
 class Reputation:
     """Bans, strikes and forgiveness for one averager; counts its verdicts in ``metrics``.
@@ -41,12 +46,19 @@ class Reputation:
     list is, except :meth:`committed`, which runs under the averager's exchange lock.
     """
 
-    def __init__(self, options: GossipOptions, metrics: MetricsRecorder, also: BanList | None = None) -> None:
+    def __init__(
+        self,
+        options: GossipOptions,
+        metrics: MetricsRecorder,
+        also: BanList | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.bans = BanList(options.ban_base_s, options.ban_max_s, also=also)
         self._clip_strikes = options.clip_strikes
         self._metrics = metrics
         self._own_norms: collections.deque[float] = collections.deque(maxlen=8)
-        self._held: dict[str, str] = {}  # peer: the failure to judge at the next read of the members
+        self._held: dict[str, tuple[str, float]] = {}  # peer: (failure, when), judged by review()
+        self._clock = clock
         self._lock = threading.Lock()
 
     def is_banned(self, peer: str) -> bool:
@@ -64,10 +76,13 @@ class Reputation:
         return {**{peer: self.bans.next_duration(peer) for peer in held}, **banned}
 
     def review(self, partners: Sequence[PartnerInfo]) -> None:
-        """Judge the held failures against a fresh read of the members: a partner still listed, and not
-        leaving, is banned; one that left (or says it is leaving) is not."""
+        """Judge the failures held for ``HOLD_S`` against a fresh read of the members: a partner still
+        listed, and not leaving, is banned; one that left (or says it is leaving) is not."""
+        now = self._clock()
         with self._lock:
-            held, self._held = self._held, {}
+            held = {peer: reason for peer, (reason, at) in self._held.items() if now - at >= HOLD_S}
+            for peer in held:
+                del self._held[peer]
         staying = {info.peer_id for info in partners if not info.leaving}
         for peer, reason in held.items():
             if peer in staying:
@@ -82,7 +97,7 @@ class Reputation:
     def failed(self, peer: str, reason: str) -> None:
         """An exchange with ``peer`` failed through its fault: hold it toward a ban (see :meth:`review`)."""
         with self._lock:
-            self._held.setdefault(peer, reason)
+            self._held.setdefault(peer, (reason, self._clock()))
 
     def answered(self, peer: str, reply: Reply) -> None:
         """``peer`` did not accept our HELLO: judge the answer (or the failure) and count it."""
