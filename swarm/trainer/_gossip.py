@@ -200,14 +200,18 @@ class GossipBackend:
     def _publish_state(self, wait: bool = True) -> None:
         """Serve our state to joiners and announce its digest (joiners ask for it in our record): at
         once when joining, in the background from the training thread."""
-        if self.state_server is not None and all_finite(self.outer.anchor.values()):
-            snapshot = snapshot_of(self.outer, self._context.progress, self._joined_meta)
-            self.state_server.publish(snapshot)
-            self._state_hash = snapshot.digest
-            if wait:
-                self._node.announce_now()
-            else:
-                self._node.announce_soon()
+        if self.state_server is None:
+            return
+        if not all_finite(self.outer.anchor.values()):
+            logger.warning("not publishing our state: its anchor is not finite (a rollback follows)")
+            return
+        snapshot = snapshot_of(self.outer, self._context.progress, self._joined_meta)
+        self.state_server.publish(snapshot)
+        self._state_hash = snapshot.digest
+        if wait:
+            self._node.announce_now()
+        else:
+            self._node.announce_soon()
 
     # ------------------------------------------------------------------ rounds (training thread)
 

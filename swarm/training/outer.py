@@ -164,8 +164,15 @@ class OuterOptimizer:
 
 @torch.no_grad()
 def all_finite(tensors: Iterable[torch.Tensor]) -> bool:
-    """Whether every element of every tensor is finite (no NaN, no Inf)."""
-    return all(bool(torch.isfinite(t).all()) for t in tensors)
+    """Whether every element of every tensor is finite (no NaN, no Inf).
+
+    The per-tensor checks stay on their device and are reduced there: one host sync per device, not one
+    per tensor (the trainer runs this before every round, on every parameter).
+    """
+    flags: dict[torch.device, list[torch.Tensor]] = {}
+    for t in tensors:
+        flags.setdefault(t.device, []).append(torch.isfinite(t).all())
+    return all(bool(torch.stack(found).all()) for found in flags.values())
 
 
 def drift(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) -> float:
