@@ -88,6 +88,9 @@ def check(
             typer.echo(line)
 
 
+_KEY_FILE_HELP = "A private swarm's key file (as network.swarm_key_file; or set SWARM_KEY)."
+
+
 @config_app.command("pull")
 def pull(
     initial_peers: list[str] = typer.Option(
@@ -100,11 +103,19 @@ def pull(
     run_id: str | None = typer.Option(
         None, "--run-id", help="The run to fetch (default: the one the initial peer publishes)."
     ),
+    swarm_key_file: Path | None = typer.Option(
+        None, "--swarm-key-file", help=_KEY_FILE_HELP, show_default=False
+    ),
 ) -> None:
-    """Fetch the swarm's published run config, verify its hash, write it (exit 2 if none is published)."""
-    defaults = RunConfig()
-    network = common.resolve_network(defaults, common.NetworkFlags(initial_peers=initial_peers))
-    view = published_view(network, defaults, run_id, wait_s=0.0)
+    """Fetch the swarm's published run config, verify its hash, write it (exit 2 if none is published).
+
+    A private swarm answers only a peer with its key: ``--swarm-key-file``, the environment's
+    ``SWARM_NETWORK__SWARM_KEY_FILE`` or ``SWARM_KEY``, exactly as for `swarm join`.
+    """
+    keyed = [] if swarm_key_file is None else [f"network.swarm_key_file={json.dumps(str(swarm_key_file))}"]
+    base = common.load_run_config(None, keyed)
+    network = common.resolve_network(base, common.NetworkFlags(initial_peers=initial_peers))
+    view = published_view(network, base, run_id, wait_s=0.0)
     if not view.run_id:
         common.fail("no run is published through these initial peers; name it with --run-id")
     if view.published_yaml is None:

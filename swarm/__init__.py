@@ -6,8 +6,9 @@ do not pay for importing torch and hivemind. Everything not listed here is priva
 
 from __future__ import annotations
 
-import importlib
 from typing import Any
+
+from swarm._lazy import load_export
 
 __version__ = "0.1.0"
 
@@ -32,9 +33,4 @@ __all__ = ["__version__", *sorted(_EXPORTS)]
 
 
 def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'swarm' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+    return load_export(__name__, _EXPORTS, name, globals())

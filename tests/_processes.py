@@ -14,8 +14,9 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
+from typing import Any
 
 import psutil
 
@@ -62,28 +63,27 @@ class PeerProcess:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise AssertionError(f"no matching line within {timeout}s from {self.args}:\n{self.output()}")
-            try:
-                line = self._queue.get(timeout=remaining)
-            except queue.Empty:
-                continue
-            if line is None:
-                self.ended = True
-                continue
-            self.lines.append(line)
-            if predicate(line):
+            line = self._take(remaining)
+            if line is not None and predicate(line):
                 return line
+
+    def _take(self, timeout: float | None) -> str | None:
+        """Move the reader's next line into :attr:`lines` and return it, waiting at most ``timeout``
+        seconds for it (None: not at all); None if there is none yet or the output ended."""
+        try:
+            line = self._queue.get_nowait() if timeout is None else self._queue.get(timeout=timeout)
+        except queue.Empty:
+            return None
+        if line is None:
+            self.ended = True
+        else:
+            self.lines.append(line)
+        return line
 
     def drain(self) -> None:
         """Move every line read so far into :attr:`lines`."""
-        while True:
-            try:
-                line = self._queue.get_nowait()
-            except queue.Empty:
-                return
-            if line is None:
-                self.ended = True
-            else:
-                self.lines.append(line)
+        while self._take(None) is not None:
+            pass
 
     def mark(self) -> int:
         """The number of lines read so far: pass it as ``since`` to wait for a line printed after now."""
@@ -104,14 +104,8 @@ class PeerProcess:
         # its DHT worker, may hold it open a moment longer; a bounded wait)
         reader_deadline = time.monotonic() + 5
         while not self.ended and (remaining := reader_deadline - time.monotonic()) > 0:
-            try:
-                line = self._queue.get(timeout=remaining)
-            except queue.Empty:
+            if self._take(remaining) is None:
                 break
-            if line is None:
-                self.ended = True
-            else:
-                self.lines.append(line)
         self.drain()
         return code
 
@@ -125,6 +119,15 @@ class PeerProcess:
                 proc.kill()
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(timeout=10)
+
+
+def stop_training(stop: threading.Event, threads: Sequence[threading.Thread], timeout: float) -> None:
+    """Set ``stop``, then give each of the training ``threads`` ``timeout`` seconds to end; fail if one
+    has not."""
+    stop.set()
+    for thread in threads:
+        thread.join(timeout=timeout)
+    assert not any(t.is_alive() for t in threads), "training did not stop in time"
 
 
 def session_processes(sids: set[int]) -> list[psutil.Process]:
@@ -195,3 +198,17 @@ def terminate_and_wait(process: PeerProcess, timeout: float = 10.0) -> int:
     """SIGTERM a peer and return its exit status, failing if it takes longer than ``timeout``."""
     process.signal(signal.SIGTERM)
     return process.wait(timeout=timeout)
+
+
+def reap_workers(procs: Sequence[Any], pgids: Iterable[int], deadline: float) -> list[str]:
+    """Join multiprocessing workers that were asked to stop, until ``deadline`` (``time.monotonic()``);
+    then whatever of their process groups outlived it is killed and returned, described."""
+    for proc in procs:
+        proc.join(max(0.1, deadline - time.monotonic()))
+    groups = set(pgids)
+    outlived = outliving(lambda: group_processes(groups), max(0.1, deadline - time.monotonic()))
+    described = [describe(p) for p in outlived]
+    kill_all(outlived)
+    for proc in procs:
+        proc.join(10)
+    return described

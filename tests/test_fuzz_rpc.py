@@ -43,6 +43,7 @@ from tests.workers.fuzz import (
     msg,
     mutated,
     parse_messages,
+    serve_stream,
 )
 
 RUN = "fuzzrpc"
@@ -75,13 +76,10 @@ RESPONDER_JSON = {0: HELLO, len(RESPONDER) - 2: END}
 
 
 def make_averager(p2p: FakeP2P, partners: Callable[[], list[PartnerInfo]] = list) -> GossipAverager:
-    async def factory() -> FakeP2P:
-        return p2p
-
     averager = GossipAverager(
         run_id=RUN,
         partner_source=partners,
-        p2p_factory=factory,
+        p2p_factory=p2p.factory,
         codec=CODEC,
         block_size=BLOCK,
         chunk_bytes=CHUNK,
@@ -106,18 +104,7 @@ def serve(
     averager: GossipAverager, p2p: FakeP2P, data: bytes, eof: bool = True, peer: PeerID | None = None
 ) -> bytes:
     """Run the gossip handler on ``data`` from a fresh peer; return what it wrote back."""
-    writer = FakeWriter()
-
-    async def run() -> None:
-        reader = asyncio.StreamReader()
-        reader.feed_data(data)
-        if eof:
-            reader.feed_eof()
-        info = SimpleNamespace(peer_id=peer or fresh_peer())
-        await asyncio.wait_for(p2p.handlers[handler_name(RUN)](info, reader, writer), CASE_TIMEOUT_S)
-
-    averager._loop.run(run(), timeout=CASE_TIMEOUT_S + 1)
-    return bytes(writer.data)
+    return serve_stream(averager, p2p, handler_name(RUN), data, eof, peer)
 
 
 def registered(averager: GossipAverager) -> dict[str, torch.Tensor]:

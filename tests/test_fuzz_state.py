@@ -21,7 +21,6 @@ import hashlib
 import json
 import tracemalloc
 from collections.abc import Iterator
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -48,9 +47,7 @@ from tests.workers.fuzz import (
     CASE_TIMEOUT_S,
     ErrorLog,
     FakeP2P,
-    FakeWriter,
     crafted_frames,
-    fresh_peer,
     fuzz_settings,
     garbage,
     hostile_variants,
@@ -59,10 +56,10 @@ from tests.workers.fuzz import (
     mutated,
     parse_messages,
     peer_id,
+    serve_stream,
 )
 
 RUN = "fuzzstate"
-CODEC, BLOCK, CHUNK = "int8", 64, 4096
 FUZZ = fuzz_settings(80)
 
 
@@ -79,28 +76,14 @@ _hex_digests = st.binary(min_size=32, max_size=32).map(bytes.hex)
 def state_server() -> Iterator[tuple[StateServer, FakeP2P]]:
     p2p = FakeP2P("donor")
 
-    async def factory() -> FakeP2P:
-        return p2p
-
-    server = StateServer(run_id=RUN, p2p_factory=factory)
+    server = StateServer(run_id=RUN, p2p_factory=p2p.factory)
     server.publish(SNAPSHOT)
     yield server, p2p
     server.close()
 
 
 def ask(server: StateServer, p2p: FakeP2P, data: bytes, eof: bool = True) -> list[tuple[int, bytes]]:
-    writer = FakeWriter()
-
-    async def run() -> None:
-        reader = asyncio.StreamReader()
-        reader.feed_data(data)
-        if eof:
-            reader.feed_eof()
-        info = SimpleNamespace(peer_id=fresh_peer())
-        await asyncio.wait_for(p2p.handlers[transfer.handler_name(RUN)](info, reader, writer), CASE_TIMEOUT_S)
-
-    server._loop.run(run(), timeout=CASE_TIMEOUT_S + 1)
-    return parse_messages(bytes(writer.data))
+    return parse_messages(serve_stream(server, p2p, transfer.handler_name(RUN), data, eof))
 
 
 def check_answer(reply: list[tuple[int, bytes]]) -> None:
@@ -307,25 +290,14 @@ REACH_ERRORS = (ProtocolError, asyncio.IncompleteReadError, TimeoutError, Connec
 def checker() -> Iterator[tuple[ReachabilityChecker, FakeP2P]]:
     p2p = FakeP2P("checker")
 
-    async def factory() -> FakeP2P:
-        return p2p
-
-    with ReachabilityChecker(lambda peer: LOOPBACK, run_id=RUN, p2p_factory=factory, dial_timeout_s=0.5) as c:
+    with ReachabilityChecker(
+        lambda peer: LOOPBACK, run_id=RUN, p2p_factory=p2p.factory, dial_timeout_s=0.5
+    ) as c:
         yield c, p2p
 
 
 def check(checker: ReachabilityChecker, p2p: FakeP2P, data: bytes) -> list[tuple[int, bytes]]:
-    writer = FakeWriter()
-
-    async def run() -> None:
-        reader = asyncio.StreamReader()
-        reader.feed_data(data)
-        reader.feed_eof()
-        info = SimpleNamespace(peer_id=fresh_peer())
-        await asyncio.wait_for(p2p.handlers[reach_handler(RUN)](info, reader, writer), CASE_TIMEOUT_S)
-
-    checker._loop.run(run(), timeout=CASE_TIMEOUT_S + 1)
-    return parse_messages(bytes(writer.data))
+    return parse_messages(serve_stream(checker, p2p, reach_handler(RUN), data))
 
 
 @FUZZ

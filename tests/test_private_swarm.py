@@ -5,11 +5,13 @@ or download state, while peers with the key do all three."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import os
 import secrets
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import hivemind
@@ -263,6 +265,24 @@ def _node(key: SwarmKey | None, initial_peers: list[str] | None = None) -> Swarm
     return SwarmNode(options, NodeInfo(RUN, "ab12", "trainer"), record_ttl_s=30)
 
 
+@contextlib.contextmanager
+def _keyed_pair_and_outsider() -> Iterator[tuple[SwarmNode, SwarmNode, hivemind.DHT]]:
+    """Two nodes holding one swarm key (``b`` bootstrapped from ``a``) and a keyless DHT that dials ``a``
+    directly (its bootstrap is refused); all three are shut down afterwards."""
+    key = _key()
+    a = _node(key)
+    b = _node(key, a.visible_maddrs())
+    outsider = hivemind.DHT(
+        initial_peers=a.visible_maddrs(), host_maddrs=[LOOPBACK], ensure_bootstrap_success=False, start=True
+    )
+    try:
+        yield a, b, outsider
+    finally:
+        outsider.shutdown()
+        b.close()
+        a.close()
+
+
 def _outsider(
     initial_peers: list[str], authorizer: SharedKeyAuthorizer | None, identity: Path
 ) -> tuple[hivemind.DHT, bytes]:
@@ -359,59 +379,45 @@ def _averager(node_or_dht: object, tensor: torch.Tensor, partners: list[str], **
 
 @pytest.mark.multipeer
 def test_without_the_key_no_tensor_is_exchanged() -> None:
-    key = _key()
-    a = _node(key)
-    b = _node(key, a.visible_maddrs())
-    outsider = hivemind.DHT(
-        initial_peers=a.visible_maddrs(), host_maddrs=[LOOPBACK], ensure_bootstrap_success=False, start=True
-    )
-    averagers = []
-    try:
-        ta, tb = torch.randn(1000), torch.randn(1000)
-        expected = (ta + tb) / 2
-        keyless = _averager(outsider, torch.randn(1000), [a.peer_id])
-        wrong = _averager(outsider, torch.randn(1000), [a.peer_id], swarm_key=_key(), client_mode=True)
-        averagers += [keyless, wrong]
-        # the keyed averagers take the key from their node's DHT
-        a_partners = [b.peer_id]
-        av_a = _averager(a, ta, a_partners)
-        av_b = _averager(b, tb, [a.peer_id])
-        averagers += [av_a, av_b]
+    with _keyed_pair_and_outsider() as (a, b, outsider):
+        averagers = []
+        try:
+            ta, tb = torch.randn(1000), torch.randn(1000)
+            expected = (ta + tb) / 2
+            keyless = _averager(outsider, torch.randn(1000), [a.peer_id])
+            wrong = _averager(outsider, torch.randn(1000), [a.peer_id], swarm_key=_key(), client_mode=True)
+            averagers += [keyless, wrong]
+            # the keyed averagers take the key from their node's DHT
+            a_partners = [b.peer_id]
+            av_a = _averager(a, ta, a_partners)
+            av_b = _averager(b, tb, [a.peer_id])
+            averagers += [av_a, av_b]
 
-        result = av_b.sync()
-        assert result.outcome is SyncOutcome.OK, result
-        # the server commits when the initiator's final ACK arrives, a moment after sync() returned
-        wait_until(lambda: av_a.metrics().exchanges_ok == 1, 10, "the serving side to commit")
-        with av_a.paused():
-            assert torch.allclose(ta, expected) and torch.allclose(tb, expected)
-        before = ta.clone()
-        for outsider_averager in (keyless, wrong):
-            result = outsider_averager.sync()
-            assert result.outcome is SyncOutcome.FAILED, result
+            result = av_b.sync()
+            assert result.outcome is SyncOutcome.OK, result
+            # the server commits when the initiator's final ACK arrives, a moment after sync() returned
+            wait_until(lambda: av_a.metrics().exchanges_ok == 1, 10, "the serving side to commit")
+            with av_a.paused():
+                assert torch.allclose(ta, expected) and torch.allclose(tb, expected)
+            before = ta.clone()
+            for outsider_averager in (keyless, wrong):
+                result = outsider_averager.sync()
+                assert result.outcome is SyncOutcome.FAILED, result
+                assert torch.equal(ta, before)
+            assert "wrong swarm key proof" in result.reason, result
+            a_partners[:] = [keyless.peer_id]  # and a keyed initiator gets nothing from a keyless peer
+            result = av_a.sync()
+            assert result.outcome is SyncOutcome.FAILED and "swarm key" in result.reason, result
             assert torch.equal(ta, before)
-        assert "wrong swarm key proof" in result.reason, result
-        a_partners[:] = [keyless.peer_id]  # and a keyed initiator gets nothing from a keyless peer
-        result = av_a.sync()
-        assert result.outcome is SyncOutcome.FAILED and "swarm key" in result.reason, result
-        assert torch.equal(ta, before)
-        assert av_a.metrics().exchanges_ok == 1
-    finally:
-        for averager in averagers:
-            averager.close()
-        outsider.shutdown()
-        b.close()
-        a.close()
+            assert av_a.metrics().exchanges_ok == 1
+        finally:
+            for averager in averagers:
+                averager.close()
 
 
 @pytest.mark.multipeer
 def test_without_the_key_no_state_is_downloaded(caplog: pytest.LogCaptureFixture) -> None:
-    key = _key()
-    a = _node(key)
-    b = _node(key, a.visible_maddrs())
-    outsider = hivemind.DHT(
-        initial_peers=a.visible_maddrs(), host_maddrs=[LOOPBACK], ensure_bootstrap_success=False, start=True
-    )
-    try:
+    with _keyed_pair_and_outsider() as (a, b, outsider):
         snapshot = make_snapshot({"w": torch.randn(64, 64)}, {"step": 7}, chunk_bytes=4096)
         with StateServer(a.dht, RUN) as server:  # takes the key from the node's DHT
             server.publish(snapshot)
@@ -430,21 +436,11 @@ def test_without_the_key_no_state_is_downloaded(caplog: pytest.LogCaptureFixture
             got = download_state(b.dht, donors, run_id=RUN, timeout_s=20)
             assert got.digest == snapshot.digest and torch.equal(got.tensors["w"], snapshot.tensors["w"])
             assert server.stats().requests == 1
-    finally:
-        outsider.shutdown()
-        b.close()
-        a.close()
 
 
 def test_without_the_key_no_dial_back_is_answered() -> None:
     """The reachability checker every node runs answers only askers that hold the swarm key."""
-    key = _key()
-    a = _node(key)
-    b = _node(key, a.visible_maddrs())
-    outsider = hivemind.DHT(
-        initial_peers=a.visible_maddrs(), host_maddrs=[LOOPBACK], ensure_bootstrap_success=False, start=True
-    )
-    try:
+    with _keyed_pair_and_outsider() as (a, b, outsider):
         wait_until(lambda: b.peer_id in {m.peer_id for m in a.members()}, 30, "a lists b")
         addresses = b.visible_maddrs()
         stranger = check_reachability(outsider, RUN, [a.peer_id], addresses, timeout_s=30)
@@ -454,7 +450,3 @@ def test_without_the_key_no_dial_back_is_answered() -> None:
         assert wrong.status == "unknown" and "wrong swarm key proof" in " ".join(wrong.errors), wrong
         member = check_reachability(b.dht, RUN, [a.peer_id], addresses, timeout_s=30)
         assert member.status == "direct" and member.answered_by == (a.peer_id,), member
-    finally:
-        outsider.shutdown()
-        b.close()
-        a.close()

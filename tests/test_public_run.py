@@ -6,8 +6,10 @@ import re
 import time
 
 import pytest
+from typer.testing import CliRunner
 
 from peers.bootstrap import JOIN_LINE_PREFIX
+from peers.cli import app
 from swarm._protocol import PROTOCOL_VERSION
 from swarm.config import load_config
 from swarm.membership import Member, PeerRecord
@@ -18,7 +20,7 @@ from swarm.membership._run_config import (
     parse_config_text,
     shareable_config,
 )
-from swarm.network import peer_id_of_identity
+from swarm.network import peer_id_of_identity, write_new_key
 from tests._processes import REPO, swarm_cli, terminate_and_wait
 from tests.workers.tiny import UNLIMITED, cli_sets, tiny
 
@@ -101,6 +103,35 @@ def _start_bootstrap(spawn, *extra: str) -> tuple[object, str, str]:
     ]
     hash_line = boot.wait_for_line(lambda line: "config hash" in line, timeout=10)
     return boot, maddr, hash_line.rsplit("config hash ", 1)[1].rstrip(")")
+
+
+def test_pull_refuses_a_key_file_that_is_not_private_before_dialling(tmp_path) -> None:
+    loose = tmp_path / "loose.key"
+    write_new_key(loose)
+    loose.chmod(0o644)
+    target = tmp_path / "run.yaml"
+    args = ["config", "pull", "--initial-peers", f"/ip4/127.0.0.1/tcp/9/p2p/{PEER_ID}", "-o", str(target)]
+    result = CliRunner().invoke(app, [*args, "--swarm-key-file", str(loose)])
+    assert result.exit_code == 2, result.output
+    assert str(loose) in result.output and not target.exists()
+
+
+@pytest.mark.multipeer
+def test_pull_from_a_private_swarm_takes_its_key_from_a_file_or_the_environment(spawn, tmp_path) -> None:
+    key_file = tmp_path / "swarm.key"
+    write_new_key(key_file)
+    boot, maddr, swarm_hash = _start_bootstrap(spawn, "--set", f"network.swarm_key_file={key_file}")
+    pull_args = ["config", "pull", "--initial-peers", maddr, "-o"]
+
+    by_file = tmp_path / "by-file.yaml"
+    pull = spawn(swarm_cli(*pull_args, str(by_file), "--swarm-key-file", str(key_file)))
+    by_env = tmp_path / "by-env.yaml"
+    pull_env = spawn(swarm_cli(*pull_args, str(by_env)), env={"SWARM_KEY": key_file.read_text().strip()})
+    assert pull.wait(timeout=90) == 0, pull.output()
+    assert pull_env.wait(timeout=90) == 0, pull_env.output()
+    assert load_config(by_file, env={}).config_hash() == swarm_hash
+    assert by_env.read_text() == by_file.read_text()
+    assert terminate_and_wait(boot, timeout=15) == 0
 
 
 @pytest.mark.multipeer

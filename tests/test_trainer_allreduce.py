@@ -13,7 +13,7 @@ from swarm.config import load_config
 from swarm.network import NetworkOptions, SwarmKey
 from swarm.trainer import SyncReport, TrainingPeer, make_backend
 from swarm.trainer._allreduce import AllReduceBackend
-from tests._processes import wait_until
+from tests._processes import stop_training, wait_until
 from tests.workers.tiny import TINY
 
 UNTRAINED_BITS = 8.0
@@ -109,10 +109,7 @@ def test_a_joiner_takes_the_state_and_both_hold_the_same_anchor_after_a_round_to
             outcomes = {name: [r.outcome for r in found] for name, found in reports.items()}
             losses = [p.progress.eval_loss for p in peers.values()]
             raise AssertionError(f"{exc}: rounds {outcomes}, eval {losses}") from None
-        stop.set()
-        for thread in threads:
-            thread.join(timeout=60)
-        assert not any(t.is_alive() for t in threads), "training did not stop in time"
+        stop_training(stop, threads, timeout=60)
     finally:
         stop.set()
         for peer in peers.values():

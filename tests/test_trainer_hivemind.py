@@ -11,7 +11,7 @@ from swarm.network import NetworkOptions
 from swarm.trainer import SyncReport, TrainingPeer
 from swarm.trainer._hivemind import HivemindBackend, hivemind_codec, hivemind_run_id
 from swarm.trainer._solo import SoloBackend
-from tests._processes import wait_until
+from tests._processes import stop_training, wait_until
 from tests.workers.tiny import TINY
 
 UNTRAINED_BITS = 8.0
@@ -82,10 +82,7 @@ def test_two_hivemind_peers_average_and_learn() -> None:
             steps = [peer.progress.step for peer in peers]
             raise AssertionError(f"{exc} and average: steps {steps}, epochs {outcomes}") from None
         print(f"trained and averaged after {took:.0f}s, steps {[peer.progress.step for peer in peers]}")
-        stop.set()
-        for thread in threads:
-            thread.join(timeout=120)
-        assert not any(t.is_alive() for t in threads), "training did not stop in time"
+        stop_training(stop, threads, timeout=120)
     finally:
         stop.set()
         for peer in peers:

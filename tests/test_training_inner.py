@@ -18,9 +18,9 @@ from swarm.training import (
     total_samples_of,
 )
 from swarm.training.inner import MIN_LR_RATIO, parameter_groups
+from tests._markers import needs_cuda
 
 TINY = ModelSection(n_layer=1, n_head=2, n_embd=32, block_size=16)
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none present)")
 CPU = torch.device("cpu")
 
 

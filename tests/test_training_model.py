@@ -17,9 +17,9 @@ from swarm.training import (
     make_eval_set,
     open_source,
 )
+from tests._markers import needs_cuda
 
 TINY = ModelSection(n_layer=1, n_head=2, n_embd=32, block_size=32)
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none present)")
 
 
 def test_forward_shape_and_tied_head() -> None:

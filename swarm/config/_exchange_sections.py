@@ -8,6 +8,16 @@ from pydantic import Field, ValidationInfo, field_validator
 
 from swarm.config._section import Section, cross_field
 
+_EXCHANGE_TIMEOUT = (
+    "Shortest deadline of one exchange, and how long a sync looks for a partner that accepts; an "
+    "exchange's deadline grows with its size over the rate measured to that partner, up to "
+    "max_exchange_timeout_s (per peer)."
+)
+_CHUNK_TIMEOUT = (
+    "Give up on dialling, on a handshake, or on a transfer in which nothing moved for this long: a "
+    "stalled partner is dropped this fast, whatever the exchange's size (per peer)."
+)
+
 
 class AveragingSection(Section):
     """Gossip averaging: outer optimizer and exchange policy."""
@@ -42,10 +52,11 @@ class AveragingSection(Section):
     outer_lr: float = Field(0.7, gt=0, description="Learning rate of the outer SGD on pseudo-gradients.")
     outer_momentum: float = Field(0.9, ge=0, lt=1, description="Momentum of the outer SGD.")
     nesterov: bool = Field(True, description="Use Nesterov momentum in the outer SGD.")
-    exchange_timeout_s: float = Field(
-        30.0, gt=0, description="Give up on a partner after this many seconds (per peer)."
+    exchange_timeout_s: float = Field(30.0, gt=0, description=_EXCHANGE_TIMEOUT)
+    max_exchange_timeout_s: float = Field(
+        600.0, gt=0, description="Longest deadline of one exchange, however slow the link (per peer)."
     )
-    chunk_timeout_s: float = Field(10.0, gt=0, description="Give up when one chunk takes longer (per peer).")
+    chunk_timeout_s: float = Field(10.0, gt=0, description=_CHUNK_TIMEOUT)
     max_norm_ratio: float = Field(
         100.0, gt=1, description="Reject a partner's update whose norm exceeds ours by this factor."
     )
@@ -89,6 +100,18 @@ class AveragingSection(Section):
     param_codec: Literal["fp32", "fp16", "bf16"] = Field(
         "fp32", description="Codec for the occasional full-parameter exchange."
     )
+
+    @field_validator("max_exchange_timeout_s")
+    @classmethod
+    def _longest_deadline_not_below_shortest(cls, value: float, info: ValidationInfo) -> float:
+        floor = info.data.get("exchange_timeout_s")
+        if floor is not None and value < floor:
+            raise cross_field(
+                "exchange_timeout_s",
+                "must be >= exchange_timeout_s = {exchange_timeout_s}",
+                exchange_timeout_s=floor,
+            )
+        return value
 
     @field_validator("ban_max_s")
     @classmethod

@@ -34,6 +34,7 @@ PER_PEER_KEYS: frozenset[str] = frozenset(
         "data.paths",
         # link-quality and local ban policy: a peer on a slow link may wait longer
         "averaging.exchange_timeout_s",
+        "averaging.max_exchange_timeout_s",
         "averaging.chunk_timeout_s",
         "averaging.ban_base_s",
         "averaging.ban_max_s",

@@ -23,6 +23,7 @@ import torch
 
 from swarm.compression import ErrorFeedback
 from swarm.gossip._background import Background, Tensors
+from swarm.gossip._deadlines import Deadlines, payload_nbytes
 from swarm.gossip._exchange import ExchangeHooks, Mixed, as_named, commit, in_thread, run_exchange, settle
 from swarm.gossip._handshake import BANNED_REASON, Handshake
 from swarm.gossip._metrics import GossipMetrics, MetricsRecorder, SyncOutcome, SyncResult
@@ -50,6 +51,7 @@ class _Local:
     tensors: dict[str, torch.Tensor]
     weight: float
     schema_hash: str
+    nbytes: int = 0  # on the wire, one direction: what the exchange's deadline is sized by
     offer: Offer | None = None
 
 
@@ -118,6 +120,7 @@ class GossipAverager(StreamService):
         self._metrics = MetricsRecorder()
         also = respect_bans_of._reputation.bans if respect_bans_of is not None else None
         self._reputation: Reputation = Reputation(opts, self._metrics, also)
+        self._deadlines = Deadlines(opts.exchange_timeout_s, opts.max_exchange_timeout_s)
         self._rng = random.Random(seed)
         # one exchange at a time, across averagers that share the lock (their buffers never add up)
         self._lock: threading.Lock = exclusive_with._lock if exclusive_with is not None else threading.Lock()
@@ -224,7 +227,7 @@ class GossipAverager(StreamService):
         """Cancel the sync in flight and refuse new ones (they return CANCELLED); for a prompt shutdown.
 
         The cancelled exchange (and one we are serving, which would otherwise hold the exchange lock
-        for up to ``exchange_timeout_s``) does not commit (exactly as if the partner had vanished, see
+        until its deadline) does not commit (exactly as if the partner had vanished, see
         docs/gossip.md): our tensors stay bit-identical, and the caller's ``sync`` returns once the
         exchange has unwound. Partners that dial us from now on get BUSY ("leaving"), so none
         starts an exchange that :meth:`close` would cut off. Thread-safe and idempotent.
@@ -274,7 +277,7 @@ class GossipAverager(StreamService):
         if self._schema_hash != digest:
             self._schema_hash = digest
             self._ef = ErrorFeedback(self._spec.codec) if self._use_ef else None
-        return _Local(tensors=named, weight=weight, schema_hash=digest)
+        return _Local(named, weight, digest, payload_nbytes(named, self._spec.codec))
 
     def _hello(self, local: _Local) -> Hello:
         probe = local.offer.probe if local.offer is not None else ()
@@ -286,17 +289,19 @@ class GossipAverager(StreamService):
         self, partner: str, channel: Channel, local: _Local, theirs: Hello, *, initiator: bool
     ) -> SyncResult:
         """Run the data phase under the exchange deadline; commit, or leave everything untouched."""
-        started = time.monotonic()
+        started, before = time.monotonic(), (channel.bytes_sent, channel.bytes_received)
         norm_reference = self._reputation.norm_reference()
         weights = (local.weight, theirs.weight)
         exchange = run_exchange(channel, local.tensors, weights, self._spec, self._ef, norm_reference)
         try:
-            ended = await settle(exchange, self.options.exchange_timeout_s, partner)
+            ended = await settle(exchange, self._deadlines.exchange_s(partner, local.nbytes), partner)
         except asyncio.CancelledError:  # abort() or shutdown: nothing is committed
             if self._ef is not None:
                 self._ef.discard_pending()
             raise
         latency = time.monotonic() - started
+        moved = max(channel.bytes_sent - before[0], channel.bytes_received - before[1])
+        self._deadlines.observe(partner, moved, latency)  # a deadline too short still measured the link
         if ended.mixed is not None:
             self._commit(partner, local, ended.mixed, latency)
             result = self._result(ended.outcome, partner, channel, latency, ended.reason)

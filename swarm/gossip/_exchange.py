@@ -151,8 +151,10 @@ async def settle(exchange: Awaitable[Mixed], timeout: float, partner: str) -> Se
             return Settled(SyncOutcome.OK, mixed=await exchange)
     except ValidationError as exc:
         return Settled(SyncOutcome.REJECTED, f"rejected its data: {exc}")
-    except TimeoutError:
-        return Settled(SyncOutcome.TIMEOUT, "exchange timed out")
+    except TimeoutError as exc:  # the exchange's deadline, or a stall (swarm.p2p.StalledError)
+        return Settled(
+            SyncOutcome.TIMEOUT, f"exchange timed out: {exc}" if str(exc) else "exchange timed out"
+        )
     except PartnerRejected as exc:
         return Settled(SyncOutcome.FAILED, f"it rejected our data: {exc}")
     except PEER_FAULTS as exc:

@@ -24,9 +24,12 @@ class GossipOptions:
     error_feedback: bool = True
     """Keep each exchange's quantization error and send it again next time (lossy codecs only)."""
     exchange_timeout_s: float = 30.0
-    """Bound on one whole exchange, and on looking for a partner that accepts."""
+    """Shortest bound on one whole exchange (it grows with the exchange's size over the rate measured to
+    the partner, :mod:`swarm.gossip._deadlines`), and the bound on looking for a partner that accepts."""
+    max_exchange_timeout_s: float = 600.0
+    """Longest bound on one whole exchange."""
     chunk_timeout_s: float = 10.0
-    """Bound on dialling, the handshake, and every message read or write."""
+    """Bound on dialling, the handshake, and on any pause in a transfer (nothing sent or received)."""
     max_norm_ratio: float = 100.0
     """A received tensor may be at most this many times the norm of ours (docs/gossip.md)."""
     norm_floor: float = 1.0
@@ -55,6 +58,8 @@ class GossipOptions:
             raise ValueError(f"chunk_bytes must be at least 4096, got {self.chunk_bytes}")
         if self.exchange_timeout_s <= 0 or self.chunk_timeout_s <= 0:
             raise ValueError("timeouts must be positive")
+        if self.max_exchange_timeout_s < self.exchange_timeout_s:
+            raise ValueError("max_exchange_timeout_s must be at least exchange_timeout_s")
         if self.max_attempts < 1:
             raise ValueError(f"max_attempts must be at least 1, got {self.max_attempts}")
         if self.clip_strikes < 1:

@@ -50,7 +50,15 @@ LossUnit = Literal["bits/byte", "bits/token"]
 """The unit of a record's losses: bits per token of the run's data, a byte for byte-level data."""
 
 
-class PeerRecord(pydantic.BaseModel):
+class FrozenModel(pydantic.BaseModel):
+    """A record model that refuses unknown fields and cannot be changed once validated."""
+
+    class Config:
+        extra = pydantic.Extra.forbid
+        frozen = True
+
+
+class PeerRecord(FrozenModel):
     """What a peer says about itself, refreshed every few seconds (see docs/architecture.md)."""
 
     peer_id: PeerId
@@ -89,10 +97,6 @@ class PeerRecord(pydantic.BaseModel):
     stage: StageIndex = 0
     stage_capacity: NonNegative = 0.0
     started_at: NonNegative = 0.0
-
-    class Config:
-        extra = pydantic.Extra.forbid
-        frozen = True
 
 
 class _MembersSchema(pydantic.BaseModel):

@@ -32,6 +32,7 @@ from pydantic.v1 import confloat, constr
 from swarm._periodic import PeriodicTask
 from swarm.config import RUN_ID_PATTERN, MonitorSection, NetworkSection, RunConfig, load_config
 from swarm.membership._members import Member, list_members
+from swarm.membership._record import FrozenModel
 from swarm.membership._signed import StrictSchemaValidator, signer_peer_id
 
 logger = logging.getLogger(__name__)
@@ -53,27 +54,19 @@ else:
     _RunId = constr(strict=True, regex=RUN_ID_PATTERN)
 
 
-class RunConfigRecord(pydantic.BaseModel):
+class RunConfigRecord(FrozenModel):
     """A published run config: full YAML text, its config hash, and when it was published."""
 
     yaml: _Yaml
     config_hash: _Hash
     published_at: _Time
 
-    class Config:
-        extra = pydantic.Extra.forbid
-        frozen = True
 
-
-class RunAnnouncement(pydantic.BaseModel):
+class RunAnnouncement(FrozenModel):
     """Which run a publisher hosts (the value under :data:`RUNS_KEY`)."""
 
     run_id: _RunId
     config_hash: _Hash
-
-    class Config:
-        extra = pydantic.Extra.forbid
-        frozen = True
 
 
 class _RunConfigSchema(pydantic.BaseModel):

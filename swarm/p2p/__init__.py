@@ -3,8 +3,8 @@
 What every swarm protocol on a raw hivemind binary stream shares:
 
 - :class:`LoopThread`: a private event loop in a daemon thread, the blocking bridge into it;
-- framing (:func:`write_message`, :func:`read_message`, the strict :func:`parse_json`) and
-  :class:`ProtocolError`;
+- framing (:func:`write_message`, :func:`read_message`, the strict :func:`parse_json`),
+  :class:`ProtocolError` and :class:`StalledError` (timeouts bound progress, not a message's size);
 - the swarm key handshake (:func:`authenticate_stream`, :class:`AuthError`, :func:`swarm_key_of`);
 - :class:`StreamService`, the serving side (own replica, handler, handshake, fault logging, close);
 - :func:`dial` (open a stream, then authenticate) and :func:`run_with_replica` (a one-shot replica for a
@@ -19,6 +19,7 @@ from swarm.p2p._client import dial, run_with_replica
 from swarm.p2p._framing import (
     HEADER_LEN,
     ProtocolError,
+    StalledError,
     dump_json,
     parse_json,
     read_message,
@@ -36,6 +37,7 @@ __all__ = [
     "LoopThread",
     "P2PFactory",
     "ProtocolError",
+    "StalledError",
     "StreamKey",
     "StreamService",
     "authenticate_stream",

@@ -3,7 +3,13 @@ reachability), and the strict JSON parser of their control messages.
 
 A message is one kind byte, a 4-byte big-endian payload length, then the payload. The reader checks
 the kind and bounds the length before reading the payload, so a peer cannot make us allocate more
-than the limit, and every read and write has a timeout.
+than the limit.
+
+Every read and write has a timeout on *progress*, not on the whole message: a payload moves in pieces
+of :data:`PROGRESS_BYTES`, and each piece must move within the timeout. So a large message over a slow
+link takes as long as it needs, while a partner that stops sending (or reading) is dropped after one
+timeout, whatever the message's size. Bounds on a whole exchange are the caller's (the gossip
+averager's deadlines grow with the exchange's size over the rate measured to that partner).
 """
 
 from __future__ import annotations
@@ -12,7 +18,7 @@ import asyncio
 import enum
 import json
 import math
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 from swarm._errors import SwarmError
@@ -20,28 +26,43 @@ from swarm._errors import SwarmError
 HEADER_LEN = 5
 
 K = TypeVar("K", bound=enum.IntEnum)
+T = TypeVar("T")
 
 
 class ProtocolError(SwarmError):
     """The other side broke the protocol: unexpected message, malformed header or payload."""
 
 
+PROGRESS_BYTES = 64 * 1024
+"""A message's payload moves in pieces of this size; each must move within the read/write timeout."""
+
+
+class StalledError(TimeoutError):
+    """The other side moved no piece of a message within the timeout (it stopped sending or reading)."""
+
+
 async def write_message(
     writer: asyncio.StreamWriter, kind: enum.IntEnum, payload: bytes | memoryview, timeout: float
 ) -> int:
-    """Send one message; return the bytes it put on the stream."""
-    writer.write(bytes([kind]) + len(payload).to_bytes(4, "big"))
-    if payload:
-        writer.write(payload)
-    await asyncio.wait_for(writer.drain(), timeout)
-    return HEADER_LEN + len(payload)
+    """Send one message; return the bytes it put on the stream. Raises :class:`StalledError` when a
+    piece of it cannot be handed on within ``timeout`` seconds (the reader stopped reading)."""
+    view = memoryview(payload).cast("B")
+    writer.write(bytes([kind]) + len(view).to_bytes(4, "big"))
+    for start in range(0, len(view), PROGRESS_BYTES):
+        writer.write(view[start : start + PROGRESS_BYTES])
+        await _within(writer.drain(), timeout, "sent")
+    if not len(view):
+        await _within(writer.drain(), timeout, "sent")
+    return HEADER_LEN + len(view)
 
 
 async def read_message(
     reader: asyncio.StreamReader, kinds: type[K], limit: Callable[[K], int], timeout: float
 ) -> tuple[K, bytes]:
-    """Read one message whose kind is a member of ``kinds`` and whose payload is within ``limit(kind)``."""
-    header = await asyncio.wait_for(reader.readexactly(HEADER_LEN), timeout)
+    """Read one message whose kind is a member of ``kinds`` and whose payload is within ``limit(kind)``.
+
+    Raises :class:`StalledError` when no piece of it arrives within ``timeout`` seconds."""
+    header = await _within(reader.readexactly(HEADER_LEN), timeout, "received")
     try:
         kind = kinds(header[0])
     except ValueError:
@@ -49,8 +70,20 @@ async def read_message(
     length = int.from_bytes(header[1:], "big")
     if length > limit(kind):
         raise ProtocolError(f"{kind.name} message of {length} bytes exceeds the limit of {limit(kind)}")
-    payload = await asyncio.wait_for(reader.readexactly(length), timeout) if length else b""
-    return kind, payload
+    if length <= PROGRESS_BYTES:
+        return kind, await _within(reader.readexactly(length), timeout, "received") if length else b""
+    payload = bytearray()
+    while len(payload) < length:
+        piece = min(PROGRESS_BYTES, length - len(payload))
+        payload += await _within(reader.readexactly(piece), timeout, "received")
+    return kind, bytes(payload)
+
+
+async def _within(step: Awaitable[T], timeout: float, what: str) -> T:
+    try:
+        return await asyncio.wait_for(step, timeout)
+    except TimeoutError:
+        raise StalledError(f"nothing {what} for {timeout:g} s (the other side stalled)") from None
 
 
 MAX_JSON_DEPTH = 32

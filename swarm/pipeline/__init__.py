@@ -13,8 +13,9 @@ Names are exported lazily (PEP 562): the config hash of ``num_stages: auto`` nee
 
 from __future__ import annotations
 
-import importlib
 from typing import Any
+
+from swarm._lazy import load_export
 
 _EXPORTS = {
     "PartSizes": "swarm.pipeline._plan",
@@ -50,9 +51,4 @@ __all__ = sorted(_EXPORTS)
 
 
 def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'swarm.pipeline' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+    return load_export(__name__, _EXPORTS, name, globals())

@@ -114,29 +114,30 @@ class StageClient(StreamService):
         """One request to ``peer``'s stage ``stage``; StageError (its refusal) or CallFailed."""
         started = time.monotonic()
         try:
-            return await asyncio.wait_for(
-                self._call(peer, stage, request, tensors, targets, started), timeout
-            )
+            async with asyncio.timeout(timeout):
+                limits = self.limits[stage]
+                frames = await asyncio.to_thread(encode, tensors, limits)
+                reader, writer = await dial(
+                    self._p2p, peer, handler_name(self._run_id, stage), self._swarm_key, IO_TIMEOUT_S
+                )
+                request = replace(request, frames=len(frames))
+                return await self._exchange(reader, writer, request, frames, targets, limits, started)
         except StageError:
             raise
         except Exception as exc:  # PEER_FAULTS, FrameError, hivemind's ControlFailure when a dial fails...
             raise CallFailed(f"{type(exc).__name__}: {str(exc)[:200]}") from None
 
-    async def _call(
+    async def _exchange(
         self,
-        peer: str,
-        stage: int,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
         request: Request,
-        tensors: Sequence[tuple[str, torch.Tensor]],
+        frames: list[bytes],
         targets: torch.Tensor | None,
+        limits: ServerLimits,
         started: float,
     ) -> Reply:
-        limits = self.limits[stage]
-        frames = await asyncio.to_thread(encode, tensors, limits)
-        request = replace(request, frames=len(frames))
-        reader, writer = await dial(
-            self._p2p, peer, handler_name(self._run_id, stage), self._swarm_key, IO_TIMEOUT_S
-        )
+        """The request, its answer and (beside the caller) the COMMIT on a dialled stream, which it closes."""
         committing = False
         try:
             self.bytes_sent += await write_message(writer, Kind.REQUEST, request.to_json(), IO_TIMEOUT_S)

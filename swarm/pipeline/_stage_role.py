@@ -123,13 +123,8 @@ class DataHolderRole(StageRole):
     def __init__(self, peer: StagePeer, spec: StageSpec) -> None:
         super().__init__(peer, spec)
         config, pipe = peer.config, peer.config.pipeline
-        self.batches = TrainBatches(
-            peer.source,
-            config.model.block_size,
-            config.train.batch_size,
-            peer_key=peer.node.peer_id,
-            seed=config.run.seed,
-            start_sample=peer.progress.samples_drawn,
+        self.batches = TrainBatches.of_peer(
+            peer.source, config, peer.node.peer_id, peer.progress.samples_drawn
         )
         self.router = Router(len(peer.specs), peer.node.peer_id, pipe.routing)
         try:

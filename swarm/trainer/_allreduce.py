@@ -39,7 +39,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.compression import CompressionInfo
 
@@ -55,8 +54,8 @@ from swarm.trainer._backend import (
 from swarm.trainer._hivemind_wire import (
     MATCHMAKING_TIME_S,
     REQUEST_TIMEOUT_S,
+    CountingAverager,
     WireCounters,
-    count_stream_bytes,
     hivemind_codec,
 )
 from swarm.trainer._solo import RoundClock
@@ -79,21 +78,15 @@ class GroupRound:
     resynced: bool
 
 
-class _PseudoGradientAverager(DecentralizedAverager):
+class _PseudoGradientAverager(CountingAverager):
     """hivemind's averager, counting its bytes, naming its groups and sharing the outer state."""
 
     def __init__(self, tensors: list[torch.Tensor], *, wire: WireCounters, state_fn, **kwargs) -> None:
         self._wire, self._state_fn = wire, state_fn
         super().__init__(tensors, **kwargs)
 
-    def run(self) -> None:
-        count_stream_bytes(self._wire)
-        super().run()
-
     async def _aggregate_with_group(self, group_info: GroupInfo, min_vector_size: int, **kwargs):
         gathered = await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
-        self._wire.add(WireCounters.ROUNDS, 1)
-        self._wire.add(WireCounters.PEERS, len(group_info.peer_ids))
         # hivemind fills in what a slow member did not send or reduce with our own values, so that
         # each member may end with a different "average": such a round is not consistent
         runner = self._running_groups[group_info.group_id].result()

@@ -22,14 +22,12 @@ state downloads), libp2p's own framing and encryption excluded (:mod:`swarm.trai
 
 from __future__ import annotations
 
-import logging
 import time
 from functools import partial
 from typing import Any
 
 import hivemind
 import torch
-from hivemind.averaging.group_info import GroupInfo
 from hivemind.optim.state_averager import TrainingStateAverager
 from hivemind.utils.crypto import RSAPrivateKey
 
@@ -39,32 +37,20 @@ from swarm.trainer._backend import BackendContext, JoinResult, NoGuard, RoundRes
 from swarm.trainer._hivemind_wire import (
     MATCHMAKING_TIME_S,
     REQUEST_TIMEOUT_S,
+    CountingAverager,
     WireCounters,
-    count_stream_bytes,
     hivemind_codec,
 )
 from swarm.training import all_finite
 from swarm.training.inner import parameter_groups
 
-logger = logging.getLogger(__name__)
 
-
-class _CountingStateAverager(TrainingStateAverager):
+class _CountingStateAverager(CountingAverager, TrainingStateAverager):
     """hivemind's state averager, counting its wire bytes and completed all-reduce rounds."""
 
     def __init__(self, *, wire: WireCounters, **kwargs):
         self._wire = wire
         super().__init__(**kwargs)
-
-    def run(self) -> None:
-        count_stream_bytes(self._wire)
-        super().run()
-
-    async def _aggregate_with_group(self, group_info: GroupInfo, min_vector_size: int, **kwargs):
-        gathered = await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
-        self._wire.add(WireCounters.ROUNDS, 1)
-        self._wire.add(WireCounters.PEERS, len(group_info.peer_ids))
-        return gathered
 
 
 class CountingOptimizer(hivemind.Optimizer):

@@ -1,4 +1,5 @@
-"""What the hivemind-based baselines share: codecs, matchmaking times and wire byte counters.
+"""What the hivemind-based baselines share: codecs, matchmaking times, wire byte counters and an averager
+that keeps them.
 
 hivemind counts no bytes, so an averager process (a forked ``mp.Process``) counts them itself: every
 length-prefixed protobuf message its P2P streams send or receive (all-reduce parts, matchmaking,
@@ -9,7 +10,10 @@ from __future__ import annotations
 
 import ctypes
 import multiprocessing as mp
+from typing import Any
 
+from hivemind.averaging import DecentralizedAverager
+from hivemind.averaging.group_info import GroupInfo
 from hivemind.compression import (
     BlockwiseQuantization,
     CompressionBase,
@@ -75,3 +79,21 @@ def count_stream_bytes(wire: WireCounters) -> None:
 
     P2P.send_raw_data = staticmethod(counted_send)
     P2P.receive_raw_data = staticmethod(counted_receive)
+
+
+class CountingAverager(DecentralizedAverager):
+    """A hivemind averager that counts its wire bytes (in its own process) and each all-reduce round it
+    completes, with its group size, in ``_wire``; a subclass sets ``_wire`` before calling ``__init__``
+    (which may start the averager process)."""
+
+    _wire: WireCounters
+
+    def run(self) -> None:
+        count_stream_bytes(self._wire)
+        super().run()
+
+    async def _aggregate_with_group(self, group_info: GroupInfo, min_vector_size: int, **kwargs: Any) -> Any:
+        gathered = await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
+        self._wire.add(WireCounters.ROUNDS, 1)
+        self._wire.add(WireCounters.PEERS, len(group_info.peer_ids))
+        return gathered

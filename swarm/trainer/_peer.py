@@ -158,13 +158,8 @@ class TrainingPeer:
         except BaseException:
             self.close()
             raise
-        self.batches = TrainBatches(
-            self.source,
-            config.model.block_size,
-            config.train.batch_size,
-            peer_key=self.node.peer_id,
-            seed=config.run.seed,
-            start_sample=self.progress.samples_drawn,
+        self.batches = TrainBatches.of_peer(
+            self.source, config, self.node.peer_id, self.progress.samples_drawn
         )
 
     @property

@@ -57,6 +57,7 @@ def make_averager(
         # per parameter for an exchange that runs every few rounds
         error_feedback=comp.error_feedback and not suffix,
         exchange_timeout_s=avg.exchange_timeout_s,
+        max_exchange_timeout_s=avg.max_exchange_timeout_s,
         chunk_timeout_s=avg.chunk_timeout_s,
         max_norm_ratio=avg.max_norm_ratio,
         ban_base_s=avg.ban_base_s,

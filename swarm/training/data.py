@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from swarm._tokenizer import Tokenizer, load_tokenizer
-from swarm.config import DataSection
+from swarm.config import DataSection, RunConfig
 
 logger = logging.getLogger(__name__)
 
@@ -357,3 +357,12 @@ class TrainBatches:
         self.samples_drawn += self.batch_size
         batch = batch.long()
         return batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
+
+    @classmethod
+    def of_peer(
+        cls, source: TokenSource, config: RunConfig, peer_key: str, start_sample: int
+    ) -> TrainBatches:
+        """A trainer's batches under ``config`` (block and batch size, the run's seed), resumed after
+        ``start_sample`` samples."""
+        model, train = config.model, config.train
+        return cls(source, model.block_size, train.batch_size, peer_key, config.run.seed, start_sample)

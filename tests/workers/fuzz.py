@@ -171,6 +171,29 @@ class FakeP2P:
     async def shutdown(self) -> None:
         return None
 
+    async def factory(self) -> FakeP2P:
+        """A ``p2p_factory`` for a service under test: it serves on this fake."""
+        return self
+
+
+def serve_stream(
+    service: Any, p2p: FakeP2P, handler: str, data: bytes, eof: bool = True, peer: PeerID | None = None
+) -> bytes:
+    """Run ``handler`` (registered on ``p2p`` by ``service``, a ``StreamService``) on ``data`` from
+    ``peer`` (a fresh one by default), on the service's own loop; return what it wrote back."""
+    writer = FakeWriter()
+
+    async def run() -> None:
+        reader = asyncio.StreamReader()
+        reader.feed_data(data)
+        if eof:
+            reader.feed_eof()
+        info = SimpleNamespace(peer_id=peer or fresh_peer())
+        await asyncio.wait_for(p2p.handlers[handler](info, reader, writer), CASE_TIMEOUT_S)
+
+    service._loop.run(run(), timeout=CASE_TIMEOUT_S + 1)
+    return bytes(writer.data)
+
 
 def msg(kind: int, payload: bytes = b"", length: int | None = None) -> bytes:
     size = len(payload) if length is None else length

@@ -25,7 +25,7 @@ from typing import Any
 import psutil
 import torch
 
-from tests._processes import describe, group_processes, kill_all, outliving
+from tests._processes import reap_workers
 
 # forkserver: heavy imports happen once in the server, each worker is a cheap fork of it (a fresh
 # interpreter per worker costs seconds of CPU on a 2-core CI machine).
@@ -302,16 +302,7 @@ class PeerPool:
             if index not in self.dead:
                 with contextlib.suppress(Exception):
                     conn.send(("shutdown", {}))
-        deadline = time.monotonic() + timeout
-        for proc in self.workers:
-            proc.join(max(0.1, deadline - time.monotonic()))
-        groups = set(self.pgids)
-        outlived = outliving(lambda: group_processes(groups), max(0.1, deadline - time.monotonic()))
-        described = [describe(p) for p in outlived]
-        kill_all(outlived)
-        for proc in self.workers:
-            proc.join(10)
-        return described
+        return reap_workers(self.workers, self.pgids, time.monotonic() + timeout)
 
 
 def p2pd_pids() -> set[int]:

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from tests._processes import describe, group_processes, kill_all, outliving
+from tests._processes import reap_workers
 
 CONTEXT = mp.get_context("forkserver")
 CONTEXT.set_forkserver_preload(
@@ -212,13 +212,4 @@ class Swarm:
             if proc.is_alive():
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(proc.pid, signal.SIGTERM)
-        deadline = time.monotonic() + timeout
-        for proc in self.procs:
-            proc.join(max(0.1, deadline - time.monotonic()))
-        groups = set(self.pgids)
-        outlived = outliving(lambda: group_processes(groups), max(0.1, deadline - time.monotonic()))
-        described = [describe(p) for p in outlived]
-        kill_all(outlived)
-        for proc in self.procs:
-            proc.join(10)
-        return described
+        return reap_workers(self.procs, self.pgids, time.monotonic() + timeout)
