@@ -120,7 +120,9 @@ class GossipAverager(StreamService):
         self._metrics = MetricsRecorder()
         also = respect_bans_of._reputation.bans if respect_bans_of is not None else None
         self._reputation: Reputation = Reputation(opts, self._metrics, also)
-        self._deadlines = Deadlines(opts.exchange_timeout_s, opts.max_exchange_timeout_s)
+        self._deadlines = Deadlines(
+            opts.exchange_timeout_s, max(opts.exchange_timeout_s, opts.max_exchange_timeout_s)
+        )
         self._rng = random.Random(seed)
         # one exchange at a time, across averagers that share the lock (their buffers never add up)
         self._lock: threading.Lock = exclusive_with._lock if exclusive_with is not None else threading.Lock()
