@@ -111,3 +111,20 @@ def test_writing_to_a_slow_reader_completes_and_to_a_stalled_one_fails() -> None
 
     with pytest.raises(StalledError, match="nothing sent"):
         asyncio.run(stalled())
+
+
+def test_a_cancellation_that_arrives_as_the_data_does_is_not_swallowed() -> None:
+    """Aborting an exchange cancels its task; the read must end with CancelledError even when its data
+    arrived in the same instant (Python 3.11's ``wait_for`` would return the data and swallow the
+    cancellation, and the aborted exchange would run on)."""
+
+    async def scenario() -> None:
+        reader = asyncio.StreamReader()
+        task = asyncio.ensure_future(read_message(reader, Kind, lambda _: 1 << 20, timeout=10.0))
+        await asyncio.sleep(0)  # the read is now waiting for the header
+        reader.feed_data(_message(b"late"))
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(scenario())

@@ -80,8 +80,12 @@ async def read_message(
 
 
 async def _within(step: Awaitable[T], timeout: float, what: str) -> T:
+    """``step`` within ``timeout`` seconds. ``asyncio.timeout``, not ``wait_for``: on Python 3.11,
+    ``wait_for`` swallows a cancellation that arrives as the step completes, and an aborted exchange
+    would then run on (into a partner's stall) instead of unwinding."""
     try:
-        return await asyncio.wait_for(step, timeout)
+        async with asyncio.timeout(timeout):
+            return await step
     except TimeoutError:
         raise StalledError(f"nothing {what} for {timeout:g} s (the other side stalled)") from None
 
