@@ -99,6 +99,10 @@ def _ok_partners(trainer: Trainer, since: int) -> list[str]:
     return [s["partner"] for s in trainer.syncs(since) if s["outcome"] == "ok"]
 
 
+def _partners_since(trainers: list[Trainer], marks: list[int]) -> list[list[str]]:
+    return [sorted(set(_ok_partners(t, m))) for t, m in zip(trainers, marks, strict=True)]
+
+
 def _relative_distance(a: dict, b: dict) -> float:
     num = sum(float((a[name].double() - b[name].double()).pow(2).sum()) for name in a)
     den = sum(float(a[name].double().pow(2).sum()) for name in a)
@@ -180,12 +184,13 @@ def test_both_halves_train_through_a_partition_and_drift_recovers_after_healing(
         together.update(_cross_half_distances(trainers, steps_at_heal) or {})
         return bool(together) and max(together.values()) < MAX_DRIFT
 
-    recovered_s = wait_until(
-        back_together,
-        120,
-        f"exchanges across the healed cut and every cross-half pair within {MAX_DRIFT}",
-        1.0,
-    )
+    try:  # a bound for a hang, generous: two busy cores may run another heavy test beside this one
+        recovered_s = wait_until(back_together, 300, "the healed swarm", 1.0)
+    except AssertionError:
+        raise AssertionError(
+            f"after healing: no exchange across the cut, or a cross-half pair still over {MAX_DRIFT}; "
+            f"distances {together}; partners since the heal {_partners_since(trainers, marks)}"
+        ) from None
     print(
         f"split {healed_at - split_at:.0f}s, halves apart {split_apart}; after healing, within {MAX_DRIFT} "
         f"in {recovered_s:.0f}s: { ({pair: round(d, 3) for pair, d in together.items()}) }; "

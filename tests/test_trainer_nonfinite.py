@@ -65,5 +65,13 @@ def test_a_non_finite_step_rolls_back_and_nothing_non_finite_is_served_or_saved(
         for _, path in list_checkpoints(tmp_path):
             model = read_checkpoint(path)["model"]
             assert all_finite(t for t in model.values() if t.is_floating_point())
+        # a save asked for while the parameters are non-finite (e.g. a background round booked right
+        # after a poisoned step) writes nothing
+        newest = max(list_checkpoints(tmp_path))
+        with torch.no_grad():
+            next(peer.model.parameters()).view(-1)[0] = float("nan")
+        peer.progress.step += 1  # a new step: a finite state here would be saved
+        assert peer.save_checkpoint() == newest[1]
+        assert max(list_checkpoints(tmp_path)) == newest
     finally:
         peer.close()

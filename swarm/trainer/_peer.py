@@ -353,13 +353,21 @@ class TrainingPeer:
         if directory is None:
             return None
         self._last_checkpoint = time.monotonic()
+        if not all_finite(p.detach() for p in self.model.parameters()):
+            logger.warning(
+                "not saving a checkpoint at step %d: the parameters are not finite", self.progress.step
+            )
+            return self._saved[1] if self._saved is not None else None
         at = (self.progress.step, self.progress.round)
         if self._saved is None or self._saved[0] != at:
             self._saved = (at, save_checkpoint(directory, self._checkpoint_state(), self.progress.step))
         return self._saved[1]
 
     def _maybe_checkpoint(self) -> None:
-        if time.monotonic() - self._last_checkpoint >= self.config.train.checkpoint_every_s:
+        """A periodic checkpoint; parameters gone non-finite since the last check (a round that completed
+        in the background is booked after any step) are rolled back first, never saved."""
+        due = time.monotonic() - self._last_checkpoint >= self.config.train.checkpoint_every_s
+        if due and self._parameters_finite():
             self.save_checkpoint()
 
     def _resume(self) -> Path | None:
