@@ -36,6 +36,8 @@ _UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "bps": 8, "kbps
 _BRIDGE = "br0"
 _BRIDGE_MAC = "02:77:00:00:00:01"  # fixed, locally administered: partitions send frames here to drop them
 _HOST_IF = "eth0"
+NAT_SUBNET = "192.168.1.0/24"
+"""Every home network behind an :meth:`NetLab.add_nat_host` router uses this one, as real homes do."""
 _QUEUE = ("latency", "50ms")  # tbf's queue holds at most 50 ms of traffic at the link's rate; more is dropped
 
 Rate = str | int | float
@@ -55,10 +57,12 @@ def parse_rate(rate: Rate) -> int:
     return int(float(match.group(1)) * _UNITS.get(match.group(2), 1))
 
 
-def sh(args: Sequence[str], timeout: float = CMD_TIMEOUT_S, check: bool = True) -> str:
+def sh(
+    args: Sequence[str], timeout: float = CMD_TIMEOUT_S, check: bool = True, input_text: str | None = None
+) -> str:
     """Run a command with a timeout; return stdout, or raise NetLabError with its stderr."""
     try:
-        done = subprocess.run(list(args), capture_output=True, text=True, timeout=timeout)
+        done = subprocess.run(list(args), capture_output=True, text=True, timeout=timeout, input=input_text)
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise NetLabError(f"{' '.join(args)}: {exc}") from exc
     if check and done.returncode != 0:
@@ -84,6 +88,15 @@ def unavailable_reason() -> str | None:
         return f"{what}: {exc}"
     finally:
         sh(["ip", "netns", "del", probe], check=False)
+    return None
+
+
+def nat_unavailable_reason() -> str | None:
+    """None if :meth:`NetLab.add_nat_host` can work here, else why not (it also needs nftables)."""
+    if (reason := unavailable_reason()) is not None:
+        return reason
+    if shutil.which("nft") is None:
+        return "requires nftables (nft) for the home routers; scripts/test_tools.sh installs it as root"
     return None
 
 
@@ -171,6 +184,7 @@ class NetLab:
         self.prefixlen = network.prefixlen
         self.hosts = [Host(i, f"{self.prefix}-h{i}", str(addresses[i])) for i in range(hosts)]
         self.rate, self.burst = rate, burst
+        self.nat_hosts: list[Host] = []
         self._servers: dict[int, subprocess.Popen] = {}
         self._servers_lock = threading.Lock()
         self._closed = True
@@ -219,7 +233,7 @@ class NetLab:
             return
         self._closed = True
         atexit.unregister(self.close)
-        for host in self.hosts:
+        for host in self.nat_hosts + self.hosts:
             host.stop_processes()
         for proc in self._servers.values():
             proc.stdout.close()
@@ -252,6 +266,34 @@ class NetLab:
                 for j in theirs:
                     neigh = (self.hosts[j].ip, "lladdr", _BRIDGE_MAC, "dev", _HOST_IF, "nud", "permanent")
                     _ip(self.hosts[i].netns, "neigh", "replace", *neigh)
+
+    def add_nat_host(self, router: int) -> Host:
+        """A machine in a home network behind host ``router``, which becomes its NAT router.
+
+        The new host (its own namespace) has address ``.2`` of :data:`NAT_SUBNET` and a default route
+        through the router (``.1``). The router masquerades what the home network sends out (nftables),
+        and forwards back only replies to connections opened from inside: like a home router with
+        no port forward, nothing outside can open a connection to the new host. Processes in it reach
+        the lab with the router's address and the router's shaped link.
+        """
+        base = ipaddress.ip_network(NAT_SUBNET)
+        gateway, address = (str(a) for a in list(base.hosts())[:2])
+        outer = self.hosts[router].netns
+        ns = f"{self.prefix}-nat{router}"
+        sh(["ip", "netns", "add", ns])
+        host = Host(router, ns, address)
+        self.nat_hosts.append(host)
+        _ip(outer, "link", "add", "name", "lan0", "type", "veth", "peer", "name", _HOST_IF, "netns", ns)
+        _ip(outer, "addr", "add", f"{gateway}/{base.prefixlen}", "dev", "lan0")
+        _ip(outer, "link", "set", "lan0", "up")
+        _sysctl(ns, f"net.ipv6.conf.{_HOST_IF}.disable_ipv6=1")
+        _ip(ns, "addr", "add", f"{address}/{base.prefixlen}", "dev", _HOST_IF)
+        _ip(ns, "link", "set", _HOST_IF, "up")
+        _ip(ns, "link", "set", "lo", "up")
+        _ip(ns, "route", "add", "default", "via", gateway)
+        _sysctl(outer, "net.ipv4.ip_forward=1")
+        sh(["ip", "netns", "exec", outer, "nft", "-f", "-"], input_text=_HOME_ROUTER_RULES)
+        return host
 
     def heal(self) -> None:
         """Undo every :meth:`partition`."""
@@ -297,6 +339,21 @@ class NetLab:
         if result["seconds"] <= 0:
             raise NetLabError(f"{nbytes} bytes arrived in one chunk, too few to time; send more")
         return result["bytes"] * 8 / result["seconds"]
+
+
+_HOME_ROUTER_RULES = """
+table ip home {
+    chain outbound {
+        type nat hook postrouting priority 100;
+        oifname "eth0" masquerade
+    }
+    chain forwarding {
+        type filter hook forward priority 0; policy drop;
+        ct state established,related accept
+        iifname "lan0" accept
+    }
+}
+"""
 
 
 def _set_tbf(netns: str, dev: str, rate: Rate | None, burst: int | None) -> None:

@@ -2,20 +2,23 @@
 # OS tools the test suite needs beyond .venv; idempotent, a quick no-op when they are there.
 #
 #   chromium   a headless browser for tests/test_monitor_http.py (loads the monitor's status page)
+#   nft        nftables, for the testbed's home routers (NetLab.add_nat_host masquerades with it)
 #
 # As root (CI, this project's machines) it installs what is missing from the Debian packages. As
-# anyone else it only says what is missing; the browser test then skips and names the reason.
+# anyone else it only says what is missing; the tests that need it then skip and name the reason.
 set -euo pipefail
 
-if command -v chromium >/dev/null 2>&1; then
+packages=()
+command -v chromium >/dev/null 2>&1 || packages+=(chromium fonts-dejavu-core)
+command -v nft >/dev/null 2>&1 || packages+=(nftables)
+if [ "${#packages[@]}" = 0 ]; then
     exit 0
 fi
 if [ "$(id -u)" != 0 ]; then
-    echo "[tools] chromium is missing; the status-page browser test will skip (install: sudo apt-get install chromium)" >&2
+    echo "[tools] missing: ${packages[*]}; the tests that need them will skip (install: sudo apt-get install ${packages[*]})" >&2
     exit 0
 fi
 
-packages=(chromium fonts-dejavu-core)
 log="${TMPDIR:-/tmp}/swarm-test-tools.log"
 echo "[tools] installing ${packages[*]} from the Debian packages (log: $log)"
 export DEBIAN_FRONTEND=noninteractive
@@ -29,4 +32,4 @@ if ! install && ! { apt-get update >>"$log" 2>&1 && install; }; then
     tail -n 30 "$log" >&2
     exit 1
 fi
-echo "[tools] done ($(chromium --version 2>/dev/null || echo 'chromium installed'))"
+echo "[tools] done ($(chromium --version 2>/dev/null || echo 'chromium installed'); $(nft --version 2>/dev/null || echo 'nft installed'))"

@@ -10,11 +10,12 @@ import pytest
 
 from peers.bootstrap import JOIN_LINE_PREFIX
 from scripts import netlab
-from scripts.netlab import NetLab, list_labs, parse_rate, unavailable_reason
+from scripts.netlab import NetLab, list_labs, nat_unavailable_reason, parse_rate, unavailable_reason
 from tests._processes import swarm_cli, terminate_and_wait
 from tests.workers.tiny import cli_sets, tiny
 
 needs_lab = pytest.mark.skipif(unavailable_reason() is not None, reason=unavailable_reason() or "")
+needs_nat = pytest.mark.skipif(nat_unavailable_reason() is not None, reason=nat_unavailable_reason() or "")
 TINY = cli_sets(tiny())
 
 
@@ -144,3 +145,33 @@ def test_two_peers_in_two_hosts_join(spawn, lab: NetLab) -> None:
     joiner.wait_for_line(lambda text: text.startswith("peer ") and "joined run" in text, timeout=90)
     assert terminate_and_wait(joiner, timeout=15) == 0
     assert terminate_and_wait(boot, timeout=15) == 0
+
+
+def _echo(host: netlab.Host, ip: str, port: int) -> dict:
+    return json.loads(host.run(netlab._helper("_client", ip, str(port), "echo", "64", "3")))
+
+
+@needs_nat
+def test_a_host_behind_a_home_router_dials_out_and_nobody_dials_in() -> None:
+    with NetLab(hosts=2) as built:
+        home = built.add_nat_host(1)
+        assert home.ip == "192.168.1.2"
+        # out: host 0 has no route to 192.168.1.0/24, so its replies arrive only if the router
+        # rewrote the source to its own address (masquerade)
+        assert _echo(home, built.hosts[0].ip, built.server(0))["ok"]
+        inside = home.popen(
+            netlab._helper("_serve", "--port", "5300"),
+            stdout=subprocess.PIPE,
+            stdin=subprocess.DEVNULL,
+            text=True,
+        )
+        assert inside.stdout.readline().strip() == "ready"
+        assert _echo(home, "127.0.0.1", 5300)["ok"]  # the server in the home network does listen...
+        for ip in (built.hosts[1].ip, home.ip):  # ...but neither the router's address nor its own reach it
+            refused = _echo(built.hosts[0], ip, 5300)
+            assert not refused["ok"], (ip, refused)
+        # not even for a neighbour that routes the home network through the router: it forwards in
+        # only replies to connections opened from inside
+        built.hosts[0].run(["ip", "route", "add", "192.168.1.0/24", "via", built.hosts[1].ip])
+        assert not _echo(built.hosts[0], home.ip, 5300)["ok"]
+    assert list_labs(built.prefix) == []
