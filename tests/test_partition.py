@@ -120,6 +120,7 @@ def _cross_half_distances(
     return {(a, b): _relative_distance(anchors[a], anchors[b]) for a in HALVES[0] for b in HALVES[1]}
 
 
+@pytest.mark.timeout(600)  # three phases, each with its own hang bound (the last one 300 s)
 def test_both_halves_train_through_a_partition_and_drift_recovers_after_healing(
     spawn, lab: NetLab, tmp_path: Path
 ) -> None:

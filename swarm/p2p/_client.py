@@ -34,8 +34,9 @@ async def dial(
     """
     from hivemind.p2p import PeerID
 
-    async with asyncio.timeout(timeout):  # not wait_for, which can swallow a cancellation (see _framing)
-        _, reader, writer = await p2p.call_binary_stream_handler(PeerID.from_base58(peer), handler)
+    _, reader, writer = await asyncio.wait_for(
+        p2p.call_binary_stream_handler(PeerID.from_base58(peer), handler), timeout
+    )
     if swarm_key is None:
         return reader, writer
     try:

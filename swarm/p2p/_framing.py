@@ -80,14 +80,20 @@ async def read_message(
 
 
 async def _within(step: Awaitable[T], timeout: float, what: str) -> T:
-    """``step`` within ``timeout`` seconds. ``asyncio.timeout``, not ``wait_for``: on Python 3.11,
-    ``wait_for`` swallows a cancellation that arrives as the step completes, and an aborted exchange
-    would then run on (into a partner's stall) instead of unwinding."""
+    """``step`` within ``timeout`` seconds, honouring a cancellation that arrives as it completes.
+
+    On Python 3.11 ``wait_for`` returns the step's result when the task is cancelled in the same
+    instant, and the cancellation is lost: an aborted exchange would run on into a partner's stall.
+    The task still counts the request (``cancelling()``), so it is raised here.
+    """
     try:
-        async with asyncio.timeout(timeout):
-            return await step
+        result = await asyncio.wait_for(step, timeout)
     except TimeoutError:
         raise StalledError(f"nothing {what} for {timeout:g} s (the other side stalled)") from None
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
+    return result
 
 
 MAX_JSON_DEPTH = 32
