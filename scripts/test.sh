@@ -8,8 +8,9 @@
 #
 # Every other argument goes to pytest, e.g. scripts/test.sh --fast -x -k gossip. pytest always prints
 # the 25 slowest tests (--durations=25; pass your own --durations=N to change it). Tests run in one
-# pytest-xdist worker per core (-n auto, idle workers steal queued tests); pass -n 0 to run them in
-# this process, one after another (e.g. for a debugger or -x).
+# pytest-xdist worker per core (-n auto --dist loadgroup: the heavy swarm scenarios share one worker,
+# so at most one runs at a time); pass -n 0 to run them in this process, one after another (e.g. for
+# a debugger or -x).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
@@ -68,6 +69,6 @@ fi
 echo "[test] pytest${selection[*]:+ ${selection[*]}}"
 started=$SECONDS
 status=0
-.venv/bin/python -m pytest -n auto --dist worksteal --durations=25 "${selection[@]}" "${pytest_args[@]}" || status=$?
+.venv/bin/python -m pytest -n auto --dist loadgroup --durations=25 "${selection[@]}" "${pytest_args[@]}" || status=$?
 echo "[test] pytest exited $status after $((SECONDS - started)) s"
 exit "$status"

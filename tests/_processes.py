@@ -19,8 +19,14 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+import pytest
 
 REPO = Path(__file__).resolve().parent.parent
+
+heavy_scenario = pytest.mark.xdist_group("heavy-scenarios")
+"""Marks a scenario of many CPU-hungry processes (whole swarms). Under ``--dist loadgroup``
+(scripts/test.sh) they all run in one xdist worker, so at most one runs at a time, beside lighter
+tests: two side by side on 2 cores each ran at a third of its speed and timed out on slow machines."""
 
 
 class PeerProcess:
@@ -62,6 +68,7 @@ class PeerProcess:
                 raise AssertionError(f"process exited ({self.proc.wait()}) before the line:\n{self.output()}")
             remaining = deadline - time.monotonic()
             if remaining <= 0:
+                self.dump_stacks()
                 raise AssertionError(f"no matching line within {timeout}s from {self.args}:\n{self.output()}")
             line = self._take(remaining)
             if line is not None and predicate(line):
@@ -99,6 +106,7 @@ class PeerProcess:
         try:
             code = self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
+            self.dump_stacks()
             raise AssertionError(f"still running after {timeout}s: {self.args}\n{self.output()}") from None
         # the rest of its output: up to the end of the stream (children that inherited it, such as
         # its DHT worker, may hold it open a moment longer; a bounded wait)
@@ -108,6 +116,18 @@ class PeerProcess:
                 break
         self.drain()
         return code
+
+    def dump_stacks(self, collect_s: float = 3.0) -> None:
+        """Ask every Python process of this child's session for its threads' stacks (SIGUSR1, see
+        ``peers._common.setup_logging``) and collect what they print for up to ``collect_s`` seconds:
+        a failing test then shows where a process that did not get on was stuck."""
+        for proc in session_processes({self.sid}):
+            with contextlib.suppress(psutil.Error):
+                if "python" in proc.name().lower():
+                    proc.send_signal(signal.SIGUSR1)
+        deadline = time.monotonic() + collect_s
+        while not self.ended and (remaining := deadline - time.monotonic()) > 0:
+            self._take(remaining)
 
     def signal(self, signum: int) -> None:
         self.proc.send_signal(signum)

@@ -30,6 +30,7 @@ import pytest
 
 from peers.local import cpu_threads_env
 from swarm.state import list_checkpoints, read_checkpoint
+from tests._processes import heavy_scenario
 from tests.workers.chaos import ChaosSwarm, Trainer
 from tests.workers.tiny import UNLIMITED, tiny
 
@@ -88,6 +89,7 @@ def test_local_swarm_gives_each_peer_its_share_of_the_cores(monkeypatch) -> None
     assert cpu_threads_env(4, environ={"OMP_NUM_THREADS": "3"}) == {}
 
 
+@heavy_scenario
 @pytest.mark.multipeer
 @pytest.mark.timeout(2 * DEADLINE_S + 180)
 def test_training_survives_random_kills_and_restarts(spawn, tmp_path) -> None:

@@ -15,7 +15,7 @@ from swarm.compression import HEADER_SIZE, get_codec
 from swarm.config import load_config
 from swarm.training import build_model, count_parameters
 from swarm.training.estimate import activation_bytes, adamw_state_bytes, estimate_peer, model_shape
-from tests._processes import swarm_cli
+from tests._processes import heavy_scenario, swarm_cli
 
 CONFIGS = sorted((Path(__file__).resolve().parent.parent / "configs").glob("*.yaml"))
 runner = CliRunner()
@@ -94,6 +94,7 @@ def _local_run(spawn, tmp_path: Path, name: str, width: int) -> Callable[[], dic
     return summaries
 
 
+@heavy_scenario
 @pytest.mark.multipeer
 @pytest.mark.timeout(600)
 def test_the_estimate_matches_the_measured_peak_memory(spawn, tmp_path: Path) -> None:

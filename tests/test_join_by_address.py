@@ -18,7 +18,7 @@ from peers.bootstrap import JOIN_LINE_PREFIX
 from peers.cli import app
 from swarm.config import RunConfig, load_config
 from swarm.membership._run_config import shareable_config
-from tests._processes import swarm_cli
+from tests._processes import heavy_scenario, swarm_cli
 from tests.workers.tiny import ONE_THREAD, UNLIMITED, cli_sets, tiny
 
 runner = CliRunner()
@@ -148,6 +148,7 @@ BOOTSTRAP_OVERRIDES = tiny(UNLIMITED, "train.step_time_s=0.1")
 BOOTSTRAP_RUN = ["--config", "configs/local-tiny.yaml", *cli_sets(BOOTSTRAP_OVERRIDES)]
 
 
+@heavy_scenario
 @pytest.mark.multipeer
 def test_join_and_monitor_with_only_the_address(spawn) -> None:
     """The issue's "done when": a bootstrap of local-tiny; `swarm join --initial-peers X` with no other

@@ -32,7 +32,7 @@ from hivemind.utils.timed_storage import get_dht_time
 from swarm import NetworkOptions, NodeInfo, PeerRecord, SwarmNode
 from swarm.membership import record_key
 from swarm.network import ensure_identity
-from tests._processes import wait_until
+from tests._processes import heavy_scenario, wait_until
 from tests.workers.gossip_pool import p2pd_pids, wait_no_leak
 from tests.workers.malicious import Swarm
 from tests.workers.tiny import DRIFT_CONTROL, tiny
@@ -91,6 +91,7 @@ def _bans_while_all_trained(reports: list[dict[str, Any]], index: int) -> list[t
     return [(peer, reason) for at, peer, reason in reports[index]["bans"] if at < first_done]
 
 
+@heavy_scenario
 @pytest.mark.multipeer
 @pytest.mark.timeout(480)
 def test_honest_peers_train_through_an_attacker_and_ban_it(swarms, tmp_path) -> None:

@@ -11,7 +11,7 @@ import pytest
 
 from peers.bootstrap import JOIN_LINE_PREFIX
 from swarm.membership import PROTOCOL_VERSION
-from tests._processes import swarm_cli, wait_until
+from tests._processes import heavy_scenario, swarm_cli, wait_until
 from tests.workers.tiny import ONE_THREAD, UNLIMITED, cli_sets, tiny
 
 PEER_FIELDS = {
@@ -45,6 +45,7 @@ def _snapshot_lines(process) -> list[dict]:
 RUN = cli_sets(tiny(UNLIMITED))
 
 
+@heavy_scenario
 @pytest.mark.multipeer
 def test_monitor_against_a_local_swarm_of_three(spawn, tmp_path) -> None:
     boot = spawn(swarm_cli("bootstrap", "--public-name", "local-bootstrap", *RUN), env=ONE_THREAD)

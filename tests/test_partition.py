@@ -24,7 +24,7 @@ import pytest
 from peers.bootstrap import JOIN_LINE_PREFIX
 from scripts.netlab import NetLab, unavailable_reason
 from swarm.state import list_checkpoints, read_checkpoint
-from tests._processes import PeerProcess, swarm_cli, wait_until
+from tests._processes import PeerProcess, heavy_scenario, swarm_cli, wait_until
 from tests.workers.tiny import ONE_THREAD, UNLIMITED, cli_sets, tiny
 
 pytestmark = [
@@ -120,6 +120,7 @@ def _cross_half_distances(
     return {(a, b): _relative_distance(anchors[a], anchors[b]) for a in HALVES[0] for b in HALVES[1]}
 
 
+@heavy_scenario
 @pytest.mark.timeout(600)  # three phases, each with its own hang bound (the last one 300 s)
 def test_both_halves_train_through_a_partition_and_drift_recovers_after_healing(
     spawn, lab: NetLab, tmp_path: Path

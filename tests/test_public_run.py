@@ -21,7 +21,7 @@ from swarm.membership._run_config import (
     shareable_config,
 )
 from swarm.network import peer_id_of_identity, write_new_key
-from tests._processes import REPO, swarm_cli, terminate_and_wait
+from tests._processes import REPO, heavy_scenario, swarm_cli, terminate_and_wait
 from tests.workers.tiny import UNLIMITED, cli_sets, tiny
 
 PEER_ID = "QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N"
@@ -158,6 +158,7 @@ def test_pull_returns_the_swarms_config_and_a_differing_joiner_is_refused(spawn,
     assert terminate_and_wait(boot, timeout=15) == 0
 
 
+@heavy_scenario
 @pytest.mark.multipeer
 def test_join_script_trains_then_resumes_with_the_same_identity(spawn, tmp_path) -> None:
     boot, maddr, swarm_hash = _start_bootstrap(spawn)

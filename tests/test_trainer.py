@@ -17,7 +17,7 @@ from swarm.network import NetworkOptions
 from swarm.state import list_checkpoints, read_checkpoint
 from swarm.trainer import SyncReport, TrainingPeer
 from swarm.training import evaluate
-from tests._processes import swarm_cli, wait_until
+from tests._processes import heavy_scenario, swarm_cli, wait_until
 from tests.workers.tiny import TINY, cli_sets
 
 
@@ -199,6 +199,7 @@ def _relative_distance(a: dict, b: dict) -> float:
     return (num / den) ** 0.5
 
 
+@heavy_scenario
 @pytest.mark.multipeer
 @pytest.mark.timeout(520)
 def test_three_gossip_peers_learn_and_stay_together(spawn, tmp_path) -> None:
