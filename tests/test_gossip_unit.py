@@ -29,6 +29,7 @@ from swarm.gossip._options import GossipOptions
 from swarm.gossip._partners import FORGET_AFTER_S, BanList, eligible_partners, pick_order
 from swarm.gossip._protocol import Channel, Hello, MsgKind, ProtocolError, handler_name
 from swarm.gossip._reputation import HOLD_S, Reputation
+from swarm.gossip._robust import ClipStats
 from swarm.gossip._validation import NormPolicy, ValidationError, schema_hash, schema_of, validate_received
 from tests.workers.gossip_pool import p2pd_pids, wait_no_leak
 
@@ -156,6 +157,27 @@ def test_failures_are_held_until_the_members_show_whether_the_partner_left() -> 
     reputation.review(listed)
     assert set(reputation.banned()) == {"staying"} and reputation.bans.strikes() == {"staying": 1}
     assert not reputation.is_banned("gone") and not reputation.is_banned("leaving")
+
+
+def test_only_an_unclipped_exchange_forgives_a_suspect() -> None:
+    """A scaling attacker's update is sometimes cut only softly (early in its round) or not judged (a
+    small weight): those exchanges must not wipe its suspicions, or two hard cuts never come in a row."""
+    reputation = Reputation(GossipOptions(clip_strikes=2), MetricsRecorder())
+    clean = ClipStats(scale=1.0, excess=0.5, hard=False, own_norm=1.0)
+    soft = ClipStats(scale=0.5, excess=4.0, hard=False, own_norm=1.0)
+    unjudged = ClipStats(scale=1.0, excess=0.0, hard=False, own_norm=1.0, judged=False)
+    hard = ClipStats(scale=0.01, excess=50.0, hard=True, own_norm=1.0)
+    reputation.committed("warmup", clean)  # blame starts once our own norm is known
+    for between in (soft, unjudged):
+        reputation.committed("attacker", hard)
+        reputation.committed("attacker", between)
+        reputation.committed("attacker", hard)
+        assert reputation.is_banned("attacker"), between
+        reputation.bans.forgive("attacker")
+    reputation.committed("honest", hard)
+    reputation.committed("honest", clean)
+    reputation.committed("honest", hard)
+    assert not reputation.is_banned("honest")  # a clean exchange in between forgave the first
 
 
 def test_eligible_partners_filters_and_random_order() -> None:

@@ -11,6 +11,8 @@ The rules (docs/gossip.md, "Never a stall" and "Malicious partners"), on top of 
   its ban on us expired;
 - a committed exchange whose partner difference the robust clip cut hard makes the partner
   *suspect*; ``clip_strikes`` suspicions in a row ban it;
+- one the clip cut, but not hard, or did not judge (a joiner's weight) neither blames nor forgives:
+  a scaling attacker whose update is small early in its round must not wipe its suspicions;
 - any other committed exchange forgives the partner (its strikes and suspicions are cleared).
 
 The robust clip blames relative to our own recent norms, so they are kept here too.
@@ -111,7 +113,7 @@ class Reputation:
         self._metrics.count("failed")
 
     def committed(self, peer: str, clip: ClipStats | None) -> None:
-        """An exchange with ``peer`` committed: suspect it if clipped hard, else forgive it.
+        """An exchange with ``peer`` committed: suspect it if clipped hard, forgive it if not clipped.
 
         No blame before we know our own usual norm: a first, tiny warm-up update looks like a victim.
         """
@@ -124,5 +126,7 @@ class Reputation:
                 self._metrics.count("suspect")
                 reason = f"its update was {clip.excess:.3g}x our clip radius (clipped to {clip.scale:.3g})"
                 self.bans.suspect(peer, reason, self._clip_strikes)
+                return
+            if clip.clipped or not clip.judged:
                 return
         self.bans.forgive(peer)

@@ -59,13 +59,15 @@ class ClipStats:
 
     ``scale`` is ``s`` (1.0: nothing clipped); ``excess`` is ``||d||`` over the clip radius from our
     own norms alone; ``hard`` is ``excess > hard_factor``: the partner is suspect. ``own_norm`` is
-    ``||q||``, for the caller's reference.
+    ``||q||``, for the caller's reference. ``judged`` is False when no clip was computed (a joiner's
+    weight, :func:`robust_mix`): then the exchange says nothing about the partner either way.
     """
 
     scale: float
     excess: float
     hard: bool
     own_norm: float
+    judged: bool = True
 
     @property
     def clipped(self) -> bool:
@@ -103,7 +105,7 @@ def robust_mix(
 ) -> tuple[dict[str, torch.Tensor], ClipStats]:
     """``x' = x + s v/(w+v) (p - q)`` in float64, rounded once to the local dtype; weights unchanged."""
     if min(local_weight, remote_weight) <= policy.join_weight:
-        stats = ClipStats(scale=1.0, excess=0.0, hard=False, own_norm=_norm(sent))
+        stats = ClipStats(scale=1.0, excess=0.0, hard=False, own_norm=_norm(sent), judged=False)
     else:
         stats = clip_scale(sent, remote, policy, reference)
     factor = stats.scale * remote_weight / (local_weight + remote_weight)
