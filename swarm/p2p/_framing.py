@@ -72,11 +72,12 @@ async def read_message(
         raise ProtocolError(f"{kind.name} message of {length} bytes exceeds the limit of {limit(kind)}")
     if length <= PROGRESS_BYTES:
         return kind, await _within(reader.readexactly(length), timeout, "received") if length else b""
-    payload = bytearray()
-    while len(payload) < length:
-        piece = min(PROGRESS_BYTES, length - len(payload))
-        payload += await _within(reader.readexactly(piece), timeout, "received")
-    return kind, bytes(payload)
+    pieces, received = [], 0
+    while received < length:
+        piece = await _within(reader.readexactly(min(PROGRESS_BYTES, length - received)), timeout, "received")
+        pieces.append(piece)
+        received += len(piece)
+    return kind, b"".join(pieces)  # one copy of the payload (a growing bytearray, then bytes(), took two)
 
 
 async def _within(step: Awaitable[T], timeout: float, what: str) -> T:
