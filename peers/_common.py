@@ -252,8 +252,11 @@ def setup_logging() -> None:
     level = os.environ.get("SWARM_LOG_LEVEL", "WARNING").upper()
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("hivemind").setLevel(max(logging.getLevelName(level), logging.WARNING))
-    # `kill -USR1 <pid>` prints every thread's stack to stderr: how a peer that seems hung is diagnosed.
-    # The DHT worker that hivemind forks inherits it.
+
+
+def enable_stack_dumps() -> None:
+    """`kill -USR1 <pid>` prints every thread's stack to stderr: how a peer that seems hung is
+    diagnosed. The DHT worker that hivemind forks inherits it."""
     faulthandler.register(signal.SIGUSR1, all_threads=True)
 
 

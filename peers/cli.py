@@ -142,6 +142,7 @@ def _str(path: Path | None) -> str | None:
 def main() -> None:
     """Console-script entry point."""
     common.setup_logging()
+    common.enable_stack_dumps()
     app()
 
 

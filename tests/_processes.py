@@ -26,7 +26,8 @@ REPO = Path(__file__).resolve().parent.parent
 heavy_scenario = pytest.mark.xdist_group("heavy-scenarios")
 """Marks a scenario of many CPU-hungry processes (whole swarms). Under ``--dist loadgroup``
 (scripts/test.sh) they all run in one xdist worker, so at most one runs at a time, beside lighter
-tests: two side by side on 2 cores each ran at a third of its speed and timed out on slow machines."""
+tests: side by side on 2 cores they slowed each other down (churn: 162 s in a full run, 262 s beside
+three other scenarios), and a joiner beside two of them did not start within 90 s on CI."""
 
 
 class PeerProcess:
@@ -118,12 +119,13 @@ class PeerProcess:
         return code
 
     def dump_stacks(self, collect_s: float = 3.0) -> None:
-        """Ask every Python process of this child's session for its threads' stacks (SIGUSR1, see
-        ``peers._common.setup_logging``) and collect what they print for up to ``collect_s`` seconds:
-        a failing test then shows where a process that did not get on was stuck."""
+        """Ask every Python process of this child's session that handles SIGUSR1 (``swarm`` programs,
+        ``peers._common.enable_stack_dumps``) for its threads' stacks, and collect what they print for
+        up to ``collect_s`` seconds: a failing test then shows where a process that did not get on was
+        stuck. Others are left alone: SIGUSR1 would kill them before the leak checks look."""
         for proc in session_processes({self.sid}):
-            with contextlib.suppress(psutil.Error):
-                if "python" in proc.name().lower():
+            with contextlib.suppress(psutil.Error, OSError):
+                if "python" in proc.name().lower() and _catches(proc.pid, signal.SIGUSR1):
                     proc.send_signal(signal.SIGUSR1)
         deadline = time.monotonic() + collect_s
         while not self.ended and (remaining := deadline - time.monotonic()) > 0:
@@ -139,6 +141,14 @@ class PeerProcess:
                 proc.kill()
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(timeout=10)
+
+
+def _catches(pid: int, signum: int) -> bool:
+    """Whether process ``pid`` has a handler for ``signum`` (its SigCgt mask in /proc)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("SigCgt:"):
+            return bool(int(line.split()[1], 16) >> (signum - 1) & 1)
+    return False
 
 
 def stop_training(stop: threading.Event, threads: Sequence[threading.Thread], timeout: float) -> None:

@@ -182,17 +182,18 @@ def test_snapshots_taken_during_training_are_never_torn() -> None:
 
     reader = threading.Thread(target=snapshot_forever)
     reader.start()
-    steps, hang_bound = 0, time.monotonic() + 120
+    taken, hang_bound = 0, time.monotonic() + 120
     try:  # at least 300 steps, and on until the reader, however rarely it is scheduled, saw 20 snapshots
-        while steps < 300 or len(seen) < 20:
-            assert time.monotonic() < hang_bound, f"the reader got {len(seen)} snapshots in {steps} steps"
+        while taken < 300 or len(seen) < 20:
+            assert time.monotonic() < hang_bound, f"the reader got {len(seen)} snapshots in {taken} steps"
             with live.updating(), torch.no_grad():
                 for p in model.parameters():
                     p.sub_(1.0)  # every step moves every parameter by exactly -1
-            steps += 1
+            taken += 1
     finally:
         stop.set()
         reader.join()
+    assert seen, "the reader never got a snapshot"
     for steps, low, high in seen:  # anchor - params == steps in every coordinate
         assert low == pytest.approx(steps) and high == pytest.approx(steps)
 
