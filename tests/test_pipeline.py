@@ -294,6 +294,7 @@ def test_rebalancing_needs_a_clear_persistent_gain_keeps_a_peer_per_stage_and_mo
     lopsided[2].peer_id = _loser("me", 1, 0, after=loser)
     assert [consider(30, lopsided, now=t) for t in (0, 1)] == [None, None]  # not persistent yet
     assert consider(30, lopsided, now=2) == 0  # 30 vs 90 (us included): moving gives 60 vs 60
+    rebalancer.moved(2)
     assert [consider(30, lopsided, now=t) for t in (3, 4, 5)] == [None, None, None]  # too soon
     near = [_record(0, 50), _record(1, 30)]  # 50 vs 60 with us: moving gives 30 vs 80
     assert all(consider(30, near, now=1000 + t) is None for t in range(5))
@@ -330,6 +331,45 @@ def test_exactly_one_peer_of_a_stage_moves_and_an_emptied_stage_is_refilled_at_o
     # they moved a moment ago (an empty stage stops the whole swarm)
     records = [_record(0, 10), _record(0, 30), _record(0, 30)]
     assert len(movers(records, 0, now=1, last_move=0)) == 1
+
+
+def test_of_two_peers_elected_from_views_a_moment_apart_only_one_claim_goes_through() -> None:
+    stage0 = _record(0, 10)
+    ours = [_record(1, 30, peer_id=f"peer-{i}") for i in range(2)]
+    first, second = ours
+    # an epoch that elects the first, followed by one that elects the second
+    epoch = next(
+        e
+        for e in itertools.count()
+        if _ballot(first.peer_id, 1, 0, e) < _ballot(second.peer_id, 1, 0, e)
+        and _ballot(second.peer_id, 1, 0, e + 1) < _ballot(first.peer_id, 1, 0, e + 1)
+    )
+    rebalancers = {r.peer_id: Rebalancer(patience=1, min_interval_s=1000, epoch_s=10) for r in ours}
+    stale = [stage0, *ours]  # neither has seen the other move yet
+
+    def elected(me: SimpleNamespace, now: float) -> int | None:
+        return rebalancers[me.peer_id].consider(me.peer_id, 1, 30, stale, 2, now)
+
+    assert elected(first, 10 * epoch + 9.9) == 0 and elected(second, 10 * epoch + 10.1) == 0  # both elected
+
+    def confirmed(me: SimpleNamespace, records: list[SimpleNamespace]) -> bool:
+        return rebalancers[me.peer_id].confirm(me.peer_id, 1, 30, records, 2, 0)
+
+    claimed = {r.peer_id: _record(1, 30, state="joining", peer_id=r.peer_id) for r in ours}
+    # the first read before the second claimed: it goes; the second reads the first's claim: it stays
+    assert confirmed(first, [stage0, claimed[first.peer_id], second])
+    assert not confirmed(second, [stage0, claimed[first.peer_id], claimed[second.peer_id]])
+    # both read after both claimed: both stay, and a later epoch elects again
+    assert not confirmed(first, [stage0, *claimed.values()])
+    # the first already moved: stage 1 would be left empty
+    moved = _record(0, 30, peer_id=first.peer_id)
+    assert not confirmed(second, [stage0, moved, claimed[second.peer_id]])
+    # nothing changed since the election: the move holds
+    assert confirmed(second, [stage0, first, claimed[second.peer_id]])
+    # with a third peer the stage keeps one either way: only the rival's claim stops the second
+    third = _record(1, 30)
+    assert not confirmed(second, [stage0, claimed[first.peer_id], claimed[second.peer_id], third])
+    assert confirmed(second, [stage0, first, claimed[second.peer_id], third])
 
 
 # ---------------------------------------------------------------- the programs

@@ -16,8 +16,10 @@ only by the peer the records *elect* for it: among the peers of ``a`` whose own 
 rule above, the one with the lowest hash of ``(peer id, a, b, epoch)``, the epoch being wall-clock time
 in units of ``epoch_s``. Every peer reads the same records and elects the same one, with no message
 exchanged; a new epoch elects another peer when the last one did not move (it does not rebalance, or
-moved too recently). Views that differ for a moment (a record not yet refreshed, an epoch boundary)
-can still elect two, and the refill rule repairs a stage left empty.
+moved too recently). Views that differ for a moment (a record not yet refreshed across an epoch
+boundary) can elect two, so the elected peer first *claims* the move: it announces itself ``joining``,
+reads the records again and goes only if no other peer of its stage is moving (:meth:`Rebalancer.confirm`).
+Should two claims still pass, the refill rule repairs a stage left empty.
 """
 
 from __future__ import annotations
@@ -130,8 +132,29 @@ class Rebalancer:
         epoch = int(now // self.epoch_s)
         if min(movers, key=lambda peer: _ballot(peer, stage, target, epoch)) != me:
             return None
-        self._last_move, self._proposal, self._streak = now, None, 0
+        self._proposal, self._streak = None, 0
         return target
+
+    def confirm(
+        self, me: str, stage: int, capacity: float, records: list[Any], num_stages: int, target: int
+    ) -> bool:
+        """Whether the move :meth:`consider` proposed still holds on ``records`` read *after* this peer
+        announced it (its record saying ``joining``): no other peer of ``stage`` is moving, and the move
+        still passes the rule.
+
+        Two peers elected in neighbouring epochs from views a moment apart both announce, then both read:
+        the later reader sees the earlier one moving and stays (or both stay, and a later epoch elects
+        again), so that one claim at most goes through.
+        """
+        others = [r for r in records if r.peer_id != me]
+        if any(r.role == "trainer" and r.stage == stage and r.state == "joining" for r in others):
+            return False
+        loads = stage_loads([*others, _Self(me, stage, capacity)], num_stages)
+        return self._proposal_of(stage, capacity, loads) == target
+
+    def moved(self, now: float) -> None:
+        """Record a completed move at wall-clock ``now``: the next waits ``min_interval_s``."""
+        self._last_move = now
 
     def _proposal_of(self, stage: int, capacity: float, loads: list[StageLoad]) -> int | None:
         ours = loads[stage]

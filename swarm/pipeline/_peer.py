@@ -144,15 +144,22 @@ class StagePeer:
         The record says ``joining`` from the start, so that the others stop routing to us and no other
         peer of the old stage takes our leaving as its own chance to move (docs/pipeline.md).
         """
-        state, self._state = self._state, "joining"
+        state = self._state
+        self._announce("joining")
+        self._move(stage, resume=state)
+
+    def _announce(self, state: str) -> None:
+        self._state = state
         self.node.announce_now()
+
+    def _move(self, stage: int, resume: str) -> None:
         old = self.role
         self.role = None
         if old is not None:
             self._completed(old.leave())
             old.close()
         self._enter(stage, fresh=True)
-        self._state = state
+        self._state = resume
         self.moves += 1  # counts completed moves: the new stage is served by now
 
     # ------------------------------------------------------------------ the loop
@@ -204,14 +211,27 @@ class StagePeer:
         if every is None or now < self._next_rebalance or self._capacity <= 0:
             return
         self._next_rebalance = now + every
+        me, stage = self.node.peer_id, self._role().stage
         records = self.roster.records()
-        target = self.rebalancer.consider(
-            self.node.peer_id, self._role().stage, self._capacity, records, self.num_stages, time.time()
+        target = self.rebalancer.consider(me, stage, self._capacity, records, self.num_stages, time.time())
+        if target is None:
+            return
+        state = self._state
+        self._announce("joining")  # the claim: a peer elected from an older view now sees us moving
+        self.roster.refresh()
+        records = self.roster.records()
+        if not self.rebalancer.confirm(me, stage, self._capacity, records, self.num_stages, target):
+            logger.info("not moving to stage %d after all: another peer of stage %d is moving", target, stage)
+            self._announce(state)
+            return
+        logger.info(
+            "moving from stage %d to the under-served stage %d (%s)",
+            stage,
+            target,
+            stage_loads(records, self.num_stages),
         )
-        if target is not None:
-            loads = stage_loads(records, self.num_stages)
-            logger.info("moving from stage %d to the under-served stage %d (%s)", self.stage, target, loads)
-            self.move_to(target)
+        self._move(target, resume=state)
+        self.rebalancer.moved(time.time())
 
     def step_done(
         self, samples: int, loss: float | None, seconds: float, compute: float, device: float
