@@ -116,9 +116,11 @@ def test_ban_list_exponential_backoff_and_forgive() -> None:
     assert bans.is_banned("p") and not bans.is_banned("q")
     now[0] = 34.9
     assert bans.is_banned("p")
+    assert bans.reasons() == {"p": "x"}
     now[0] = 35.1
-    assert not bans.is_banned("p")
+    assert not bans.is_banned("p") and bans.reasons() == {}
     assert bans.ban("p", "again") == 35  # strikes persist until a success forgives them
+    assert bans.reasons() == {"p": "again"}  # the latest ban's
     bans.forgive("p")
     assert not bans.is_banned("p") and bans.ban("p", "fresh") == 10
     with pytest.raises(ValueError):
@@ -146,8 +148,9 @@ def test_failures_are_held_until_the_members_show_whether_the_partner_left() -> 
     options = GossipOptions(ban_base_s=10, ban_max_s=40)
     reputation = Reputation(options, MetricsRecorder(), clock=lambda: now[0])
     for peer in ("gone", "leaving", "staying"):
-        reputation.failed(peer, "connection reset")
+        reputation.failed(peer, f"connection reset by {peer}")
     assert all(reputation.is_banned(p) for p in ("gone", "leaving", "staying"))  # not dialled meanwhile
+    assert reputation.reasons()["staying"] == "connection reset by staying"  # the reason, while held
     assert reputation.bans.banned() == {}
     staying = PartnerInfo("staying", 1, "cfg")
     reputation.review([PartnerInfo("leaving", PROTOCOL_VERSION, "cfg"), staying])  # its record is late
@@ -156,6 +159,7 @@ def test_failures_are_held_until_the_members_show_whether_the_partner_left() -> 
     listed = [PartnerInfo("leaving", PROTOCOL_VERSION, "cfg", leaving=True), staying]
     reputation.review(listed)
     assert set(reputation.banned()) == {"staying"} and reputation.bans.strikes() == {"staying": 1}
+    assert reputation.reasons() == {"staying": "connection reset by staying"}  # and once banned
     assert not reputation.is_banned("gone") and not reputation.is_banned("leaving")
 
 

@@ -202,6 +202,10 @@ class GossipAverager(StreamService):
         """Currently banned peer ids and the seconds left on each ban."""
         return self._reputation.banned()
 
+    def ban_reasons(self) -> dict[str, str]:
+        """Why each peer of :meth:`banned_peers` is banned (or held toward a ban)."""
+        return self._reputation.reasons()
+
     def ban_strikes(self) -> dict[str, int]:
         """Strikes (bans so far, expired ones included) per peer since its last good exchange."""
         return self._reputation.bans.strikes()

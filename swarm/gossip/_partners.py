@@ -60,6 +60,7 @@ class BanList:
         self._strikes: dict[str, int] = {}
         self._until: dict[str, float] = {}
         self._suspicions: dict[str, int] = {}
+        self._reasons: dict[str, str] = {}
 
     def ban(self, peer_id: str, reason: str) -> float:
         """Ban ``peer_id``; return the ban duration in seconds."""
@@ -69,6 +70,7 @@ class BanList:
             self._strikes[peer_id] = strikes
             duration = min(self._max, self._base * 2 ** min(strikes - 1, 62))
             self._until[peer_id] = now + duration
+            self._reasons[peer_id] = reason
             self._prune(now)
         logger.warning("banning peer %s for %.1f s (strike %d): %s", peer_id, duration, strikes, reason)
         return duration
@@ -103,6 +105,7 @@ class BanList:
         self._until.pop(peer, None)
         self._strikes.pop(peer, None)
         self._suspicions.pop(peer, None)
+        self._reasons.pop(peer, None)
 
     def next_duration(self, peer_id: str) -> float:
         """How long ``peer_id``'s next ban would last."""
@@ -127,6 +130,12 @@ class BanList:
         now = self._clock()
         with self._lock:
             return {peer: until - now for peer, until in self._until.items() if until > now}
+
+    def reasons(self) -> dict[str, str]:
+        """Why each currently banned peer was banned (its latest ban)."""
+        now = self._clock()
+        with self._lock:
+            return {peer: self._reasons[peer] for peer, until in self._until.items() if until > now}
 
 
 def eligible_partners(

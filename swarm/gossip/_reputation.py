@@ -92,6 +92,13 @@ class Reputation:
             else:
                 logger.info("not banning %s, which left the run: %s", peer, reason)
 
+    def reasons(self) -> dict[str, str]:
+        """Why each peer of :meth:`banned` is excluded: its ban's reason, or the failure held against it."""
+        reasons = self.bans.reasons()
+        with self._lock:
+            held = {peer: reason for peer, (reason, _) in self._held.items()}
+        return {**held, **reasons}
+
     def norm_reference(self) -> float:
         """The largest norm we sent in recent exchanges: what the robust clip blames relative to."""
         return max(self._own_norms, default=0.0)

@@ -190,6 +190,7 @@ class _Worker:
                 "weight": self.averager.weight,
                 "metrics": self.averager.metrics(),
                 "banned": self.averager.banned_peers(),
+                "ban_reasons": self.averager.ban_reasons(),
             }
 
     def close_averager(self) -> None:
