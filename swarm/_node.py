@@ -35,10 +35,14 @@ from swarm.network import (
     ReachabilityResult,
     check_reachability,
     load_identity,
+    rejoin_initial_peers,
     start_dht,
 )
 
 logger = logging.getLogger(__name__)
+
+REJOIN_EVERY_S = 20.0
+"""How often a peer pings the initial peers its DHT routing table lost (see :meth:`SwarmNode._rejoin`)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,6 +86,7 @@ class SwarmNode:
         self.reachability: Reachability = "client" if network.client_mode else "unknown"
         self._checker: ReachabilityChecker | None = None
         self._recent_members: list[Member] | None = None
+        self._next_rejoin = time.monotonic() + REJOIN_EVERY_S
         try:
             self.dht = start_dht(network, identity_path, membership_validators(info.run_id, self._signer))
         finally:
@@ -97,7 +102,7 @@ class SwarmNode:
                 self.record,
                 interval_s=record_interval_s,
                 ttl_s=record_ttl_s,
-                after=self._read_members,
+                after=self._after_announcing,
             )
             try:
                 if not self._client_mode:  # answer checks before others can see our record
@@ -220,9 +225,26 @@ class SwarmNode:
             recent = self._recent_members = self.members()
         return list(recent)
 
+    def _after_announcing(self) -> None:
+        """On the announcer's thread, after each periodic announcement."""
+        self._read_members()
+        if self.network.initial_peers and time.monotonic() >= self._next_rejoin:
+            self._next_rejoin = time.monotonic() + REJOIN_EVERY_S
+            self._rejoin()
+
     def _read_members(self) -> None:
         if self._recent_members is not None:  # only for nodes that use the view (not bootstraps, monitors)
             self._recent_members = self.members()
+
+    def _rejoin(self) -> None:
+        """Get the initial peers back into our DHT routing table if it lost them (a healed partition)."""
+        try:
+            answered = rejoin_initial_peers(self.dht, self.network.initial_peers)
+        except Exception as exc:  # the next announcement tries again
+            logger.info("could not ping the initial peers: %s: %s", type(exc).__name__, exc)
+            return
+        if answered:
+            logger.info("reached %d initial peer(s) our DHT had lost: rejoined the swarm", answered)
 
     def close(self) -> None:
         """Stop announcing and answering checks, and shut down the DHT process and its p2p daemon."""

@@ -1,7 +1,8 @@
-"""swarm.network: address validation, listen shortcuts, identity files, DHT start-up errors."""
+"""swarm.network: address validation, listen shortcuts, identity files, DHT start-up errors, rejoining."""
 
 from __future__ import annotations
 
+import functools
 import os
 import stat
 
@@ -17,6 +18,7 @@ from swarm.network import (
     expand_listen_options,
     parse_maddr,
     peer_id_of_identity,
+    rejoin_initial_peers,
     start_dht,
 )
 
@@ -114,3 +116,38 @@ def test_unreachable_initial_peer_is_a_clear_error(tmp_path) -> None:
     options = NetworkOptions(initial_peers=[f"/ip4/127.0.0.1/tcp/9/p2p/{PEER}"], startup_timeout_s=5)
     with pytest.raises(NetworkError, match=r"could not join the swarm through /ip4/127\.0\.0\.1/tcp/9"):
         start_dht(options, path)
+
+
+async def _table_of(_dht, node) -> set[str]:
+    """The peer ids in a DHT node's routing table (run inside the DHT process)."""
+    return {peer_id.to_base58() for peer_id in node.protocol.routing_table.peer_id_to_uid}
+
+
+async def _forget(peer_id: str, _dht, node) -> None:
+    """What a partition does to a routing table: hivemind drops a node whose request went unanswered."""
+    from hivemind.p2p import PeerID
+
+    table = node.protocol.routing_table
+    del table[table.get(peer_id=PeerID.from_base58(peer_id))]
+
+
+def test_a_peer_rejoins_an_initial_peer_both_routing_tables_lost(tmp_path) -> None:
+    entry = start_dht(NetworkOptions(), ensure_identity(tmp_path / "entry.key"))
+    try:
+        maddrs = [str(m) for m in entry.get_visible_maddrs()]
+        peer = start_dht(NetworkOptions(initial_peers=maddrs), ensure_identity(tmp_path / "peer.key"))
+        try:
+            ids = entry.peer_id.to_base58(), peer.peer_id.to_base58()
+            assert ids[0] in peer.run_coroutine(_table_of) and ids[1] in entry.run_coroutine(_table_of)
+            assert rejoin_initial_peers(peer, maddrs) == 0  # nothing lost: nothing pinged
+            peer.run_coroutine(functools.partial(_forget, ids[0]))
+            entry.run_coroutine(functools.partial(_forget, ids[1]))
+            assert ids[0] not in peer.run_coroutine(_table_of)
+            assert ids[1] not in entry.run_coroutine(_table_of)
+            assert rejoin_initial_peers(peer, maddrs) == 1
+            assert ids[0] in peer.run_coroutine(_table_of)  # we know the entry again,
+            assert ids[1] in entry.run_coroutine(_table_of)  # and it knows us (from our ping)
+        finally:
+            peer.shutdown()
+    finally:
+        entry.shutdown()

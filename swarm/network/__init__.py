@@ -18,7 +18,7 @@ if TYPE_CHECKING:
         parse_maddr,
         parse_maddrs,
     )
-    from swarm.network._dht import NetworkError, NetworkOptions, start_dht
+    from swarm.network._dht import NetworkError, NetworkOptions, rejoin_initial_peers, start_dht
     from swarm.network._identity import (
         IDENTITY_FILE_MODE,
         IdentityError,
@@ -44,6 +44,7 @@ _EXPORTS = {
     "parse_maddrs": "_addresses",
     "NetworkError": "_dht",
     "NetworkOptions": "_dht",
+    "rejoin_initial_peers": "_dht",
     "start_dht": "_dht",
     "IDENTITY_FILE_MODE": "_identity",
     "IdentityError": "_identity",
@@ -84,6 +85,7 @@ __all__ = [
     "parse_maddrs",
     "peer_id_of",
     "peer_id_of_identity",
+    "rejoin_initial_peers",
     "start_dht",
     "write_new_key",
 ]

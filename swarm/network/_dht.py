@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import functools
 import logging
 import os
 import signal
@@ -14,7 +16,9 @@ from pathlib import Path
 
 import hivemind
 import psutil
+from hivemind.dht.node import DHTNode
 from hivemind.dht.validation import RecordValidatorBase
+from hivemind.p2p import PeerID
 
 from swarm._errors import SwarmError
 from swarm.network._addresses import expand_listen_options, parse_maddrs
@@ -179,3 +183,28 @@ def _explain_start_failure(options: NetworkOptions, exc: BaseException) -> str:
         peers = ", ".join(options.initial_peers)
         return f"could not join the swarm through {peers}: {text} (is that peer running and reachable?)"
     return f"could not start the p2p network on {', '.join(options.host_maddrs)}: {text}"
+
+
+def rejoin_initial_peers(dht: hivemind.DHT, initial_peers: Sequence[str]) -> int:
+    """Ping the initial peers that this node's routing table has lost; return how many answered.
+
+    hivemind drops a node from the routing table at the first request it leaves unanswered, and
+    learns nodes only from requests. So when a partition heals, each side has forgotten the other for
+    good: nobody asks across the former cut again, and the swarm stays split (each half reads only its
+    own members). A ping answered puts the initial peer (the swarm's entry point) back in our table and
+    us in its table; lookups through it then reach the rest of the swarm again. The daemon keeps the
+    initial peers' addresses for good, so the ping can dial them whenever they are reachable.
+    """
+    peer_ids = {maddr.rsplit("/p2p/", 1)[-1] for maddr in initial_peers if "/p2p/" in maddr}
+    peer_ids.discard(dht.peer_id.to_base58())
+    if not peer_ids:
+        return 0
+    return dht.run_coroutine(functools.partial(_ping_missing, sorted(peer_ids)))
+
+
+async def _ping_missing(peer_ids: list[str], _dht: hivemind.DHT, node: DHTNode) -> int:
+    protocol = node.protocol
+    missing = [PeerID.from_base58(p) for p in peer_ids]
+    missing = [p for p in missing if protocol.routing_table.get(peer_id=p) is None]
+    answers = await asyncio.gather(*(protocol.call_ping(p) for p in missing))
+    return sum(answer is not None for answer in answers)
