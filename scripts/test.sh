@@ -62,6 +62,11 @@ while os.getppid() == parent:
     echo "[test] under load: ${#burners[@]} CPU burner(s) running (pids ${burners[*]})"
 fi
 
+# One torch thread per process unless you say otherwise: two xdist workers and the peers they start
+# already keep every core busy, and torch's default (a thread per core in every process)
+# oversubscribes them, which made the heavy scenarios ~15% slower.
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+
 selection=()
 if [ "$fast" = 1 ]; then
     selection=(-m "not multipeer")
