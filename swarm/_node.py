@@ -87,6 +87,7 @@ class SwarmNode:
         self._checker: ReachabilityChecker | None = None
         self._recent_members: list[Member] | None = None
         self._next_rejoin = time.monotonic() + REJOIN_EVERY_S
+        self._rejoining: Any = None  # the pings in flight (an MPFuture of how many answered)
         try:
             self.dht = start_dht(network, identity_path, membership_validators(info.run_id, self._signer))
         finally:
@@ -237,14 +238,24 @@ class SwarmNode:
             self._recent_members = self.members()
 
     def _rejoin(self) -> None:
-        """Get the initial peers back into our DHT routing table if it lost them (a healed partition)."""
-        try:
-            answered = rejoin_initial_peers(self.dht, self.network.initial_peers)
-        except Exception as exc:  # the next announcement tries again
-            logger.info("could not ping the initial peers: %s: %s", type(exc).__name__, exc)
-            return
-        if answered:
-            logger.info("reached %d initial peer(s) our DHT had lost: rejoined the swarm", answered)
+        """Get the initial peers back into our DHT routing table if it lost them (a healed partition).
+
+        The pings run in the DHT process while we go on announcing; their outcome is read at the next
+        call, which starts no new pings while the last ones are still out.
+        """
+        pending = self._rejoining
+        if pending is not None:
+            if not pending.done():
+                return
+            self._rejoining = None
+            try:
+                answered = pending.result()
+            except Exception as exc:
+                logger.info("could not ping the initial peers: %s: %s", type(exc).__name__, exc)
+            else:
+                if answered:
+                    logger.info("reached %d initial peer(s) our DHT had lost: rejoined the swarm", answered)
+        self._rejoining = rejoin_initial_peers(self.dht, self.network.initial_peers, return_future=True)
 
     def close(self) -> None:
         """Stop announcing and answering checks, and shut down the DHT process and its p2p daemon."""

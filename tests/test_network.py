@@ -144,7 +144,7 @@ def test_a_peer_rejoins_an_initial_peer_both_routing_tables_lost(tmp_path) -> No
             entry.run_coroutine(functools.partial(_forget, ids[1]))
             assert ids[0] not in peer.run_coroutine(_table_of)
             assert ids[1] not in entry.run_coroutine(_table_of)
-            assert rejoin_initial_peers(peer, maddrs) == 1
+            assert rejoin_initial_peers(peer, maddrs, return_future=True).result(timeout=30) == 1
             assert ids[0] in peer.run_coroutine(_table_of)  # we know the entry again,
             assert ids[1] in entry.run_coroutine(_table_of)  # and it knows us (from our ping)
         finally:

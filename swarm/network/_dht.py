@@ -13,6 +13,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import hivemind
 import psutil
@@ -185,21 +186,24 @@ def _explain_start_failure(options: NetworkOptions, exc: BaseException) -> str:
     return f"could not start the p2p network on {', '.join(options.host_maddrs)}: {text}"
 
 
-def rejoin_initial_peers(dht: hivemind.DHT, initial_peers: Sequence[str]) -> int:
-    """Ping the initial peers that this node's routing table has lost; return how many answered.
+def rejoin_initial_peers(
+    dht: hivemind.DHT, initial_peers: Sequence[str], *, return_future: bool = False
+) -> Any:
+    """Ping the initial peers that this node's routing table has lost; return how many answered (or,
+    with ``return_future``, a future of that number, at once).
 
     hivemind drops a node from the routing table at the first request it leaves unanswered, and
     learns nodes only from requests. So when a partition heals, each side has forgotten the other for
     good: nobody asks across the former cut again, and the swarm stays split (each half reads only its
     own members). A ping answered puts the initial peer (the swarm's entry point) back in our table and
-    us in its table; lookups through it then reach the rest of the swarm again. The daemon keeps the
-    initial peers' addresses for good, so the ping can dial them whenever they are reachable.
+    us in its table; lookups through it then reach the rest of the swarm again. The daemon was given the
+    initial peers' addresses at start, so it can dial them again once they are reachable. A ping to a
+    peer still out of reach ends after the DHT's request timeout.
     """
     peer_ids = {maddr.rsplit("/p2p/", 1)[-1] for maddr in initial_peers if "/p2p/" in maddr}
     peer_ids.discard(dht.peer_id.to_base58())
-    if not peer_ids:
-        return 0
-    return dht.run_coroutine(functools.partial(_ping_missing, sorted(peer_ids)))
+    ping = functools.partial(_ping_missing, sorted(peer_ids))
+    return dht.run_coroutine(ping, return_future=return_future)
 
 
 async def _ping_missing(peer_ids: list[str], _dht: hivemind.DHT, node: DHTNode) -> int:
