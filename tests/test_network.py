@@ -21,6 +21,7 @@ from swarm.network import (
     rejoin_initial_peers,
     start_dht,
 )
+from tests._processes import wait_until
 
 PEER = "QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N"
 
@@ -151,3 +152,26 @@ def test_a_peer_rejoins_an_initial_peer_both_routing_tables_lost(tmp_path) -> No
             peer.shutdown()
     finally:
         entry.shutdown()
+
+
+def test_a_swarm_node_rejoins_by_itself(monkeypatch) -> None:
+    """The wiring: an announcing node pings the initial peers its table lost, without being asked."""
+    from swarm import NodeInfo, SwarmNode
+    from swarm import _node as node_module
+
+    monkeypatch.setattr(node_module, "REJOIN_EVERY_S", 0.2)
+    entry = SwarmNode(NetworkOptions(), NodeInfo("rejoin", "ab12", "bootstrap"), record_interval_s=0.2)
+    try:
+        maddrs = entry.visible_maddrs()
+        peer = SwarmNode(
+            NetworkOptions(initial_peers=maddrs), NodeInfo("rejoin", "ab12", "trainer"), record_interval_s=0.2
+        )
+        try:
+            peer.dht.run_coroutine(functools.partial(_forget, entry.peer_id))
+            entry.dht.run_coroutine(functools.partial(_forget, peer.peer_id))  # or its stores would remind us
+            back = lambda: entry.peer_id in peer.dht.run_coroutine(_table_of)  # noqa: E731
+            wait_until(back, 30, "the entry back in the routing table")
+        finally:
+            peer.close()
+    finally:
+        entry.close()
