@@ -4,14 +4,14 @@ compute side of a stage server (provisional gradients, commits, rollbacks), rout
 from __future__ import annotations
 
 import itertools
-import subprocess
-import sys
 from collections import Counter
 from types import SimpleNamespace
 
 import pytest
 import torch
+from typer.testing import CliRunner
 
+from peers.cli import app
 from swarm.config import ConfigError, load_config
 from swarm.pipeline import (
     Rebalancer,
@@ -32,7 +32,7 @@ from swarm.pipeline._balance import _ballot
 from swarm.pipeline._compute import DeviceClock, Outcome, Work
 from swarm.pipeline._protocol import Request
 from swarm.pipeline._router import StageMember
-from tests._processes import REPO
+from tests._cli import refused_output
 
 TINY = ["model.n_layer=4", "model.n_embd=32", "model.n_head=2", "model.block_size=16"]
 
@@ -375,29 +375,24 @@ def test_of_two_peers_elected_from_views_a_moment_apart_only_one_claim_goes_thro
 # ---------------------------------------------------------------- the programs
 
 
-def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "peers.cli", *args], capture_output=True, text=True, timeout=120, cwd=REPO
-    )
-
-
 def test_config_check_prints_each_stage_and_refuses_a_cut_that_cannot_work() -> None:
-    done = _cli("config", "check", "configs/local-tiny.yaml", "--set", "pipeline.num_stages=2")
-    assert done.returncode == 0, done.stderr
+    check = ["config", "check", "configs/local-tiny.yaml", "--set"]
+    done = CliRunner().invoke(app, [*check, "pipeline.num_stages=2"])
+    assert done.exit_code == 0, done.output
     assert "pipeline: 2 stages" in done.stdout and "activations per sample" in done.stdout
     assert "stage 0 (embeddings, blocks 0-0): 70,464 parameters" in done.stdout
     assert "stage 1 (blocks 1-1, head + loss): 66,496 parameters" in done.stdout
-    refused = _cli("config", "check", "configs/local-tiny.yaml", "--set", "pipeline.num_stages=3")
-    assert refused.returncode == 2 and "exceeds model.n_layer = 2" in refused.stderr
+    refused = refused_output([*check, "pipeline.num_stages=3"])
+    assert "exceeds model.n_layer = 2" in refused
 
 
 def test_join_refuses_a_stage_the_run_does_not_have_before_touching_the_network() -> None:
     peer = "/ip4/127.0.0.1/tcp/9/p2p/QmQJ6SnRRMQNH1hFgKZZbvsxXJm5K4pUfRXYuDHYptAfUX"
-    args = ("join", "--config", "configs/local-tiny.yaml", "--initial-peers", peer)
-    beyond = _cli(*args, "--set", "pipeline.num_stages=2", "--stage", "2")
-    assert beyond.returncode == 2 and "the run has stages 0..1" in beyond.stderr
-    unpipelined = _cli(*args, "--stage", "1")
-    assert unpipelined.returncode == 2 and "has no pipeline" in unpipelined.stderr
+    args = ["join", "--config", "configs/local-tiny.yaml", "--initial-peers", peer]
+    beyond = refused_output([*args, "--set", "pipeline.num_stages=2", "--stage", "2"])
+    assert "the run has stages 0..1" in beyond
+    unpipelined = refused_output([*args, "--stage", "1"])
+    assert "has no pipeline" in unpipelined
 
 
 # ---------------------------------------------------------------- the monitor
