@@ -7,6 +7,7 @@ import os
 import stat
 
 import pytest
+from hivemind.p2p import PeerID
 
 from swarm.network import (
     IDENTITY_FILE_MODE,
@@ -126,8 +127,6 @@ async def _table_of(_dht, node) -> set[str]:
 
 async def _forget(peer_id: str, _dht, node) -> None:
     """What a partition does to a routing table: hivemind drops a node whose request went unanswered."""
-    from hivemind.p2p import PeerID
-
     table = node.protocol.routing_table
     del table[table.get(peer_id=PeerID.from_base58(peer_id))]
 

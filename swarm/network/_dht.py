@@ -200,8 +200,8 @@ def rejoin_initial_peers(
     initial peers' addresses at start, so it can dial them again once they are reachable. A ping to a
     peer still out of reach ends after the DHT's request timeout.
     """
-    peer_ids = {maddr.rsplit("/p2p/", 1)[-1] for maddr in initial_peers if "/p2p/" in maddr}
-    peer_ids.discard(dht.peer_id.to_base58())
+    maddrs = parse_maddrs(initial_peers, what="initial peer", require_peer_id=True)
+    peer_ids = {maddr.value_for_protocol("p2p") for maddr in maddrs} - {dht.peer_id.to_base58()}
     ping = functools.partial(_ping_missing, sorted(peer_ids))
     return dht.run_coroutine(ping, return_future=return_future)
 

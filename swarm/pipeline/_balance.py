@@ -112,8 +112,7 @@ class Rebalancer:
         are the run's live trainer records (ours among them or not: ours counts with ``capacity``);
         ``now`` is wall-clock time (the same on every peer, give or take its clock's error).
         """
-        others = [r for r in records if r.peer_id != me]
-        loads = stage_loads([*others, _Self(me, stage, capacity)], num_stages)
+        others, loads = _view(me, stage, capacity, records, num_stages)
         target = self._proposal_of(stage, capacity, loads)
         self._streak = (
             self._streak + 1 if target is not None and target == self._proposal else int(target is not None)
@@ -146,10 +145,9 @@ class Rebalancer:
         the later reader sees the earlier one moving and stays (or both stay, and a later epoch elects
         again), so that one claim at most goes through.
         """
-        others = [r for r in records if r.peer_id != me]
+        others, loads = _view(me, stage, capacity, records, num_stages)
         if any(r.role == "trainer" and r.stage == stage and r.state == "joining" for r in others):
             return False
-        loads = stage_loads([*others, _Self(me, stage, capacity)], num_stages)
         return self._proposal_of(stage, capacity, loads) == target
 
     def moved(self, now: float) -> None:
@@ -171,6 +169,14 @@ class Rebalancer:
         before = min(ours.capacity, target.capacity)
         after = min(ours.capacity - capacity, target.capacity + capacity)
         return target.stage if after > (1 + self.hysteresis) * before else None
+
+
+def _view(
+    me: str, stage: int, capacity: float, records: list[Any], num_stages: int
+) -> tuple[list[Any], list[StageLoad]]:
+    """The other peers' records, and the stage loads with us counted at our current ``capacity``."""
+    others = [r for r in records if r.peer_id != me]
+    return others, stage_loads([*others, _Self(me, stage, capacity)], num_stages)
 
 
 @dataclass(frozen=True)

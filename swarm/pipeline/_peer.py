@@ -138,21 +138,18 @@ class StagePeer:
         self.node.announce_now()
         logger.info("serving stage %d of %d (%d parameters)", stage, self.num_stages, self.n_params)
 
-    def move_to(self, stage: int) -> None:
-        """Leave the current stage (its last steps applied) and serve ``stage`` with that stage's state.
-
-        The record says ``joining`` from the start, so that the others stop routing to us and no other
-        peer of the old stage takes our leaving as its own chance to move (docs/pipeline.md).
-        """
-        state = self._state
-        self._announce("joining")
-        self._move(stage, resume=state)
-
     def _announce(self, state: str) -> None:
         self._state = state
         self.node.announce_now()
 
     def _move(self, stage: int, resume: str) -> None:
+        """Leave the current stage (its last steps applied), serve ``stage`` with that stage's state, then
+        go back to state ``resume``.
+
+        Our record already says ``joining`` (the claim, :meth:`_maybe_rebalance`), so that the others stop
+        routing to us and no other peer of the old stage takes our leaving as its own chance to move
+        (docs/pipeline.md).
+        """
         old = self.role
         self.role = None
         if old is not None:
