@@ -1,0 +1,81 @@
+"""scripts/probe_outer.py: its averaging rules on hand-made anchors, and one short probe end to end."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from torch import nn
+
+from scripts import probe_outer
+from swarm.training import OuterOptimizer
+
+
+def _peers(count: int) -> list[OuterOptimizer]:
+    """Outer optimizers (lr 1, no momentum) over small models whose anchors and steps all differ."""
+    outers = []
+    for index in range(count):
+        torch.manual_seed(index)
+        model = nn.Linear(3, 2)
+        outer = OuterOptimizer(model, lr=1.0, momentum=0.0)
+        with torch.no_grad():
+            for param in model.parameters():
+                param.add_(torch.randn_like(param) * 0.1)  # the inner steps since the anchor
+        outers.append(outer)
+    return outers
+
+
+def _models(outers: list[OuterOptimizer]) -> list[dict[str, torch.Tensor]]:
+    return [{name: param.detach().clone() for name, param in outer._params.items()} for outer in outers]
+
+
+def _mean(tensors: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    return {name: sum(t[name] for t in tensors) / len(tensors) for name in tensors[0]}
+
+
+def _close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return all(torch.allclose(a[name], b[name], atol=1e-6) for name in a)
+
+
+def test_allreduce_moves_every_anchor_by_the_mean_pseudo_gradient() -> None:
+    outers = _peers(3)
+    models = _models(outers)
+    anchors = [{name: t.clone() for name, t in outer.anchor.items()} for outer in outers]
+    probe_outer._sync(outers, probe_outer.Probe(mode="allreduce"), 1, random.Random(0))
+    step = _mean([{n: a[n] - m[n] for n in a} for a, m in zip(anchors, models, strict=True)])
+    for outer, anchor, model in zip(outers, anchors, models, strict=True):
+        assert _close(outer.anchor, {n: anchor[n] - step[n] for n in anchor})
+        assert not _close(outer.anchor, model)  # not each peer's own step: the peers' steps differ
+
+
+@pytest.mark.parametrize("pull", [0.0, 1.0])
+def test_a_gossip_pair_applies_its_mean_step_and_pulls_its_anchors_together(pull: float) -> None:
+    outers = _peers(2)
+    models = _models(outers)
+    anchors = [{name: t.clone() for name, t in outer.anchor.items()} for outer in outers]
+    probe = probe_outer.Probe(mode="gossip", anchor_pull=pull)
+    probe_outer._sync(outers, probe, 1, random.Random(0))
+    step = _mean([{n: a[n] - m[n] for n in a} for a, m in zip(anchors, models, strict=True)])
+    for outer, anchor in zip(outers, anchors, strict=True):
+        pulled = {n: anchor[n] + (_mean(anchors)[n] - anchor[n]) * pull for n in anchor}
+        assert _close(outer.anchor, {n: pulled[n] - step[n] for n in anchor})
+    # a full pull with outer lr 1 and no momentum is pairwise model averaging; without it, the anchors'
+    # gap stays what it was
+    assert _close(outers[0].anchor, outers[1].anchor) == (pull == 1.0)
+    if pull == 1.0:
+        assert _close(outers[0].anchor, _mean(models))
+
+
+def test_a_short_probe_trains_and_reports_its_curve() -> None:
+    probe = probe_outer.Probe(mode="gossip", peers=2, steps=20, sync_every=5, eval_every=10, eval_batches=1)
+    result = probe_outer.run(probe)
+    assert [point[0] for point in result["curve"]] == [10, 20]
+    first, last = result["curve"][0][1], result["curve"][-1][1]
+    assert last < first < 8.0  # it learns from the uniform 8 bits/byte
+    assert result["steps_to_target"] is None and result["samples_to_target"] is None  # 3.6 is far off
+
+
+def test_an_unknown_mode_is_refused() -> None:
+    with pytest.raises(ValueError, match="unknown mode 'ring'"):
+        probe_outer.run(probe_outer.Probe(mode="ring"))
