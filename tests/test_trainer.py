@@ -246,13 +246,17 @@ def test_three_gossip_peers_learn_and_stay_together(spawn, tmp_path) -> None:
     # one may overshoot a little, not run away
     drifts = [peer["drift"] for peer in result["per_peer"]]
     assert None not in drifts and max(drifts) < 2 * max_drift, drifts
-    # and the models they ended with (saved on the way out) are far closer than solo peers' would be
+    # and the anchors they ended with (saved on the way out) are far closer than solo peers' models would
+    # be: anchors, not live parameters, because Ctrl+C lands up to a round of local steps after each
+    # peer's last sync, and those un-synced steps are not what the exchanges keep together
     models = [
-        read_checkpoint(list_checkpoints(logs / f"peer-{i}" / "checkpoints")[0][1])["model"]
+        read_checkpoint(list_checkpoints(logs / f"peer-{i}" / "checkpoints")[0][1])["backend"][
+            "outer_optimizer"
+        ]["anchor"]
         for i in (1, 2, 3)
     ]
     distances = [_relative_distance(models[a], models[b]) for a, b in ((0, 1), (0, 2), (1, 2))]
-    print(f"final models apart (relative L2): {[round(d, 3) for d in distances]}")
+    print(f"final anchors apart (relative L2): {[round(d, 3) for d in distances]}")
     assert max(distances) < SOLO_DISTANCE / 2, distances
     assert 0 < result["exchange_bytes_per_param"] < 1.2  # int8 with per-block scales
     # all averaging traffic per round: the pseudo-gradient plus the occasional fp16 anchor exchange
