@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
+from peers._common import fail
 from swarm.config import RunConfig
 
 if TYPE_CHECKING:
     from swarm.trainer import SyncReport
+
+P = TypeVar("P")
 
 
 def format_sync_line(report: SyncReport) -> str:
@@ -95,3 +99,28 @@ class TrainerOutput:
             from hivemind.utils.timed_storage import get_dht_time
 
             self._history.append_record(record, get_dht_time())
+
+
+def open_with_output(
+    open_peer: Callable[[Callable[[SyncReport], None]], P],
+    config: RunConfig,
+    history: Path | None,
+    bad_input: tuple[type[Exception], ...] = (ValueError,),
+) -> tuple[P, TrainerOutput]:
+    """Open a training peer as ``open_peer(on_sync)``, its syncs shown by a new :class:`TrainerOutput`
+    (which appends the peer's own record to ``history``); returns both.
+
+    A ``bad_input`` error exits 2, a :class:`~swarm.network.NetworkError` exits 1 (`swarm join` and
+    its pipeline stage peers alike).
+    """
+    from swarm.network import NetworkError
+
+    output = TrainerOutput(config, history)
+    peer: Any = None  # the callback reads it once the peer exists (its first sync comes later)
+    try:
+        peer = open_peer(lambda report: output.on_sync(report, peer.node.record()))
+    except bad_input as exc:
+        fail(str(exc))
+    except NetworkError as exc:
+        fail(str(exc), status=1)
+    return peer, output

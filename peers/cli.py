@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 
@@ -21,8 +22,13 @@ app.add_typer(config_app, name="config")
 app.add_typer(monitor_app, name="monitor")
 
 
-@app.command()
-@common.with_network_options
+def peer_command(command: Callable[..., None]) -> Callable[..., None]:
+    """Register a peer program (`swarm bootstrap`, `swarm join`): a command with the network options,
+    declared once in peers/_common.py and given to it as its ``network_flags`` parameter."""
+    return app.command()(common.with_network_options(command))
+
+
+@peer_command
 def bootstrap(
     config: Path | None = common.CONFIG_OPTION,
     set_: list[str] | None = common.SET_OPTION,
@@ -40,10 +46,10 @@ def bootstrap(
     """Start a stable entry peer and print the line others paste to join."""
     from peers.bootstrap import run_bootstrap
 
+    if state_dir is not None and not serve_state:  # how the flags go together, before any file is read
+        common.fail("--state-dir needs --serve-state")
     cfg = common.load_run_config(config, set_)
     network = common.resolve_network(cfg, network_flags)
-    if state_dir is not None and not serve_state:
-        common.fail("--state-dir needs --serve-state")
     with common.shutdown_on_signals() as stop:
         run_bootstrap(
             cfg,
@@ -57,8 +63,7 @@ def bootstrap(
         )
 
 
-@app.command()
-@common.with_network_options
+@peer_command
 def join(
     config: Path | None = common.CONFIG_OPTION,
     set_: list[str] | None = common.SET_OPTION,

@@ -10,7 +10,7 @@ from pathlib import Path
 import typer
 
 from peers._common import fail, reachability_lines
-from peers._trainer_output import TrainerOutput
+from peers._trainer_output import open_with_output
 from swarm.config import RunConfig
 from swarm.network import NetworkOptions
 
@@ -50,25 +50,19 @@ def run_join(
     if stage != "auto":
         fail(f"--stage {stage}: this run has no pipeline (pipeline.num_stages is 1)")
     from peers._compat_check import check_swarm_config
-    from swarm.network import NetworkError
     from swarm.state import CheckpointError
     from swarm.trainer import TrainingPeer
 
     if check_swarm:
         check_swarm_config(config, network)
-    output = TrainerOutput(config, history_path)
-    try:
-        peer = TrainingPeer(
-            config,
-            network,
-            public_name=public_name,
-            resume=resume,
-            on_sync=lambda report: output.on_sync(report, peer.node.record()),
-        )
-    except (CheckpointError, ValueError) as exc:
-        fail(str(exc))
-    except NetworkError as exc:
-        fail(str(exc), status=1)
+    peer, output = open_with_output(
+        lambda on_sync: TrainingPeer(
+            config, network, public_name=public_name, resume=resume, on_sync=on_sync
+        ),
+        config,
+        history_path,
+        bad_input=(CheckpointError, ValueError),
+    )
     try:
         resumed = f", resumed from {peer.resumed_from}" if peer.resumed_from else ""
         members = len(peer.node.members())

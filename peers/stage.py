@@ -9,7 +9,7 @@ from pathlib import Path
 import typer
 
 from peers._common import fail, reachability_lines
-from peers._trainer_output import TrainerOutput
+from peers._trainer_output import open_with_output
 from swarm.config import RunConfig
 from swarm.network import NetworkOptions
 
@@ -39,24 +39,14 @@ def run_stage_peer(
 ) -> None:
     """Serve a stage until ``stop``, the step limit (data holders) or the end of the data holders."""
     from peers._compat_check import check_swarm_config
-    from swarm.network import NetworkError
     from swarm.pipeline import StagePeer
 
     check_swarm_config(config, network)
-    output = TrainerOutput(config, history_path)
-    peer: StagePeer
-    try:
-        peer = StagePeer(
-            config,
-            network,
-            stage=stage,
-            public_name=public_name,
-            on_sync=lambda report: output.on_sync(report, peer.node.record()),
-        )
-    except ValueError as exc:
-        fail(str(exc))
-    except NetworkError as exc:
-        fail(str(exc), status=1)
+    peer, output = open_with_output(
+        lambda on_sync: StagePeer(config, network, stage=stage, public_name=public_name, on_sync=on_sync),
+        config,
+        history_path,
+    )
     try:
         for line in reachability_lines(peer.check_reachability(), "join"):
             typer.echo(line)

@@ -224,6 +224,15 @@ def swarm_cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "peers.cli", *args]
 
 
+def join_address(boot: PeerProcess, timeout: float = 120) -> str:
+    """Wait for the line a `swarm bootstrap` prints for others to join by; return the multiaddr on it."""
+    from peers.bootstrap import JOIN_LINE_PREFIX
+
+    return boot.wait_for_line(lambda text: text.startswith(JOIN_LINE_PREFIX), timeout=timeout)[
+        len(JOIN_LINE_PREFIX) :
+    ]
+
+
 def terminate_and_wait(process: PeerProcess, timeout: float = 10.0) -> int:
     """SIGTERM a peer and return its exit status, failing if it takes longer than ``timeout``."""
     process.signal(signal.SIGTERM)

@@ -67,6 +67,10 @@ def test_join_without_initial_peers_is_refused() -> None:
     assert "--initial-peers" in refused_output(["join"])
 
 
+def test_bootstrap_state_dir_without_serve_state_is_refused(tmp_path) -> None:
+    assert "--state-dir needs --serve-state" in refused_output(["bootstrap", "--state-dir", str(tmp_path)])
+
+
 NETWORK_FLAGS = {
     "--initial-peers", "--host-maddrs", "--announce-maddrs", "--port", "--public-ip", "--identity-path",
     "--client-mode", "--public-name",

@@ -16,13 +16,12 @@ import pytest
 from typer.testing import CliRunner
 
 from peers._monitor_http import PlotHistory, StatusServer, parse_http_address
-from peers.bootstrap import JOIN_LINE_PREFIX
 from peers.cli import app
 from swarm.metrics import HistoryWriter, SnapshotPolicy, build_snapshot, read_history
 from tests._browser import ARTIFACTS, Dom, chromium_or_skip, load
-from tests._processes import outliving, session_processes, swarm_cli, wait_until
+from tests._local_swarm import spawn_live_monitor, spawn_local_swarm
+from tests._processes import outliving, session_processes, wait_until
 from tests.test_metrics import HASH, POLICY, T0, member
-from tests.workers.tiny import ONE_THREAD, UNLIMITED, cli_sets, tiny
 
 runner = CliRunner()
 PEER = "/ip4/127.0.0.1/tcp/4000/p2p/QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N"
@@ -216,8 +215,6 @@ def test_page_in_chromium_shows_stages_warnings_and_escapes_names(tmp_path) -> N
     assert dom.by_id["peers"]["data-rows"] == str(len(snaps[-1].peers))
 
 
-# the tests' tiny trainer; the monitor gets the same run config (or it reports them incompatible)
-RUN = cli_sets(tiny(UNLIMITED))
 NAMES = ("web-1", "web-<i>2</i>")
 
 
@@ -258,18 +255,9 @@ def _assert_same_schema_as_printed(doc: dict, printed: dict) -> None:
 @pytest.mark.multipeer
 def test_status_page_of_a_local_swarm_in_chromium(spawn, tmp_path) -> None:
     chromium_or_skip()
-    boot = spawn(swarm_cli("bootstrap", "--public-name", "web-entry", *RUN), env=ONE_THREAD)
-    maddr = boot.wait_for_line(lambda text: text.startswith(JOIN_LINE_PREFIX), timeout=120)
-    maddr = maddr[len(JOIN_LINE_PREFIX) :]
-    for name in NAMES:
-        spawn(swarm_cli("join", "--initial-peers", maddr, "--public-name", name, *RUN), env=ONE_THREAD)
+    _, maddr, _ = spawn_local_swarm(spawn, "web-entry", NAMES)
     tensorboard = tmp_path / "tb"
-    monitor = spawn(
-        swarm_cli(
-            "monitor", "--initial-peers", maddr, "--http", "127.0.0.1:0", "--format", "jsonl",
-            "--tensorboard-dir", str(tensorboard), "--set", "monitor.refresh_s=1", *RUN,
-        )
-    )  # fmt: skip
+    monitor = spawn_live_monitor(spawn, maddr, "--http", "127.0.0.1:0", "--tensorboard-dir", str(tensorboard))
     line = monitor.wait_for_line(lambda text: text.startswith("status page at "), timeout=120)
     url = line.removeprefix("status page at ")
     port = int(re.search(r":(\d+)/$", url).group(1))

@@ -9,10 +9,9 @@ import urllib.request
 
 import pytest
 
-from peers.bootstrap import JOIN_LINE_PREFIX
 from swarm.membership import PROTOCOL_VERSION
+from tests._local_swarm import spawn_live_monitor, spawn_local_swarm, spawn_monitor
 from tests._processes import heavy_scenario, swarm_cli, wait_until
-from tests.workers.tiny import ONE_THREAD, UNLIMITED, cli_sets, tiny
 
 PEER_FIELDS = {
     "short_id", "peer_id", "public_name", "role", "state", "reported_state", "protocol_version",
@@ -41,34 +40,16 @@ def _snapshot_lines(process) -> list[dict]:
     return [json.loads(line) for line in process.lines if line.startswith('{"schema_version"')]
 
 
-# the tests' tiny trainer (the monitor needs the same run config, or it reports them incompatible)
-RUN = cli_sets(tiny(UNLIMITED))
-
-
 @heavy_scenario
 @pytest.mark.multipeer
 def test_monitor_against_a_local_swarm_of_three(spawn, tmp_path) -> None:
-    boot = spawn(swarm_cli("bootstrap", "--public-name", "local-bootstrap", *RUN), env=ONE_THREAD)
-    maddr = boot.wait_for_line(lambda text: text.startswith(JOIN_LINE_PREFIX), timeout=120)[
-        len(JOIN_LINE_PREFIX) :
-    ]
-    joiners = [
-        spawn(
-            swarm_cli("join", "--initial-peers", maddr, "--public-name", f"local-{n}", *RUN), env=ONE_THREAD
-        )
-        for n in (1, 2, 3)
-    ]
+    boot, maddr, joiners = spawn_local_swarm(spawn, "local-bootstrap", [f"local-{n}" for n in (1, 2, 3)])
     for joiner in joiners:
         joiner.wait_for_line(lambda text: "joined run" in text, timeout=120)
 
     history = tmp_path / "history.jsonl"
-    live = spawn(
-        swarm_cli(
-            "monitor", "--initial-peers", maddr, "--format", "jsonl", "--prometheus-port", "0",
-            "--history", str(history), "--set", "monitor.refresh_s=1", *RUN,
-        )
-    )  # fmt: skip
-    once = spawn(swarm_cli("monitor", "--initial-peers", maddr, "--once", "--format", "json", *RUN))
+    live = spawn_live_monitor(spawn, maddr, "--prometheus-port", "0", "--history", str(history))
+    once = spawn_monitor(spawn, maddr, "--once", "--format", "json")
     assert once.wait(timeout=120) == 0, once.output()
     doc = _json_document(once.output())
 

@@ -8,7 +8,6 @@ import time
 import pytest
 from typer.testing import CliRunner
 
-from peers.bootstrap import JOIN_LINE_PREFIX
 from peers.cli import app
 from swarm._protocol import PROTOCOL_VERSION
 from swarm.config import load_config
@@ -21,7 +20,7 @@ from swarm.membership._run_config import (
     shareable_config,
 )
 from swarm.network import peer_id_of_identity, write_new_key
-from tests._processes import REPO, heavy_scenario, swarm_cli, terminate_and_wait
+from tests._processes import REPO, heavy_scenario, join_address, swarm_cli, terminate_and_wait
 from tests.workers.tiny import UNLIMITED, cli_sets, tiny
 
 PEER_ID = "QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N"
@@ -98,9 +97,7 @@ def test_majority_of_trainers_picks_among_several_publishers() -> None:
 
 def _start_bootstrap(spawn, *extra: str) -> tuple[object, str, str]:
     boot = spawn(swarm_cli("bootstrap", *RUN, *extra))
-    maddr = boot.wait_for_line(lambda line: line.startswith(JOIN_LINE_PREFIX), timeout=120)[
-        len(JOIN_LINE_PREFIX) :
-    ]
+    maddr = join_address(boot)
     hash_line = boot.wait_for_line(lambda line: "config hash" in line, timeout=10)
     return boot, maddr, hash_line.rsplit("config hash ", 1)[1].rstrip(")")
 
@@ -199,9 +196,7 @@ def test_bootstrap_keeps_the_state_and_serves_it_once_every_trainer_left(spawn, 
     state_dir = tmp_path / "kept"
     keep = ["--serve-state", "--state-dir", str(state_dir), "--state-interval", "1"]
     boot = spawn(swarm_cli("bootstrap", *STATE_RUN, *keep))
-    maddr = boot.wait_for_line(lambda line: line.startswith(JOIN_LINE_PREFIX), timeout=120)[
-        len(JOIN_LINE_PREFIX) :
-    ]
+    maddr = join_address(boot)
     trainer = spawn(swarm_cli("join", "--initial-peers", maddr, *STATE_RUN))
     # the bootstrap's copy has caught up with some training (round 2 or later)
     boot.wait_for_line(lambda line: (m := _KEPT.search(line)) is not None and int(m.group(1)) >= 2, 120)

@@ -10,7 +10,6 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from peers.bootstrap import JOIN_LINE_PREFIX
 from swarm.network._reachability import (
     MAX_ADDRESSES,
     MESSAGE_MAX_BYTES,
@@ -24,7 +23,7 @@ from swarm.network._reachability import (
     parse_request,
 )
 from swarm.p2p import read_message, write_message
-from tests._processes import swarm_cli, terminate_and_wait, wait_until
+from tests._processes import join_address, swarm_cli, terminate_and_wait, wait_until
 from tests.workers.tiny import UNLIMITED, cli_sets, tiny
 
 RUN = "reach-test"
@@ -246,9 +245,7 @@ def test_undialable_peer_switches_to_client_mode_and_a_dialable_one_is_direct(sp
     from swarm.state._transfer_protocol import handler_name as state_handler
 
     boot = spawn(swarm_cli("bootstrap", *CONFIG))
-    maddr = boot.wait_for_line(lambda line: line.startswith(JOIN_LINE_PREFIX), timeout=120)[
-        len(JOIN_LINE_PREFIX) :
-    ]
+    maddr = join_address(boot)
     boot.wait_for_line(lambda line: "reachability check skipped (no other peer to ask)" in line, timeout=30)
 
     # the hidden peer listens on one port and announces another, where nothing listens: nobody who

@@ -186,7 +186,10 @@ class FloatCodec(Codec):
 
 
 class _BlockCodec(Codec):
+    """A quantized codec: per-block scales, then ``bits``-wide codes stored as ``code_dtype``."""
+
     scale_dtype: torch.dtype
+    code_dtype: torch.dtype
     bits: int
 
     def __init__(self, block_size: int, backend: str) -> None:
@@ -201,9 +204,13 @@ class _BlockCodec(Codec):
     def _nblocks(self, count: int) -> int:
         return -(-count // self.block_size)
 
+    def _ncodes(self, count: int) -> int:
+        """How many stored codes (elements of ``code_dtype``) hold ``count`` values."""
+        return (count * self.bits + 7) // 8
+
     def payload_nbytes(self, count: int) -> int:
         scale_size = torch.empty(0, dtype=self.scale_dtype).element_size()
-        return self._nblocks(count) * scale_size + (count * self.bits + 7) // 8
+        return self._nblocks(count) * scale_size + self._ncodes(count)
 
     def block_nbytes(self) -> int:
         return self.payload_nbytes(self.block_size)
@@ -219,14 +226,39 @@ class _BlockCodec(Codec):
     @abstractmethod
     def _encode_flat(self, x: torch.Tensor, backend: kq.Backend) -> tuple[torch.Tensor, torch.Tensor]: ...
 
-    def _split(self, payload: memoryview, count: int, code_dtype: torch.dtype, ncodes: int):
+    @abstractmethod
+    def _decode(
+        self, codes: torch.Tensor, scales: torch.Tensor, n: int, backend: kq.Backend, out: torch.Tensor
+    ) -> None:
+        """Dequantize the ``n`` values of ``codes`` with their block ``scales`` into ``out``."""
+
+    def _check_codes(self, codes: torch.Tensor, count: int) -> None:
+        """Raise FrameError for received codes that no encoder writes (nothing to check by default)."""
+
+    def _decode_into(
+        self, data: torch.Tensor, scales: torch.Tensor | None, n: int, out: torch.Tensor
+    ) -> None:
+        assert scales is not None
+        self._decode(data, scales, n, self._backend(data.device), out)
+
+    def payload_parts(self, e: EncodedTensor, start: int, count: int) -> list[memoryview]:
+        assert e.scales is not None
+        b0, b1 = start // self.block_size, self._nblocks(start + count)
+        codes = e.data[self._ncodes(start) : self._ncodes(start + count)]  # start is on a block boundary
+        return [tensor_bytes(e.scales[b0:b1]), tensor_bytes(codes)]
+
+    def decode_payload(
+        self, payload: memoryview, count: int, out: torch.Tensor, allow_nonfinite: bool
+    ) -> None:
         nb = self._nblocks(count)
         scale_len = nb * torch.empty(0, dtype=self.scale_dtype).element_size()
         scales = read_tensor(payload[:scale_len], self.scale_dtype, nb)
         scales32 = scales.float()
         if not bool(torch.isfinite(scales32).all()) or not bool((scales32 >= 0).all()):
             raise FrameError("payload: block scales must be finite and >= 0")
-        return read_tensor(payload[scale_len:], code_dtype, ncodes), scales
+        codes = read_tensor(payload[scale_len:], self.code_dtype, self._ncodes(count))
+        self._check_codes(codes, count)
+        self._decode(codes, scales, count, "torch", out)
 
 
 class Int8Codec(_BlockCodec):
@@ -234,27 +266,16 @@ class Int8Codec(_BlockCodec):
 
     name = "int8"
     scale_dtype = torch.float32
+    code_dtype = torch.int8
     bits = 8
 
     def _encode_flat(self, x: torch.Tensor, backend: kq.Backend) -> tuple[torch.Tensor, torch.Tensor]:
         return kq.int8_encode(x, self.block_size, backend)
 
-    def _decode_into(
-        self, data: torch.Tensor, scales: torch.Tensor | None, n: int, out: torch.Tensor
+    def _decode(
+        self, codes: torch.Tensor, scales: torch.Tensor, n: int, backend: kq.Backend, out: torch.Tensor
     ) -> None:
-        assert scales is not None
-        kq.int8_decode(data, scales, self.block_size, self._backend(data.device), out=out)
-
-    def payload_parts(self, e: EncodedTensor, start: int, count: int) -> list[memoryview]:
-        assert e.scales is not None
-        b0, b1 = start // self.block_size, self._nblocks(start + count)
-        return [tensor_bytes(e.scales[b0:b1]), tensor_bytes(e.data[start : start + count])]
-
-    def decode_payload(
-        self, payload: memoryview, count: int, out: torch.Tensor, allow_nonfinite: bool
-    ) -> None:
-        codes, scales = self._split(payload, count, torch.int8, count)
-        kq.int8_decode(codes, scales, self.block_size, "torch", out=out)
+        kq.int8_decode(codes, scales, self.block_size, backend, out=out)
 
 
 class Int4Codec(_BlockCodec):
@@ -262,30 +283,20 @@ class Int4Codec(_BlockCodec):
 
     name = "int4"
     scale_dtype = torch.bfloat16
+    code_dtype = torch.uint8
     bits = 4
 
     def _encode_flat(self, x: torch.Tensor, backend: kq.Backend) -> tuple[torch.Tensor, torch.Tensor]:
         return kq.int4_encode(x, self.block_size, backend)
 
-    def _decode_into(
-        self, data: torch.Tensor, scales: torch.Tensor | None, n: int, out: torch.Tensor
+    def _decode(
+        self, codes: torch.Tensor, scales: torch.Tensor, n: int, backend: kq.Backend, out: torch.Tensor
     ) -> None:
-        assert scales is not None
-        kq.int4_decode(data, scales, n, self.block_size, self._backend(data.device), out=out)
+        kq.int4_decode(codes, scales, n, self.block_size, backend, out=out)
 
-    def payload_parts(self, e: EncodedTensor, start: int, count: int) -> list[memoryview]:
-        assert e.scales is not None
-        b0, b1 = start // self.block_size, self._nblocks(start + count)
-        packed = e.data[start // 2 : kq.int4_payload_len(start + count)]
-        return [tensor_bytes(e.scales[b0:b1]), tensor_bytes(packed)]
-
-    def decode_payload(
-        self, payload: memoryview, count: int, out: torch.Tensor, allow_nonfinite: bool
-    ) -> None:
-        packed, scales = self._split(payload, count, torch.uint8, kq.int4_payload_len(count))
-        if count % 2 and int(packed[-1]) & 0x0F:
+    def _check_codes(self, codes: torch.Tensor, count: int) -> None:
+        if count % 2 and int(codes[-1]) & 0x0F:
             raise FrameError("payload: the unused last 4-bit code must be zero")
-        kq.int4_decode(packed, scales, count, self.block_size, "torch", out=out)
 
 
 def check_block_size(block_size: int) -> None:

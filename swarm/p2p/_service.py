@@ -41,7 +41,8 @@ class StreamService:
     ``p2p_factory`` must be given. In a private swarm (``swarm_key``, by default the key ``dht`` was
     started with) every stream starts with the swarm key handshake (:mod:`swarm.p2p._auth`), bounded by
     ``auth_timeout_s``; a peer that fails it never reaches :meth:`_handle`. With ``client_mode`` no
-    handler is registered: the service only dials out.
+    handler is registered: the service only dials out, and needs neither ``handler`` nor
+    ``auth_timeout_s``.
 
     Construction is two-phase: ``__init__`` checks and records the arguments, and :meth:`_start` opens
     the replica and registers the handler. Serving begins there, so a subclass calls it last, once
@@ -56,21 +57,23 @@ class StreamService:
     def __init__(
         self,
         run_id: str,
-        handler: str,
+        handler: str | None = None,
         *,
         dht: DHT | None,
         p2p_factory: P2PFactory | None,
         swarm_key: StreamKey | None,
-        auth_timeout_s: float,
+        auth_timeout_s: float | None = None,
         client_mode: bool = False,
     ) -> None:
         check_run_id(run_id)
         if (dht is None) == (p2p_factory is None):
             raise ValueError("give exactly one of dht= or p2p_factory=")
+        if not client_mode and (handler is None or auth_timeout_s is None):
+            raise ValueError("a service that serves needs its handler and auth_timeout_s=")
         self.client_mode = client_mode
-        self._handler = handler
+        self._handler = handler or ""  # "" only in client mode, where nothing is registered or served
         self._swarm_key = swarm_key if swarm_key is not None else swarm_key_of(dht)
-        self._auth_timeout = auth_timeout_s
+        self._auth_timeout = auth_timeout_s or 0.0
         self._dht, self._p2p_factory = dht, p2p_factory
         self._active = 0  # streams being served now; only touched on the loop thread
         self._closed = False

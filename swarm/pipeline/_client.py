@@ -76,15 +76,7 @@ class StageClient(StreamService):
         p2p_factory: P2PFactory | None = None,
         swarm_key: SwarmKey | None = None,
     ) -> None:
-        super().__init__(
-            run_id,
-            handler_name(run_id, 0),
-            dht=dht,
-            p2p_factory=p2p_factory,
-            swarm_key=swarm_key,
-            auth_timeout_s=IO_TIMEOUT_S,
-            client_mode=True,
-        )
+        super().__init__(run_id, dht=dht, p2p_factory=p2p_factory, swarm_key=swarm_key, client_mode=True)
         self._run_id = run_id
         self.limits = list(limits)
         self.bytes_sent = 0

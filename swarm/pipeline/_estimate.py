@@ -21,8 +21,8 @@ import torch
 
 from swarm.compression import HEADER_SIZE, get_codec
 from swarm.config import RunConfig
-from swarm.pipeline._plan import GIB, StageSpec, check_pipeline, cut_stages, tensor_sizes
-from swarm.training.estimate import Shape, activation_bytes, adamw_state_bytes, gossip_peak_buffer_bytes
+from swarm.pipeline._plan import StageSpec, check_pipeline, cut_stages, tensor_sizes
+from swarm.training.estimate import GIB, Shape, activation_bytes, adamw_state_bytes, gossip_peak_buffer_bytes
 
 
 class _Tensors:

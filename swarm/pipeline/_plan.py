@@ -18,8 +18,6 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from swarm.config import ModelSection, RunConfig
 
-GIB = 1 << 30
-
 
 @dataclass(frozen=True)
 class StageSpec:

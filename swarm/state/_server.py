@@ -40,6 +40,9 @@ MAX_CONCURRENT_STREAMS = 8
 
 @dataclass
 class ServeStats:
+    """What a donor did: well-formed requests read, parts sent in full, frames sent, and requests
+    refused (the snapshot asked for is not the one served, or too many streams at once)."""
+
     requests: int = 0
     parts_served: int = 0
     frames_sent: int = 0
