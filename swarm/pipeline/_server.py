@@ -51,11 +51,11 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class ServerStats:
-    """What the stream side saw: requests answered, refused for a bad request or frame, bytes."""
+    """What the stream side saw: requests answered, refused for a bad request or frame, bytes (a request
+    refused for a full queue is counted once, by the compute worker's ``busy``)."""
 
     answered: int = 0
     rejected: int = 0
-    busy: int = 0
     bytes_received: int = 0
     bytes_sent: int = 0
 
@@ -153,7 +153,6 @@ class StageServer(StreamService):
 
         work = Work(peer, request, tensors, targets, time.monotonic() + self._timeout, done)
         if not self.worker.submit(work):
-            self.stats.busy += 1
             return Outcome(error="busy: queue full", retry=True)
         try:
             return await asyncio.wait_for(asyncio.shield(future), self._timeout)

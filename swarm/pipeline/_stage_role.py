@@ -249,7 +249,7 @@ class ServerRole(StageRole):
             "committed_samples": w.committed_samples,
             "rolled_back": w.rolled_back,
             "refused": w.refused,
-            "busy": w.busy + s.busy,
+            "busy": w.busy,
             "rejected_requests": s.rejected,
             "duplicates_committed": len(self.worker.committed_log) - len(set(self.worker.committed_log)),
         }
