@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from swarm.compression import get_codec
 from swarm.config import load_config
 from swarm.training import (
     InnerTrainer,
@@ -56,11 +57,26 @@ class Probe:
     outer_momentum: float = 0.0
     anchor_pull: float = 0.0
     pull_every: int = 1
+    pull_fragments: int = 1
+    pull_codec: str = "fp32"
     steps: int = 1600
     eval_every: int = 40
     eval_batches: int = 4
     target: float = 3.6
     seed: int = 0
+
+
+def _pull(outers: list[OuterOptimizer], a: int, b: int, probe: Probe, round_: int) -> None:
+    """Move the anchors of ``a`` and ``b`` a fraction ``anchor_pull`` of the way together; each side sees
+    the other's anchor through ``pull_codec``, and only the tensors of this round's fragment move."""
+    codec = get_codec(probe.pull_codec)
+    for index, (name, anchor_a) in enumerate(outers[a].anchor.items()):
+        if index % probe.pull_fragments != round_ % probe.pull_fragments:
+            continue
+        anchor_b = outers[b].anchor[name]
+        seen_by_a, seen_by_b = codec.roundtrip(anchor_b).clone(), codec.roundtrip(anchor_a).clone()
+        anchor_a.add_((seen_by_a - anchor_a) * (probe.anchor_pull / 2))
+        anchor_b.add_((seen_by_b - anchor_b) * (probe.anchor_pull / 2))
 
 
 def _pair_round(outers: list[OuterOptimizer], probe: Probe, round_: int, rng: random.Random) -> None:
@@ -69,10 +85,7 @@ def _pair_round(outers: list[OuterOptimizer], probe: Probe, round_: int, rng: ra
     rng.shuffle(order)
     for a, b in zip(order[0::2], order[1::2], strict=False):
         if probe.anchor_pull and round_ % probe.pull_every == 0:
-            for name, anchor_a in outers[a].anchor.items():
-                half_gap = (outers[b].anchor[name] - anchor_a) * (probe.anchor_pull / 2)
-                anchor_a.add_(half_gap)
-                outers[b].anchor[name].sub_(half_gap)
+            _pull(outers, a, b, probe, round_)
         mean = {name: (grads[a][name] + grads[b][name]) / 2 for name in grads[a]}
         outers[a].apply(mean)
         outers[b].apply(mean)
@@ -155,6 +168,9 @@ def grid(peers: int, steps: int) -> list[Probe]:
         rows.append(replace(base, mode="gossip", sync_every=h))
         rows.append(replace(base, mode="gossip", sync_every=h, anchor_pull=1.0))
     rows.append(replace(base, mode="gossip", sync_every=5, anchor_pull=1.0, pull_every=4))
+    rows.append(replace(base, mode="gossip", sync_every=5, anchor_pull=1.0, pull_fragments=4))
+    for codec in ("int8", "int4"):
+        rows.append(replace(base, mode="gossip", sync_every=5, anchor_pull=1.0, pull_codec=codec))
     return rows
 
 
@@ -162,6 +178,8 @@ def _label(probe: Probe) -> str:
     if probe.mode == "solo":
         return f"solo, batch {probe.batch}"
     pull = f", anchor pull {probe.anchor_pull:g} every {probe.pull_every}" if probe.anchor_pull else ""
+    if probe.anchor_pull and (probe.pull_fragments > 1 or probe.pull_codec != "fp32"):
+        pull += f" ({probe.pull_codec}, 1/{probe.pull_fragments} of the tensors a round)"
     outer = f"outer lr {probe.outer_lr:g}, momentum {probe.outer_momentum:g}"
     return f"{probe.mode} x{probe.peers}, H = {probe.sync_every}, {outer}{pull}"
 

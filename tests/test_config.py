@@ -518,3 +518,9 @@ def test_every_key_is_documented() -> None:
             assert f"| `{key}` |" in text.split(f"### `{section}`", 1)[1], (
                 f"{section}.{key} is not documented"
             )
+
+
+def test_anchors_may_travel_in_int8_but_not_in_int4():
+    assert load_config(None, ["averaging.param_codec=int8"], env={}).averaging.param_codec == "int8"
+    error = only_error_about(errors_of(None, ["averaging.param_codec=int4"]), "averaging.param_codec")
+    assert "int8" in error and "int4" in error  # names what was given and what is allowed

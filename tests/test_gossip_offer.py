@@ -16,7 +16,7 @@ from swarm.gossip import GossipAverager, PartnerInfo, SyncOutcome
 from swarm.gossip._exchange import ExchangeHooks
 from swarm.gossip._protocol import PROTOCOL_VERSION
 from swarm.trainer._live import LiveModel
-from swarm.trainer._offers import DeltaOffers
+from swarm.trainer._offers import AnchorOffers, DeltaOffers
 from swarm.training import OuterOptimizer
 from tests.workers.gossip_pool import p2pd_pids, wait_no_leak
 
@@ -168,3 +168,39 @@ def test_a_dialled_peer_trains_through_a_stalled_exchange_and_a_cancelled_one_ap
     assert a.live.apply_pending() == [] and b.live.apply_pending() == []
     assert all(torch.equal(b.live.outer.anchor[n], anchors[n]) for n in anchors)
     assert all(torch.equal(a.live.outer.anchor[n], a.start[n]) for n in a.start)
+
+
+def test_an_int8_anchor_exchange_pulls_both_anchors_together_and_keeps_their_sum(pair) -> None:
+    """``averaging.param_codec: int8``: anchors travel quantized, yet the pair's sum stays exact (the
+    mass-conserving mix) and each side ends within the codec's error of the pair's mean."""
+    a, b = _Trainer(0), _Trainer(0)
+    generator = torch.Generator().manual_seed(7)
+    with torch.no_grad():  # b drifted from a by about 15% of the weights, anchor and model alike
+        for name, param in b.model.named_parameters():
+            gap = torch.randn(param.shape, generator=generator) * 0.01
+            param.add_(gap)
+            b.live.outer.anchor[name].add_(gap)
+    for trainer in (a, b):
+        trainer.step()  # local progress that the pull must leave in the model
+    before = [{n: t.clone() for n, t in trainer.live.outer.anchor.items()} for trainer in (a, b)]
+    progress = [
+        {n: p.detach() - trainer.live.outer.anchor[n] for n, p in trainer.model.named_parameters()}
+        for trainer in (a, b)
+    ]
+    first, _ = pair(AnchorOffers(a.live), AnchorOffers(b.live), codec="int8", robust_clip=False)
+    result = first.sync()
+    assert result.outcome is SyncOutcome.OK, result
+    assert result.bytes_sent < 1.2 * sum(t.numel() for t in before[0].values())  # about a byte a value
+    _wait(b.live.has_pending, 10, "the dialled side's commit")
+    for trainer in (a, b):
+        [update] = trainer.live.apply_pending()
+        assert update.kind == "anchor"
+    after = [trainer.live.outer.anchor for trainer in (a, b)]
+    gap_before = _distance(before[0], before[1])
+    assert _distance(after[0], after[1]) < 0.1 * gap_before  # pulled together, not left apart
+    for name in before[0]:
+        # the pair's sum is what it was: the quantization error moved between the two, nothing was lost
+        assert torch.allclose(after[0][name] + after[1][name], before[0][name] + before[1][name], atol=1e-5)
+    for trainer, steps in zip((a, b), progress, strict=True):
+        for name, param in trainer.model.named_parameters():
+            assert torch.allclose(param.detach() - trainer.live.outer.anchor[name], steps[name], atol=1e-6)

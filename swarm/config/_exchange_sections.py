@@ -100,8 +100,11 @@ class AveragingSection(Section):
         gt=0,
         description="Bound on relative L2 distance to a partner; above it parameters sync every round.",
     )
-    param_codec: Literal["fp32", "fp16", "bf16"] = Field(
-        "fp32", description="Codec for the occasional full-parameter exchange."
+    param_codec: Literal["fp32", "fp16", "bf16", "int8"] = Field(
+        "fp32",
+        description="Codec of the anchor (full-parameter) exchange. int8 halves fp16's bytes and, in the "
+        "bench regime, cost no samples against exact averaging; 4-bit anchors are refused: NF4 noise on "
+        "raw weights stalled training there (docs/benchmarks.md).",
     )
 
     @field_validator("ban_max_s")
