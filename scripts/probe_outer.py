@@ -39,6 +39,7 @@ from swarm.training import (
     TrainBatches,
     build_model,
     evaluate,
+    lr_at,
     make_eval_set,
     open_source,
 )
@@ -137,10 +138,9 @@ def run(probe: Probe) -> dict:
             TrainBatches(source, config.model.block_size, probe.batch, f"peer-{index}", config.run.seed)
         )
     rng = random.Random(probe.seed)
-    warmup = config.train.warmup_steps * probe.batch
     curve: list[tuple[int, float, float]] = []
     for step in range(1, probe.steps + 1):
-        lr = probe.lr * min(1.0, ((step - 1) * peers * probe.batch + 1) / warmup)  # swarm-global warm-up
+        lr = lr_at((step - 1) * peers * probe.batch, config.train, None)  # the swarm's warm-up, then flat
         for trainer, batch in zip(trainers, batches, strict=True):
             trainer.step(batch, lr=lr)
         if step % probe.sync_every == 0:
