@@ -14,9 +14,10 @@ step, with the averaging done exactly (or by random pairs) in memory. It separat
 Modes: ``solo`` (one trainer of ``--batch``), ``allreduce`` (every ``--sync-every`` steps all peers
 apply the exact mean pseudo-gradient: OpenDiLoCo), ``gossip`` (a random perfect matching; each pair
 applies its mean pseudo-gradient, as the gossip trainer does, and with ``--anchor-pull P`` first moves
-the two anchors a fraction P of the way together, every ``--pull-every`` rounds; P = 1 with outer lr 1
-and no momentum is pairwise model averaging). The loss is the peers' mean held-out loss, evaluated
-every ``--eval-every`` steps on ``--eval-batches`` batches of 32 windows.
+the two anchors a fraction P of the way together, every ``--pull-every`` rounds, each side seeing the
+other's anchor through ``--pull-codec`` and only 1 / ``--pull-fragments`` of the tensors moving per
+round; P = 1 with outer lr 1 and no momentum is pairwise model averaging). The loss is the peers'
+mean held-out loss, evaluated every ``--eval-every`` steps on ``--eval-batches`` batches of 32 windows.
 """
 
 from __future__ import annotations
