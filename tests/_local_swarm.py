@@ -7,10 +7,11 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 from tests._processes import PeerProcess, join_address, swarm_cli
-from tests.workers.tiny import ONE_THREAD, UNLIMITED, cli_sets, tiny
+from tests.workers.tiny import BACKGROUND, ONE_THREAD, cli_sets, tiny
 
-RUN = cli_sets(tiny(UNLIMITED))
-"""The ``--set`` arguments of every process: the tests' tiny trainer, stopped by the test itself."""
+RUN = cli_sets(tiny(*BACKGROUND))
+"""The ``--set`` arguments of every process: the tests' tiny trainer, in the background (stopped by
+the test itself, its steps padded to 0.1 s)."""
 
 Spawn = Callable[..., PeerProcess]
 

@@ -6,7 +6,7 @@ loopback with a tiny model (tests/workers/chaos.py):
 * the churn-free baseline: every trainer trains past ``STEPS`` inner steps;
 * the churn run: the same, while a random trainer is SIGKILLed ``KILLS`` times (alternately the
   whole session, and the main process alone so that the DHT worker's watchdog has to stop
-  ``p2pd``) and restarted at once with ``--resume``. The kills are spread over the first half of
+  ``p2pd``) and restarted at once with ``--resume``. The kills are spread over the first 40% of
   the run by progress (``KILL_AT_STEPS``) rather than by the clock, so the test holds on machines
   of any speed; ``ChaosSwarm.run(period_s=15)`` kills by the clock instead. The driver keeps every
   trainer running until each restarted one has completed an exchange, then stops them all.
@@ -34,11 +34,11 @@ from tests._processes import heavy_scenario
 from tests.workers.chaos import ChaosSwarm, Trainer
 from tests.workers.tiny import UNLIMITED, tiny
 
-STEPS = 160
+STEPS = 120
 SIZE = 3
-KILLS = 4
-# kill when the running trainers' mean step passes these: the first half of the run
-KILL_AT_STEPS = [int(STEPS * f) for f in (0.1, 0.2, 0.35, 0.5)]
+KILLS = 3  # alternately the whole session and the main process alone: both ways, one of them twice
+# kill when the running trainers' mean step passes these: the first 40% of the run
+KILL_AT_STEPS = [int(STEPS * f) for f in (0.1, 0.25, 0.4)]
 DEADLINE_S = 400
 MARGIN_BITS = 0.3
 OVERRIDES = tiny(

@@ -17,10 +17,10 @@ from swarm.network import IDENTITY_FILE_MODE, peer_id_of_identity
 from swarm.state import list_checkpoints, read_checkpoint
 from tests._cli import refused_output
 from tests._processes import kill_all, session_processes, swarm_cli, terminate_and_wait
-from tests.workers.tiny import TINY, cli_sets
+from tests.workers.tiny import BACKGROUND, cli_sets, tiny
 
 runner = CliRunner()
-TINY_SETS = cli_sets(TINY)
+TINY_SETS = cli_sets(tiny(*BACKGROUND))  # its peers only have to be there, and to stop cleanly
 
 
 @pytest.mark.parametrize(

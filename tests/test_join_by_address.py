@@ -19,7 +19,7 @@ from peers.cli import app
 from swarm.config import RunConfig, load_config
 from swarm.membership._run_config import shareable_config
 from tests._processes import heavy_scenario, swarm_cli
-from tests.workers.tiny import ONE_THREAD, UNLIMITED, cli_sets, tiny
+from tests.workers.tiny import BACKGROUND, ONE_THREAD, cli_sets, tiny
 
 runner = CliRunner()
 PEER = "/ip4/127.0.0.1/tcp/4000/p2p/QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N"
@@ -144,7 +144,7 @@ def test_the_published_keys_are_shown_escaped_and_bounded() -> None:
 
 # the demo run with the tests' tiny model, whose steps a joiner pads to 0.1 s (a per-peer key, published
 # with the rest: a joiner inherits it), so that it leaves the two cores to the others
-BOOTSTRAP_OVERRIDES = tiny(UNLIMITED, "train.step_time_s=0.1")
+BOOTSTRAP_OVERRIDES = tiny(*BACKGROUND)
 BOOTSTRAP_RUN = ["--config", "configs/local-tiny.yaml", *cli_sets(BOOTSTRAP_OVERRIDES)]
 
 

@@ -1,13 +1,14 @@
 """Malicious peers: a 5-trainer swarm with two attackers still trains, and both attackers are banned.
 
-Two swarms of five trainers (tests/workers/malicious.py, one process each) train the same tiny model
-side by side: a clean one, and one with two attackers, peer 0 sending its pseudo-gradients scaled x100
-and peer 1 sending standard normal noise instead of its own. The honest peers' (2-4) final held-out
-loss must stay within ``LOSS_MARGIN`` bits per byte of the same peers' in the clean swarm (same
-identities, so the same data). Bans are checked as they happened, with the default ban times (a first
-ban lasts 10 s): while every peer trained, each honest peer banned the noise sender, at least one
-banned the scaling attacker (docs/gossip.md says why not every one), and no honest peer banned
-another, in either swarm.
+Two swarms (tests/workers/malicious.py, one process per trainer) train the same tiny model side by
+side: one of five trainers with two attackers, peer 0 sending its pseudo-gradients scaled x100 and
+peer 1 sending standard normal noise instead of its own, and a clean one of the three honest peers
+(2-4) alone. The honest peers' final held-out loss must stay within ``LOSS_MARGIN`` bits per byte of
+the same peers' in the clean swarm (same identities, so the same data): the attackers may cost the
+honest peers the exchanges they waste on them, but not their training. Bans are checked as they
+happened, with the default ban times (a first ban lasts 10 s): while every peer trained, each honest
+peer banned the noise sender, at least one banned the scaling attacker (docs/gossip.md says why not
+every one), and no honest peer banned another, in either swarm.
 Undefended, the same attacks take every peer to Inf/NaN (docs/gossip.md).
 
 A last, in-process test checks that nobody can overwrite another peer's membership record (and so
@@ -39,8 +40,9 @@ from tests.workers.malicious import Swarm
 from tests.workers.tiny import DRIFT_CONTROL, tiny
 
 SIZE = 5
-SWARMS = {"clean": {}, "attacked": {0: "scaled", 1: "random"}}  # swarm: {peer index: attack}
 HONEST = [2, 3, 4]
+# swarm: (the identities of its peers, {peer index in that swarm: attack})
+SWARMS = {"clean": (HONEST, {}), "attacked": (list(range(SIZE)), {0: "scaled", 1: "random"})}
 STEPS = 100  # at 80, clean swarms of this model still end either side of the unigram plateau
 OVERRIDES = tiny(
     "train.eval_batches=8", f"train.max_steps={STEPS}", "averaging.sync_every_steps=5", *DRIFT_CONTROL
@@ -66,8 +68,8 @@ def _run(swarms: list[Swarm], tmp_path: Path) -> dict[str, tuple[Swarm, list[dic
     and what each peer reported (when it trained, the bans it pronounced)."""
     identities = [str(ensure_identity(tmp_path / f"peer-{i}.key")) for i in range(SIZE)]
     runs = {
-        name: Swarm([f"run.run_id=malicious-{name}", *OVERRIDES], attacks, identities)
-        for name, attacks in SWARMS.items()
+        name: Swarm([f"run.run_id=malicious-{name}", *OVERRIDES], attacks, [identities[i] for i in members])
+        for name, (members, attacks) in SWARMS.items()
     }
     swarms.extend(runs.values())
     for step in (Swarm.start_first, Swarm.start_rest, Swarm.wait_ready):  # all swarms start in parallel
@@ -84,6 +86,12 @@ def _run(swarms: list[Swarm], tmp_path: Path) -> dict[str, tuple[Swarm, list[dic
     }
 
 
+def _honest(name: str) -> list[int]:
+    """The indices, in swarm ``name``, of its honest peers."""
+    members, attacks = SWARMS[name]
+    return [i for i in range(len(members)) if i not in attacks]
+
+
 def _bans_while_all_trained(reports: list[dict[str, Any]], index: int) -> list[tuple[str, str]]:
     """(banned peer, reason) of the bans peer ``index`` pronounced before any peer of its swarm stopped
     training (a partner that finished and left is not banned for it either, but the end of a run is not
@@ -98,22 +106,24 @@ def _bans_while_all_trained(reports: list[dict[str, Any]], index: int) -> list[t
 def test_honest_peers_train_through_an_attacker_and_ban_it(swarms, tmp_path) -> None:
     started = time.monotonic()
     results = _run(swarms, tmp_path)
-    # the same identities, so the same data, as the attacked swarms' honest peers
-    clean = statistics.fmean(results["clean"][1][i]["eval_loss"] for i in HONEST)
+    # the same identities, so the same data, as the attacked swarm's honest peers
+    clean = statistics.fmean(peer["eval_loss"] for peer in results["clean"][1])
     report: dict[str, Any] = {"clean": round(clean, 3), "seconds": round(time.monotonic() - started)}
     for name, (swarm, summaries, reports) in results.items():
-        attackers = {swarm.peer_ids[i]: attack for i, attack in SWARMS[name].items()}
+        attacks = SWARMS[name][1]
+        attackers = {swarm.peer_ids[i]: attack for i, attack in attacks.items()}
+        honest = _honest(name)
         report[name] = {
-            "honest_loss": round(statistics.fmean(summaries[i]["eval_loss"] for i in HONEST), 3),
+            "honest_loss": round(statistics.fmean(summaries[i]["eval_loss"] for i in honest), 3),
             "per_peer": [round(peer["eval_loss"], 3) for peer in summaries],
-            "clipped": [summaries[i]["exchanges_clipped"] for i in HONEST],
-            "suspect": [summaries[i]["exchanges_suspect"] for i in HONEST],
+            "clipped": [summaries[i]["exchanges_clipped"] for i in honest],
+            "suspect": [summaries[i]["exchanges_suspect"] for i in honest],
             "bans": {i: [(attackers.get(p, p[-6:]), r[:60]) for p, r in _bans_while_all_trained(reports, i)]
-                     for i in HONEST},
+                     for i in honest},
         }  # fmt: skip
     print(report)
     for name, (swarm, _, peer_reports) in results.items():
-        honest = [i for i in range(SIZE) if i not in SWARMS[name]]
+        honest = _honest(name)
         honest_ids = {swarm.peer_ids[i] for i in honest}
         assert report[name]["honest_loss"] <= clean + LOSS_MARGIN, (name, report)
         banned_by = {}
@@ -122,7 +132,7 @@ def test_honest_peers_train_through_an_attacker_and_ban_it(swarms, tmp_path) -> 
             wrongly = [(peer, reason) for peer, reason in bans if peer in honest_ids]
             assert not wrongly, f"{name}: honest peer {i} banned honest peers: {wrongly}"
             banned_by[i] = {peer for peer, _ in bans}
-        for index, attack in SWARMS[name].items():
+        for index, attack in SWARMS[name][1].items():
             attacker = swarm.peer_ids[index]
             # noise fails validation at once: every honest peer bans it. A x100 scaled update is only
             # clipped when its offer is early in the attacker's round (a fraction of a full round's

@@ -24,7 +24,7 @@ from swarm.network._reachability import (
 )
 from swarm.p2p import read_message, write_message
 from tests._processes import join_address, swarm_cli, terminate_and_wait, wait_until
-from tests.workers.tiny import UNLIMITED, cli_sets, tiny
+from tests.workers.tiny import BACKGROUND, cli_sets, tiny
 
 RUN = "reach-test"
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
@@ -206,7 +206,7 @@ def test_checker_refuses_oversized_and_malformed_requests(pair) -> None:
 # ---------------------------------------------------------------------------- whole peers
 
 
-CONFIG = ["--config", "configs/local-tiny.yaml", *cli_sets(tiny(UNLIMITED))]
+CONFIG = ["--config", "configs/local-tiny.yaml", *cli_sets(tiny(*BACKGROUND))]
 RUN_ID = "local-tiny"
 
 

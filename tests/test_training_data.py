@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+import sysconfig
 from pathlib import Path
 
 import pytest
@@ -44,6 +45,11 @@ def test_stdlib_files_skip_site_packages_and_tests() -> None:
     assert len(files) > 100
     assert files == sorted(files)
     assert not any({"site-packages", "test", "tests"} & set(f.parts) for f in files)
+    # exactly the .py files a full listing finds outside those directories
+    root = Path(sysconfig.get_paths()["stdlib"])
+    skipped = {"site-packages", "dist-packages", "test", "tests", "__pycache__"}
+    listed = [p for p in root.rglob("*.py") if p.is_file() and not skipped & set(p.relative_to(root).parts)]
+    assert files == sorted(listed)
 
 
 def test_batches_are_shifted_int64_pairs() -> None:

@@ -22,7 +22,14 @@ import torch
 from swarm.compression import HEADER_SIZE, get_codec
 from swarm.config import RunConfig
 from swarm.pipeline._plan import StageSpec, check_pipeline, cut_stages, tensor_sizes
-from swarm.training.estimate import GIB, Shape, activation_bytes, adamw_state_bytes, gossip_peak_buffer_bytes
+from swarm.training.estimate import (
+    GIB,
+    Shape,
+    activation_bytes,
+    adamw_state_bytes,
+    format_bytes,
+    gossip_peak_buffer_bytes,
+)
 
 
 class _Tensors:
@@ -115,21 +122,14 @@ def describe_stages(config: RunConfig, device: str = "cuda") -> list[str]:
         )
         lines.append(
             f"  stage {spec.index} ({', '.join(parts)}): {e.parameters:,} parameters, "
-            f"{_size(e.memory)} on {device} ({_size(e.memory_checkpointed)} checkpointed){fits}"
+            f"{format_bytes(e.memory)} on {device} ({format_bytes(e.memory_checkpointed)} checkpointed){fits}"
         )
     per_sample = activation_wire_bytes(config)
     lines.append(
-        f"  activations per sample per stage boundary: {_size(per_sample)} each way "
+        f"  activations per sample per stage boundary: {format_bytes(per_sample)} each way "
         f"({config.pipeline.activation_codec}; {per_sample / config.model.block_size:.1f} B per token)"
     )
     return lines
-
-
-def _size(n: float) -> str:
-    for unit, scale in (("GiB", GIB), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{n:.0f} B"
 
 
 def resolve_num_stages(config: RunConfig) -> int:

@@ -30,6 +30,7 @@ import glob
 import hashlib
 import logging
 import math
+import os
 import sysconfig
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -222,13 +223,17 @@ class HFStreamSource:
 
 
 def stdlib_files() -> list[Path]:
-    """The standard library's ``.py`` files, sorted, without site-packages and test suites."""
+    """The standard library's ``.py`` files, sorted, without site-packages and test suites.
+
+    The skipped directories are pruned from the walk rather than filtered out of a full listing: the
+    test suites and site-packages hold most of the tree, and every trainer lists it at start-up.
+    """
     root = Path(sysconfig.get_paths()["stdlib"])
-    return sorted(
-        path
-        for path in root.rglob("*.py")
-        if path.is_file() and not _STDLIB_SKIPPED_DIRS.intersection(path.relative_to(root).parts)
-    )
+    found = []
+    for directory, subdirectories, names in os.walk(root):
+        subdirectories[:] = [d for d in subdirectories if d not in _STDLIB_SKIPPED_DIRS]
+        found += [Path(directory, name) for name in names if name.endswith(".py")]
+    return sorted(path for path in found if path.is_file())
 
 
 def expand_paths(paths: Sequence[str]) -> list[Path]:

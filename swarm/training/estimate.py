@@ -234,30 +234,31 @@ def outer_state_on_host(config: RunConfig, device: torch.device) -> bool:
 
 def describe_estimate(estimate: PeerEstimate, checkpointing: bool = False) -> list[str]:
     """Lines for ``swarm config check``: both layouts, the breakdown, and the wire per round."""
-    e = estimate
+    e, b = estimate, format_bytes
     optimizer = "8-bit AdamW" if e.device == "cuda" else "AdamW"
     on_device = (e.device_memory(False), e.device_memory(True))
     split = (e.device_memory(False, host_state=True), e.device_memory(True, host_state=True))
     used = " (this config)" if checkpointing else ""
     return [
         f"parameters: {e.parameters:,}",
-        f"memory per peer on {e.device} (micro-batch 1), outer state on the device: {_size(on_device[0])}, "
-        f"{_size(on_device[1])} with activation checkpointing{used}",
-        f"  with the outer state in host memory: {_size(split[0])} on the device, {_size(split[1])} with "
-        f"activation checkpointing, plus {_size(e.host_memory(host_state=True))} of host memory",
-        f"  model: weights {_size(e.weights)} + gradients {_size(e.gradients)}"
-        f" + {optimizer} {_size(e.inner_optimizer)}"
-        f" + activations {_size(e.activations)} ({_size(e.activations_checkpointed)} checkpointed)",
-        f"  outer state: anchor and momentum {_size(e.outer_state)} + error feedback {_size(e.residuals)}"
-        f" + exchange buffers {_size(e.exchange_buffers)}; host memory for the state served to joiners "
-        f"{_size(e.served_state)}",
-        f"wire per sync per peer, each direction: {_size(e.wire_per_sync)} "
-        f"(pseudo-gradient {_size(e.wire_delta)} per round, initiated or served; anchors "
-        f"{_size(e.wire_params)} every {e.param_sync_every} own rounds)",
+        f"memory per peer on {e.device} (micro-batch 1), outer state on the device: {b(on_device[0])}, "
+        f"{b(on_device[1])} with activation checkpointing{used}",
+        f"  with the outer state in host memory: {b(split[0])} on the device, {b(split[1])} with "
+        f"activation checkpointing, plus {b(e.host_memory(host_state=True))} of host memory",
+        f"  model: weights {b(e.weights)} + gradients {b(e.gradients)}"
+        f" + {optimizer} {b(e.inner_optimizer)}"
+        f" + activations {b(e.activations)} ({b(e.activations_checkpointed)} checkpointed)",
+        f"  outer state: anchor and momentum {b(e.outer_state)} + error feedback {b(e.residuals)}"
+        f" + exchange buffers {b(e.exchange_buffers)}; host memory for the state served to joiners "
+        f"{b(e.served_state)}",
+        f"wire per sync per peer, each direction: {b(e.wire_per_sync)} "
+        f"(pseudo-gradient {b(e.wire_delta)} per round, initiated or served; anchors "
+        f"{b(e.wire_params)} every {e.param_sync_every} own rounds)",
     ]
 
 
-def _size(n: float) -> str:
+def format_bytes(n: float) -> str:
+    """``n`` bytes in the largest binary unit it reaches, e.g. ``"1.50 MiB"``."""
     for unit, scale in (("GiB", GIB), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if n >= scale:
             return f"{n / scale:.2f} {unit}"

@@ -31,8 +31,17 @@ import torch
 from tests._processes import reap_workers
 
 CONTEXT = mp.get_context("forkserver")
+# torch._dynamo too: torch imports it on a process's first optimizer, about 3 s of CPU per peer otherwise
 CONTEXT.set_forkserver_preload(
-    ["torch", "hivemind", "swarm.trainer", "peers.join", "peers._common", "tests.workers.malicious"]
+    [
+        "torch",
+        "torch._dynamo",
+        "hivemind",
+        "swarm.trainer",
+        "peers.join",
+        "peers._common",
+        "tests.workers.malicious",
+    ]
 )
 
 NamedTensors = list[tuple[str, torch.Tensor]]
