@@ -322,6 +322,9 @@ class GossipAverager(StreamService):
             if ended.blame_partner:
                 self._reputation.failed(partner, ended.reason)
             self._metrics.count("rejected" if ended.outcome is SyncOutcome.REJECTED else "failed")
+            _log_failure(
+                "initiator" if initiator else "responder", partner, "data", ended.outcome, ended.reason
+            )
         return self._result(ended.outcome, partner, channel, latency, ended.reason)
 
     def _commit(self, partner: str, local: _Local, mixed: Mixed, latency: float) -> None:
@@ -441,6 +444,17 @@ class GossipAverager(StreamService):
                 return await self._exchange(info.peer_id, reply.channel, local, reply.hello, initiator=True)
             self._reputation.answered(info.peer_id, reply)
             busy += reply.kind is MsgKind.BUSY
+            if reply.kind is not MsgKind.BUSY:
+                outcome = SyncOutcome.FAILED if reply.kind is None else SyncOutcome.REJECTED
+                _log_failure(
+                    "initiator", info.peer_id, "handshake", outcome, reply.reason or reply.describe()
+                )
             reason = f"{info.peer_id}: {reply.describe()}"
         outcome = SyncOutcome.BUSY if busy else SyncOutcome.FAILED
         return self._result(outcome, None, None, 0.0, reason)
+
+
+def _log_failure(role: str, partner: str, stage: str, outcome: SyncOutcome, reason: str) -> None:
+    """One INFO line per exchange that did not commit (BUSY answers aside), in a fixed shape that
+    scripts/soak.py counts by cause: ``exchange failed as ROLE with PEER at STAGE (OUTCOME): REASON``."""
+    logger.info("exchange failed as %s with %s at %s (%s): %s", role, partner, stage, outcome.value, reason)
