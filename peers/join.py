@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import resource
 import threading
+import time
 from pathlib import Path
 
 import typer
@@ -84,13 +85,34 @@ def run_join(
             )
         with output:
             peer.run(stop)
-        typer.echo("join: shutting down")
+        typer.echo(f"join: shutting down: {_where_it_stopped(peer)}")
+        saving = time.monotonic()
         if peer.save_checkpoint() is not None:
-            typer.echo(f"join: checkpoint saved in {config.train.checkpoint_dir}")
-        if summary_path is not None:
-            write_summary(peer, summary_path)
+            typer.echo(
+                f"join: checkpoint saved in {config.train.checkpoint_dir} "
+                f"(step {peer.progress.step}, {time.monotonic() - saving:.1f} s)"
+            )
+        summary = summary_of(peer) if summary_path is not None else None
     finally:
+        leaving = time.monotonic()
         peer.close()
+    typer.echo(f"join: left the swarm in {time.monotonic() - leaving:.1f} s{_since_stop(peer)}")
+    if summary is not None and summary_path is not None:
+        write_summary(peer, summary_path, summary)
+
+
+def _where_it_stopped(peer) -> str:
+    """Why and where the loop ended; after a stop, how long the loop took to end."""
+    at = f"step {peer.progress.step}, round {peer.progress.round}"
+    if peer.stop_seen_at is None:
+        return f"the run's limit reached at {at}"
+    return f"stopped at {at}, the loop ended {time.monotonic() - peer.stop_seen_at:.1f} s after the stop"
+
+
+def _since_stop(peer) -> str:
+    if peer.stop_seen_at is None:
+        return ""
+    return f", {time.monotonic() - peer.stop_seen_at:.1f} s after the stop"
 
 
 def _stages(config: RunConfig) -> int:
@@ -103,20 +125,32 @@ def _stages(config: RunConfig) -> int:
         fail(str(exc))
 
 
-def write_summary(peer, path: Path) -> None:
-    """Final numbers of this peer, for `swarm local`'s summary table."""
+def write_summary(peer, path: Path, summary: dict | None = None) -> None:
+    """Write ``summary`` (:func:`summary_of` the peer when None) with a held-out evaluation of the
+    final model, for `swarm local`'s summary table and the benchmarks. `swarm join` calls it once the
+    peer has left the swarm, so that this evaluation (the one piece of work a stop still starts, asked
+    for by ``--summary``) holds up no partner; a second signal interrupts it."""
+    summary = {
+        **(summary_of(peer) if summary is None else summary),
+        "eval_loss": peer.evaluate(),
+        "eval_loss_unit": peer.eval_set.loss_unit,
+        "eval_bits_per_byte": peer.progress.eval_bits_per_byte,
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(summary, indent=2))
+
+
+def summary_of(peer) -> dict:
+    """Final numbers of this peer but its evaluation (:func:`write_summary`), read before it closes."""
     metrics = peer.gossip_metrics()
     details = peer.backend.details()
     # pseudo-gradient exchanges only for gossip; every averaging round for the hivemind baseline
     exchanges = details.get("pseudo_gradient_metrics", metrics)
-    summary = {
+    return {
         "peer_id": peer.node.peer_id,
         "steps": peer.progress.step,
         "rounds": peer.progress.round,
         "samples": peer.progress.samples_total,
-        "eval_loss": peer.evaluate(),
-        "eval_loss_unit": peer.eval_set.loss_unit,
-        "eval_bits_per_byte": peer.progress.eval_bits_per_byte,
         "tokens_per_second": peer.progress.samples_per_s * peer.config.model.block_size,
         # everything this peer sent for averaging (both roles, every exchange kind), per round and parameter
         "wire_bytes_per_param_per_sync": metrics.bytes_sent / max(peer.progress.round, 1) / peer.n_params,
@@ -138,5 +172,3 @@ def write_summary(peer, path: Path) -> None:
         "banned_peers": details.get("banned_peers", {}),
         "ban_strikes": details.get("ban_strikes", {}),
     }
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(summary, indent=2))

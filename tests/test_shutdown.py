@@ -8,23 +8,33 @@ returned, and the next writer must remove the temporary file a killed one left b
 
 Exchange: a real trainer whose exchanges stall once it has sent one frame
 (tests/workers/stall_join.py) is SIGTERMed while it waits inside one; see the test's docstring.
+
+Work after a stop: a trainer stopped mid-step, at the end of a step that makes a round due, or during
+a round's evaluation starts nothing after the stop (no round, evaluation or periodic checkpoint; the
+step in progress is abandoned) and its one checkpoint of the way out resumes.
 """
 
 from __future__ import annotations
 
 import os
 import random
+import re
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
+import swarm.trainer._peer as peer_module
 from peers.bootstrap import JOIN_LINE_PREFIX
+from swarm.config import load_config
+from swarm.network import NetworkOptions
 from swarm.state import list_checkpoints, read_checkpoint
 from swarm.state.checkpoint import checkpoint_path
+from swarm.trainer import TrainingPeer
 from tests._processes import session_processes, swarm_cli, wait_until
 from tests.workers.checkpoint_writer import CONTEXT, state_of, write_forever
 from tests.workers.tiny import ONE_THREAD, UNLIMITED, cli_sets, tiny
@@ -151,9 +161,11 @@ def test_sigterm_during_an_exchange_aborts_it_and_exits_cleanly(spawn, tmp_path:
     code = victim.wait(timeout=HANG_S)  # a deadline for a hang, far below the exchange's timeouts
     print(f"SIGTERM mid-exchange: exit {code} after {time.monotonic() - sent:.1f}s")
     assert code == 0, victim.output()
-    assert "join: shutting down" in victim.output()
+    stopped = re.search(r"join: shutting down: stopped at step (\d+)", victim.output())
+    assert stopped, victim.output()
     wait_until(lambda: not session_processes({victim.sid}), 10, "the victim's DHT worker and p2pd to end")
-    assert list_checkpoints(checkpoints), "no checkpoint saved on the way out"
+    # one checkpoint, of the step it stopped at (no periodic one is due: checkpoint_every_s is 300)
+    assert [step for step, _ in list_checkpoints(checkpoints)] == [int(stopped.group(1))]
     read_checkpoint(list_checkpoints(checkpoints)[0][1])
 
     def partner_synced_again() -> bool:
@@ -162,3 +174,100 @@ def test_sigterm_during_an_exchange_aborts_it_and_exits_cleanly(spawn, tmp_path:
 
     wait_until(partner_synced_again, timeout=60, what="the partner to keep training")
     assert partner.proc.poll() is None and partner_id
+
+
+# A round every 3 steps, evaluated and checkpointed each time; steps of two micro-batches.
+STOP_OVERRIDES = tiny(
+    "averaging.backend=none",
+    "averaging.sync_every_steps=3",
+    "train.micro_batch_size=4",
+    "train.eval_every_rounds=1",
+    "train.checkpoint_every_s=1e-6",
+    UNLIMITED,
+)
+STRIKE_STEP = 6
+"""The step during (or after) which the stop arrives: it completes round 2."""
+
+
+class _StopWatch:
+    """Records what a peer starts (rounds, evaluations, checkpoint writes) and whether the stop was set."""
+
+    def __init__(self, peer: TrainingPeer, stop: threading.Event, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.peer, self.stop = peer, stop
+        self.after_stop: list[tuple[str, int]] = []
+        self._wrap(peer.backend, "sync_round", "round", monkeypatch)
+        self._wrap(peer, "evaluate", "evaluation", monkeypatch)
+        self._wrap(peer_module, "save_checkpoint", "checkpoint", monkeypatch)
+
+    def _wrap(self, owner: object, name: str, what: str, monkeypatch: pytest.MonkeyPatch) -> None:
+        real = getattr(owner, name)
+
+        def recording(*args, **kwargs):
+            if self.stop.is_set():
+                self.after_stop.append((what, self.peer.progress.step))
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(owner, name, recording)
+
+
+def _strike(peer: TrainingPeer, stop: threading.Event, moment: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Set ``stop`` at ``moment`` of step :data:`STRIKE_STEP` (or of the evaluation of its round)."""
+    if moment == "end of step":
+        real_step = peer.inner.step
+
+        def step_then_stop(*args, **kwargs):
+            stats = real_step(*args, **kwargs)
+            if peer.inner.steps == STRIKE_STEP:
+                stop.set()
+            return stats
+
+        monkeypatch.setattr(peer.inner, "step", step_then_stop)
+        return
+    evaluating = moment == "evaluation"
+
+    def on_forward(module, inputs) -> None:  # the first micro-batch's, or the first held-out batch's
+        if peer.inner.steps == STRIKE_STEP - (0 if evaluating else 1) and module.training != evaluating:
+            stop.set()
+
+    peer.model.register_forward_pre_hook(on_forward)
+
+
+@pytest.mark.parametrize(
+    ("moment", "saved_step"),
+    [("mid-step", STRIKE_STEP - 1), ("end of step", STRIKE_STEP), ("evaluation", STRIKE_STEP)],
+)
+def test_a_stop_starts_no_round_evaluation_or_checkpoint_and_one_checkpoint_resumes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, moment: str, saved_step: int
+) -> None:
+    """Stopped mid-step, the step is abandoned (nothing of it applied); stopped after a step that makes
+    a round due, the round does not start; stopped during a round's evaluation, it is abandoned and
+    its periodic checkpoint not written. Either way the only work after the stop is the caller's one
+    checkpoint (what ``swarm join`` saves on the way out), at the last completed step, which resumes."""
+    checkpoints = tmp_path / "ckpt"
+    config = load_config(None, overrides=[*STOP_OVERRIDES, f"train.checkpoint_dir={checkpoints}"], env={})
+    stop, reports = threading.Event(), []
+    peer = TrainingPeer(config, NetworkOptions(), on_sync=reports.append)
+    try:
+        watch = _StopWatch(peer, stop, monkeypatch)
+        _strike(peer, stop, moment, monkeypatch)
+        peer.run(stop)
+        peer.save_checkpoint()
+        assert watch.after_stop == [("checkpoint", saved_step)], watch.after_stop
+        assert (peer.progress.step, peer.progress.round) == (saved_step, 1 + (moment == "evaluation"))
+        if moment == "mid-step":
+            assert all(p.grad is None for p in peer.model.parameters()), "the abandoned step left gradients"
+        if moment == "evaluation":  # round 2 is booked with round 1's evaluation: its own was abandoned
+            assert [r.eval_loss for r in reports] == [reports[0].eval_loss] * 2
+        assert [step for step, _ in list_checkpoints(checkpoints)] == [saved_step, 3]
+        state = read_checkpoint(list_checkpoints(checkpoints)[0][1])
+        for name, tensor in peer.model.state_dict().items():
+            assert torch.equal(state["model"][name], tensor), name
+    finally:
+        peer.close()
+    resumed = TrainingPeer(config, NetworkOptions(), resume=True)
+    try:
+        assert resumed.progress.step == saved_step
+        resumed.run(threading.Event(), max_steps=saved_step + 1)
+        assert resumed.progress.step == saved_step + 1
+    finally:
+        resumed.close()

@@ -7,6 +7,8 @@ The loop reads top to bottom in :meth:`TrainingPeer.run`::
                   backend's guard) → the backend applies rounds that completed in the background
                   → if a round is due, the backend runs or starts it
     every completed round: held-out evaluation → announce → report → maybe checkpoint
+    on a stop:    abandon the inner step in progress, start no round, evaluation or checkpoint;
+                  book what already completed (the caller saves the one checkpoint of the way out)
 
 What a round is (a gossip exchange, a hivemind epoch, a solo outer step) is the backend's business
 (:mod:`swarm.trainer._backend`).
@@ -45,6 +47,7 @@ from swarm.trainer._ledger import SwarmLedger
 from swarm.trainer._progress import Progress
 from swarm.training import (
     InnerTrainer,
+    Interrupted,
     TrainBatches,
     all_finite,
     build_model,
@@ -133,6 +136,9 @@ class TrainingPeer:
         self._saved: tuple[tuple[int, int], Path] | None = None  # (step, round) of the newest checkpoint
         self._state: PeerState = "joining"
         self._joined = False
+        self._stop: threading.Event | None = None
+        self.stop_seen_at: float | None = None
+        """``time.monotonic()`` when :meth:`abort` was first called: when this peer saw the stop."""
         self._last_checkpoint = time.monotonic()
         device_name, memory = describe_device(str(self.device))
         info = NodeInfo(config.run.run_id, config.config_hash(), "trainer", public_name, device_name, memory)
@@ -186,15 +192,23 @@ class TrainingPeer:
     # ------------------------------------------------------------------ the loop
 
     def run(self, stop: threading.Event, *, max_steps: int | None = None) -> None:
-        """Train until ``stop`` is set, ``max_steps`` (or ``train.max_steps``) or the swarm's target."""
+        """Train until ``stop`` is set, ``max_steps`` (or ``train.max_steps``) or the swarm's target.
+
+        A stop starts no new work, so that a shutdown does not grow with the model: the inner step in
+        progress is abandoned before its next micro-batch, an evaluation before its next batch, and no
+        round, evaluation or periodic checkpoint starts after it. Rounds that completed meanwhile are
+        booked and reported (not evaluated); the caller saves the checkpoint (:meth:`save_checkpoint`).
+        """
         max_steps = max_steps or self.config.train.max_steps
+        self._stop = stop
         if not self._joined:
             self.join_swarm()
         self._state = "training"
         with self.aborting_on(stop):
             while not stop.is_set() and not self._finished(max_steps):
                 self._completed(self._inner_step())
-                if self.backend.sync_due() and self._parameters_finite():
+                if not stop.is_set() and self.backend.sync_due() and self._parameters_finite():
+                    logger.debug("step %d: starting round %d", self.progress.step, self.progress.round + 1)
                     self._state = "syncing"
                     self._completed(self.backend.sync_round())
                     self._state = "training"
@@ -214,6 +228,8 @@ class TrainingPeer:
 
     def abort(self) -> None:
         """Cancel the exchange in flight (it does not commit) and refuse further ones; for shutdown."""
+        if self.stop_seen_at is None:
+            self.stop_seen_at = time.monotonic()
         if self._backend is not None:
             self._backend.abort()
 
@@ -224,14 +240,20 @@ class TrainingPeer:
 
     def _inner_step(self) -> list[RoundResult]:
         lr = lr_at(self._schedule_progress(), self.config.train, self.total_samples)
-        stats = self.inner.step(self.batches, lr=lr, guard=self.backend.update_guard)
-        self.progress.samples_drawn = self.batches.samples_drawn
+        try:
+            stats = self.inner.step(self.batches, lr=lr, guard=self.backend.update_guard, stop=self._stop)
+        except Interrupted:
+            logger.info("stopping: abandoned step %d (nothing of it applied)", self.progress.step + 1)
+            return []
+        finally:
+            self.progress.samples_drawn = self.batches.samples_drawn
         if not math.isfinite(stats.loss):
             self._roll_back(f"loss ({stats.loss})")
             return []
         self.progress.record_step(
             stats.samples, stats.loss, stats.seconds, stats.compute_seconds, stats.device_seconds
         )
+        logger.debug("step %d took %.3f s", self.progress.step, stats.seconds)
         return self.backend.after_step(stats.samples)
 
     def _parameters_finite(self) -> bool:
@@ -269,21 +291,33 @@ class TrainingPeer:
             self.progress.round += 1
             if result.drift is not None:
                 self.progress.drift = result.drift
-            # leaving: the last rounds are booked, but a shutdown must not wait for an evaluation and
-            # a checkpoint of each (the caller saves one checkpoint at the end)
-            leaving = self._state == "leaving"
-            if self.progress.round % self.config.train.eval_every_rounds == 0 and not leaving:
-                self.evaluate()
+            # stopping or leaving: the last rounds are booked, but a shutdown must not wait for an
+            # evaluation and a checkpoint of each (the caller saves one checkpoint at the end)
+            if self.progress.round % self.config.train.eval_every_rounds == 0 and not self._stopping():
+                self._evaluate_round()
             self.progress.swarm_samples = self._swarm_samples()
             self.node.announce_soon()
             self._report(result)
-        if rounds and self._state != "leaving":
+        if rounds and not self._stopping():
             self._maybe_checkpoint()
 
-    def evaluate(self) -> float:
-        """Score the model on the held-out split now; book it in bits per token and per byte."""
+    def _stopping(self) -> bool:
+        """Whether the loop has ended or a stop arrived: no new evaluation or checkpoint then."""
+        return self._state == "leaving" or (self._stop is not None and self._stop.is_set())
+
+    def _evaluate_round(self) -> None:
+        """The evaluation of a round; a stop that arrives meanwhile abandons it (nothing booked)."""
+        try:
+            self.evaluate(stop=self._stop)
+        except Interrupted:
+            logger.info("stopping: abandoned the evaluation of round %d", self.progress.round)
+
+    def evaluate(self, *, stop: threading.Event | None = None) -> float:
+        """Score the model on the held-out split now; book it in bits per token and per byte.
+
+        A set ``stop`` abandons it (:class:`~swarm.training.Interrupted`), booking nothing."""
         batches = self.config.train.eval_batches
-        self.progress.eval_loss = evaluate(self.model, self.eval_set, batches)
+        self.progress.eval_loss = evaluate(self.model, self.eval_set, batches, stop=stop)
         self.progress.eval_bits_per_byte = self.eval_set.bits_per_byte(self.progress.eval_loss, batches)
         return self.progress.eval_loss
 

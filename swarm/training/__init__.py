@@ -1,7 +1,14 @@
 """Training components: model, data, the inner loop and the outer (DiLoCo) step. See docs/training.md."""
 
 from swarm.training.data import Corpus, HFStreamSource, TrainBatches, open_source, stdlib_files
-from swarm.training.evaluation import EvalSet, evaluate, make_eval_set, nats_to_bits, unigram_bits
+from swarm.training.evaluation import (
+    EvalSet,
+    Interrupted,
+    evaluate,
+    make_eval_set,
+    nats_to_bits,
+    unigram_bits,
+)
 from swarm.training.inner import (
     InnerTrainer,
     StepStats,
@@ -20,6 +27,7 @@ __all__ = [
     "EvalSet",
     "HFStreamSource",
     "InnerTrainer",
+    "Interrupted",
     "OuterOptimizer",
     "StepStats",
     "TrainBatches",

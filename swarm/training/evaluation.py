@@ -10,6 +10,7 @@ which compares runs with different tokenizers (a token covers several bytes).
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -21,6 +22,13 @@ from swarm.training.data import TokenSource
 from swarm.training.model import lm_loss
 
 LN2 = math.log(2)
+
+
+class Interrupted(Exception):
+    """A stop event was set: the step or evaluation in progress was abandoned, nothing of it applied.
+
+    Raised between micro-batches (:meth:`~swarm.training.InnerTrainer.step`) and between held-out
+    batches (:func:`evaluate`), so that a shutdown waits for at most one of them."""
 
 
 def nats_to_bits(nats: float) -> float:
@@ -81,14 +89,20 @@ def make_eval_set(source: TokenSource, block_size: int, batch_size: int = 32) ->
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, eval_data: EvalSet, batches: int = 8) -> float:
-    """Mean next-token loss on the held-out split in bits per token (``eval_data.loss_unit``)."""
+def evaluate(
+    model: nn.Module, eval_data: EvalSet, batches: int = 8, *, stop: threading.Event | None = None
+) -> float:
+    """Mean next-token loss on the held-out split in bits per token (``eval_data.loss_unit``).
+
+    A set ``stop`` raises :class:`Interrupted` before the next batch."""
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
     total = 0.0
     try:
         for x, y in eval_data.batches(batches):
+            if stop is not None and stop.is_set():
+                raise Interrupted("evaluation abandoned: stopping")
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
                 total += lm_loss(model, x.to(device), y.to(device)).item()
     finally:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
@@ -24,7 +25,7 @@ import torch
 from torch import nn
 
 from swarm.config import TrainSection
-from swarm.training.evaluation import nats_to_bits
+from swarm.training.evaluation import Interrupted, nats_to_bits
 from swarm.training.model import lm_loss
 
 logger = logging.getLogger(__name__)
@@ -162,6 +163,13 @@ class StepStats:
     device_seconds: float = 0.0
 
 
+def _abandon_if(stop: threading.Event | None, optimizer: torch.optim.Optimizer) -> None:
+    """Raise :class:`Interrupted` once ``stop`` is set, dropping the gradients accumulated so far."""
+    if stop is not None and stop.is_set():
+        optimizer.zero_grad(set_to_none=True)
+        raise Interrupted("inner step abandoned: stopping")
+
+
 class InnerTrainer:
     """Takes inner optimizer steps on a model, one batch from an iterator of ``(x, y)`` at a time."""
 
@@ -201,8 +209,13 @@ class InnerTrainer:
         *,
         lr: float | None = None,
         guard: Callable[[], AbstractContextManager[Any]] | None = None,
+        stop: threading.Event | None = None,
     ) -> StepStats:
         """One optimizer step on the next batch of ``batch_iter``, at ``lr`` when given.
+
+        A set ``stop`` abandons the step before its next micro-batch and before the parameter update
+        (:class:`~swarm.training.evaluation.Interrupted`): the gradients are dropped, the parameters
+        and the optimizer state are those of the last step, and the drawn batch is not trained on.
 
         ``guard()`` is entered around the optimizer's in-place parameter update only (forward and
         backward only read the parameters), so that another thread may copy them meanwhile. An
@@ -224,6 +237,7 @@ class InnerTrainer:
         self.optimizer.zero_grad(set_to_none=True)
         total_loss = 0.0
         for xs, ys in zip(x.split(self.micro_batch_size), y.split(self.micro_batch_size), strict=True):
+            _abandon_if(stop, self.optimizer)
             xs = xs.to(self.device, non_blocking=True)
             ys = ys.to(self.device, non_blocking=True)
             with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.use_autocast):
@@ -231,6 +245,7 @@ class InnerTrainer:
             # Weight each micro-batch by its share of the samples: the sum is the full-batch mean.
             (loss * (len(xs) / samples)).backward()
             total_loss += loss.detach() * len(xs)
+        _abandon_if(stop, self.optimizer)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
         waited = getattr(self.optimizer, "communication_seconds", 0.0)
         with guard() if guard is not None else contextlib.nullcontext():
