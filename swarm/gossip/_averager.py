@@ -24,10 +24,19 @@ import torch
 from swarm.compression import ErrorFeedback
 from swarm.gossip._background import Background, Tensors
 from swarm.gossip._deadlines import Deadlines, payload_nbytes
-from swarm.gossip._exchange import ExchangeHooks, Mixed, as_named, commit, in_thread, run_exchange, settle
+from swarm.gossip._exchange import (
+    Companion,
+    ExchangeHooks,
+    Mixed,
+    as_named,
+    commit,
+    in_thread,
+    run_exchange,
+    settle,
+)
 from swarm.gossip._handshake import BANNED_REASON, Handshake
 from swarm.gossip._metrics import GossipMetrics, MetricsRecorder, SyncOutcome, SyncResult
-from swarm.gossip._offer import Committed, Offer, Offerer
+from swarm.gossip._offer import Committed, MixedPart, Offer, Offerer
 from swarm.gossip._options import GossipOptions
 from swarm.gossip._partners import PartnerInfo, PartnerSource, eligible_partners, pick_order
 from swarm.gossip._protocol import PROTOCOL_VERSION, Channel, Hello, MsgKind, handler_name, parse_json
@@ -53,6 +62,11 @@ class _Local:
     schema_hash: str
     nbytes: int = 0  # on the wire, one direction: what the exchange's deadline is sized by
     offer: Offer | None = None
+    companion: _Local | None = None  # offer mode with a companion codec: the offer's second part
+
+    @property
+    def total_nbytes(self) -> int:
+        return self.nbytes + (self.companion.nbytes if self.companion is not None else 0)
 
 
 class GossipAverager(StreamService):
@@ -71,7 +85,9 @@ class GossipAverager(StreamService):
 
     With an ``offerer`` the averager runs in offer mode (:mod:`swarm.gossip._offer`): each exchange,
     initiated or served, uses a fresh snapshot from ``offerer.offer()`` and reports its committed
-    result to ``offerer.committed()``; nothing is registered and nothing is written in place.
+    result to ``offerer.committed()``; nothing is registered and nothing is written in place. With a
+    ``companion_codec`` (offer mode only) every offer also carries a companion part, exchanged in the
+    same handshake and committed with the first part or not at all.
     """
 
     what = "gossip exchange"
@@ -98,6 +114,8 @@ class GossipAverager(StreamService):
         **tuning: Any,
     ) -> None:
         opts = self.options = dataclasses.replace(options or GossipOptions(), **tuning)
+        if opts.companion_codec is not None and offerer is None:
+            raise ValueError("a companion part (companion_codec) needs offer mode (offerer=)")
         handler = handler_name(run_id)
         super().__init__(
             run_id,
@@ -114,6 +132,7 @@ class GossipAverager(StreamService):
         self._offerer = offerer
         self._schema_hash = ""  # of the last tensors we exchanged: error feedback restarts when it changes
         self._spec = opts.exchange_spec(_hooks)
+        self._companion_spec = opts.companion_spec()
         self._handshake = Handshake(run_id, config_hash, handler, self._swarm_key, opts)
         self._use_ef = opts.error_feedback and not self._spec.codec.lossless
         self._ef: ErrorFeedback | None = None
@@ -275,7 +294,20 @@ class GossipAverager(StreamService):
             return None
         if not (offer.weight > 0 and offer.weight < float("inf")):
             raise ValueError(f"offered weight must be a finite positive number, got {offer.weight!r}")
-        return dataclasses.replace(self._local_of(offer.tensors, float(offer.weight)), offer=offer)
+        local = dataclasses.replace(self._local_of(offer.tensors, float(offer.weight)), offer=offer)
+        spec, part = self._companion_spec, offer.companion
+        if (spec is None) != (part is None):
+            raise ValueError(
+                "an offer must carry a companion part exactly when the averager has a companion_codec"
+            )
+        if spec is None or part is None:
+            return local
+        if not (part.weight > 0 and part.weight < float("inf")):
+            raise ValueError(f"companion weight must be a finite positive number, got {part.weight!r}")
+        named = as_named(part.tensors)
+        digest = schema_hash(schema_of(named))
+        nbytes = payload_nbytes(named, spec.codec)
+        return dataclasses.replace(local, companion=_Local(named, float(part.weight), digest, nbytes))
 
     def _local_of(self, tensors: Tensors, weight: float) -> _Local:
         named = as_named(tensors)
@@ -287,7 +319,9 @@ class GossipAverager(StreamService):
 
     def _hello(self, local: _Local) -> Hello:
         probe = local.offer.probe if local.offer is not None else ()
-        return self._handshake.hello(local.schema_hash, local.weight, probe)
+        part = local.companion
+        companion = (part.schema_hash, part.weight) if part is not None else None
+        return self._handshake.hello(local.schema_hash, local.weight, probe, companion)
 
     # ------------------------------------------------------------------ both roles
 
@@ -298,9 +332,13 @@ class GossipAverager(StreamService):
         started, before = time.monotonic(), (channel.bytes_sent, channel.bytes_received)
         norm_reference = self._reputation.norm_reference()
         weights = (local.weight, theirs.weight)
-        exchange = run_exchange(channel, local.tensors, weights, self._spec, self._ef, norm_reference)
+        companion = self._companion_of(local, theirs)
+        exchange = run_exchange(
+            channel, local.tensors, weights, self._spec, self._ef, norm_reference, companion
+        )
         try:
-            ended = await settle(exchange, self._deadlines.exchange_s(partner, local.nbytes), partner)
+            deadline = self._deadlines.exchange_s(partner, local.total_nbytes)
+            ended = await settle(exchange, deadline, partner)
         except asyncio.CancelledError:  # abort() or shutdown: nothing is committed
             if self._ef is not None:
                 self._ef.discard_pending()
@@ -312,8 +350,16 @@ class GossipAverager(StreamService):
             self._commit(partner, local, ended.mixed, latency)
             result = self._result(ended.outcome, partner, channel, latency, ended.reason)
             if local.offer is not None and self._offerer is not None:  # offer mode
-                scale = ended.mixed.clip.scale if ended.mixed.clip is not None else 1.0
-                done = Committed(ended.mixed.tensors, theirs.weight, initiator, result, theirs.probe, scale)
+                mixed = ended.mixed
+                done = Committed(
+                    mixed.tensors,
+                    theirs.weight,
+                    initiator,
+                    result,
+                    theirs.probe,
+                    _scale(mixed),
+                    _mixed_part(mixed.companion, theirs),
+                )
                 await in_thread(self._offerer.committed, local.offer, done)
             return result
         else:
@@ -324,6 +370,13 @@ class GossipAverager(StreamService):
             self._metrics.count("rejected" if ended.outcome is SyncOutcome.REJECTED else "failed")
         return self._result(ended.outcome, partner, channel, latency, ended.reason)
 
+    def _companion_of(self, local: _Local, theirs: Hello) -> Companion | None:
+        """The companion part's inputs (both HELLOs described one: the handshake checked it)."""
+        part, spec = local.companion, self._companion_spec
+        if part is None or spec is None or theirs.companion is None:
+            return None
+        return Companion(part.tensors, (part.weight, theirs.companion.weight), spec)
+
     def _commit(self, partner: str, local: _Local, mixed: Mixed, latency: float) -> None:
         """Apply a fully ACKed exchange: tensors in place, weight, error-feedback residuals; then judge
         the partner (a hard clip is a strike toward a ban, anything else forgives it)."""
@@ -332,7 +385,8 @@ class GossipAverager(StreamService):
             local.weight = self._weight = mixed.weight
         if self._ef is not None:
             self._ef.commit_all()
-        self._reputation.committed(partner, mixed.clip)
+        companion_clip = mixed.companion.clip if mixed.companion is not None else None
+        self._reputation.committed(partner, mixed.clip, companion_clip)
         self._last_partner = partner
         self._metrics.record_ok(latency)
 
@@ -444,3 +498,14 @@ class GossipAverager(StreamService):
             reason = f"{info.peer_id}: {reply.describe()}"
         outcome = SyncOutcome.BUSY if busy else SyncOutcome.FAILED
         return self._result(outcome, None, None, 0.0, reason)
+
+
+def _scale(mixed: Mixed) -> float:
+    """The robust clip's factor on the partner's pull (1.0: not clipped, or no clip)."""
+    return mixed.clip.scale if mixed.clip is not None else 1.0
+
+
+def _mixed_part(mixed: Mixed | None, theirs: Hello) -> MixedPart | None:
+    if mixed is None or theirs.companion is None:
+        return None
+    return MixedPart(mixed.tensors, theirs.companion.weight, _scale(mixed))
