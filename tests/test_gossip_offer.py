@@ -246,10 +246,10 @@ def test_a_folded_exchange_applies_the_pseudo_gradient_and_pulls_the_anchors_in_
     assert (proposals(), served()) == (1, 1)  # one handshake carried both parts
     assert first.metrics().exchanges_ok == 1 and second.metrics().exchanges_ok == 1
     # on the wire: the fp32 pseudo-gradient and the int8 anchor, once each, plus frame headers and the
-    # HELLO (with its 128-value probe)
+    # HELLO (no probe: the anchor itself measures the drift)
     fp32, int8 = get_codec("fp32"), get_codec("int8")
     payload = sum(fp32.payload_nbytes(t.numel()) + int8.payload_nbytes(t.numel()) for t in before[0].values())
-    assert payload < result.bytes_sent < payload + 4096
+    assert payload < result.bytes_sent < payload + 2048
     clipped = first.metrics().exchanges_clipped
     assert clipped == (gap > 0.01)  # the far pair's anchors were cut to param_clip_ratio, the close not
     mean = {n: (a.produced[n] + b.produced[n]) / 2 for n in a.start}

@@ -16,16 +16,12 @@ import random
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
-
-import torch
 
 from swarm.compression import ErrorFeedback
 from swarm.gossip._background import Background, Tensors
 from swarm.gossip._deadlines import Deadlines, payload_nbytes
 from swarm.gossip._exchange import (
-    Companion,
     ExchangeHooks,
     Mixed,
     as_named,
@@ -35,8 +31,9 @@ from swarm.gossip._exchange import (
     settle,
 )
 from swarm.gossip._handshake import BANNED_REASON, Handshake
+from swarm.gossip._local import Local, clip_factor, companion_of, mixed_part, with_companion
 from swarm.gossip._metrics import GossipMetrics, MetricsRecorder, SyncOutcome, SyncResult
-from swarm.gossip._offer import Committed, MixedPart, Offer, Offerer
+from swarm.gossip._offer import Committed, Offerer
 from swarm.gossip._options import GossipOptions
 from swarm.gossip._partners import PartnerInfo, PartnerSource, eligible_partners, pick_order
 from swarm.gossip._protocol import PROTOCOL_VERSION, Channel, Hello, MsgKind, handler_name, parse_json
@@ -50,23 +47,6 @@ if TYPE_CHECKING:
     from swarm.network import SwarmKey
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class _Local:
-    """The tensors this peer averages (the caller's objects, updated in place) and their weight; in
-    offer mode, a snapshot the offerer gave for one exchange (``offer``), never written to."""
-
-    tensors: dict[str, torch.Tensor]
-    weight: float
-    schema_hash: str
-    nbytes: int = 0  # on the wire, one direction: what the exchange's deadline is sized by
-    offer: Offer | None = None
-    companion: _Local | None = None  # offer mode with a companion codec: the offer's second part
-
-    @property
-    def total_nbytes(self) -> int:
-        return self.nbytes + (self.companion.nbytes if self.companion is not None else 0)
 
 
 class GossipAverager(StreamService):
@@ -145,7 +125,7 @@ class GossipAverager(StreamService):
         self._rng = random.Random(seed)
         # one exchange at a time, across averagers that share the lock (their buffers never add up)
         self._lock: threading.Lock = exclusive_with._lock if exclusive_with is not None else threading.Lock()
-        self._local: _Local | None = None
+        self._local: Local | None = None
         self._last_partner: str | None = None
         self._weight = float(initial_weight)
         self._background: Background | None = None
@@ -273,7 +253,7 @@ class GossipAverager(StreamService):
 
     # ------------------------------------------------------------------ state
 
-    def _register(self, tensors: Tensors | None, weight: float | None) -> _Local:
+    def _register(self, tensors: Tensors | None, weight: float | None) -> Local:
         """Called with the lock held."""
         if weight is not None:
             if not (weight > 0 and weight < float("inf")):
@@ -287,7 +267,7 @@ class GossipAverager(StreamService):
         self._local = self._local_of(tensors, self._weight)
         return self._local
 
-    def _offered(self, offerer: Offerer) -> _Local | None:
+    def _offered(self, offerer: Offerer) -> Local | None:
         """Offer mode: a fresh snapshot from ``offerer``, or None. Called with the lock held."""
         offer = offerer.offer()
         if offer is None:
@@ -295,29 +275,17 @@ class GossipAverager(StreamService):
         if not (offer.weight > 0 and offer.weight < float("inf")):
             raise ValueError(f"offered weight must be a finite positive number, got {offer.weight!r}")
         local = dataclasses.replace(self._local_of(offer.tensors, float(offer.weight)), offer=offer)
-        spec, part = self._companion_spec, offer.companion
-        if (spec is None) != (part is None):
-            raise ValueError(
-                "an offer must carry a companion part exactly when the averager has a companion_codec"
-            )
-        if spec is None or part is None:
-            return local
-        if not (part.weight > 0 and part.weight < float("inf")):
-            raise ValueError(f"companion weight must be a finite positive number, got {part.weight!r}")
-        named = as_named(part.tensors)
-        digest = schema_hash(schema_of(named))
-        nbytes = payload_nbytes(named, spec.codec)
-        return dataclasses.replace(local, companion=_Local(named, float(part.weight), digest, nbytes))
+        return with_companion(local, offer, self._companion_spec)
 
-    def _local_of(self, tensors: Tensors, weight: float) -> _Local:
+    def _local_of(self, tensors: Tensors, weight: float) -> Local:
         named = as_named(tensors)
         digest = schema_hash(schema_of(named))
         if self._schema_hash != digest:
             self._schema_hash = digest
             self._ef = ErrorFeedback(self._spec.codec) if self._use_ef else None
-        return _Local(named, weight, digest, payload_nbytes(named, self._spec.codec))
+        return Local(named, weight, digest, payload_nbytes(named, self._spec.codec))
 
-    def _hello(self, local: _Local) -> Hello:
+    def _hello(self, local: Local) -> Hello:
         probe = local.offer.probe if local.offer is not None else ()
         part = local.companion
         companion = (part.schema_hash, part.weight) if part is not None else None
@@ -326,13 +294,13 @@ class GossipAverager(StreamService):
     # ------------------------------------------------------------------ both roles
 
     async def _exchange(
-        self, partner: str, channel: Channel, local: _Local, theirs: Hello, *, initiator: bool
+        self, partner: str, channel: Channel, local: Local, theirs: Hello, *, initiator: bool
     ) -> SyncResult:
         """Run the data phase under the exchange deadline; commit, or leave everything untouched."""
         started, before = time.monotonic(), (channel.bytes_sent, channel.bytes_received)
         norm_reference = self._reputation.norm_reference()
         weights = (local.weight, theirs.weight)
-        companion = self._companion_of(local, theirs)
+        companion = companion_of(local, theirs, self._companion_spec)
         exchange = run_exchange(
             channel, local.tensors, weights, self._spec, self._ef, norm_reference, companion
         )
@@ -357,8 +325,8 @@ class GossipAverager(StreamService):
                     initiator,
                     result,
                     theirs.probe,
-                    _scale(mixed),
-                    _mixed_part(mixed.companion, theirs),
+                    clip_factor(mixed),
+                    mixed_part(mixed.companion, theirs),
                 )
                 await in_thread(self._offerer.committed, local.offer, done)
             return result
@@ -370,14 +338,7 @@ class GossipAverager(StreamService):
             self._metrics.count("rejected" if ended.outcome is SyncOutcome.REJECTED else "failed")
         return self._result(ended.outcome, partner, channel, latency, ended.reason)
 
-    def _companion_of(self, local: _Local, theirs: Hello) -> Companion | None:
-        """The companion part's inputs (both HELLOs described one: the handshake checked it)."""
-        part, spec = local.companion, self._companion_spec
-        if part is None or spec is None or theirs.companion is None:
-            return None
-        return Companion(part.tensors, (part.weight, theirs.companion.weight), spec)
-
-    def _commit(self, partner: str, local: _Local, mixed: Mixed, latency: float) -> None:
+    def _commit(self, partner: str, local: Local, mixed: Mixed, latency: float) -> None:
         """Apply a fully ACKed exchange: tensors in place, weight, error-feedback residuals; then judge
         the partner (a hard clip is a strike toward a ban, anything else forgives it)."""
         if local.offer is None:
@@ -438,7 +399,7 @@ class GossipAverager(StreamService):
 
     # ------------------------------------------------------------------ initiating side
 
-    async def _initiate_abortable(self, local: _Local, candidates: Sequence[PartnerInfo]) -> SyncResult:
+    async def _initiate_abortable(self, local: Local, candidates: Sequence[PartnerInfo]) -> SyncResult:
         """:meth:`_initiate` as a task that :meth:`abort` can cancel; a cancelled one returns CANCELLED."""
         cancelled = self._result(SyncOutcome.CANCELLED, None, None, 0.0, "aborted: shutting down")
         if self._aborted:
@@ -454,7 +415,7 @@ class GossipAverager(StreamService):
         finally:
             self._inflight = None
 
-    async def _initiate(self, local: _Local, candidates: Sequence[PartnerInfo]) -> SyncResult:
+    async def _initiate(self, local: Local, candidates: Sequence[PartnerInfo]) -> SyncResult:
         """Try random eligible partners until one accepts; that exchange's outcome is the result."""
         eligible = eligible_partners(
             candidates,
@@ -483,7 +444,7 @@ class GossipAverager(StreamService):
         return dataclasses.replace(result, bytes_sent=sent, bytes_received=received)
 
     async def _try_partners(
-        self, order: Sequence[PartnerInfo], local: _Local, channels: list[Channel]
+        self, order: Sequence[PartnerInfo], local: Local, channels: list[Channel]
     ) -> SyncResult:
         deadline = time.monotonic() + self.options.exchange_timeout_s
         busy, reason = 0, ""
@@ -498,14 +459,3 @@ class GossipAverager(StreamService):
             reason = f"{info.peer_id}: {reply.describe()}"
         outcome = SyncOutcome.BUSY if busy else SyncOutcome.FAILED
         return self._result(outcome, None, None, 0.0, reason)
-
-
-def _scale(mixed: Mixed) -> float:
-    """The robust clip's factor on the partner's pull (1.0: not clipped, or no clip)."""
-    return mixed.clip.scale if mixed.clip is not None else 1.0
-
-
-def _mixed_part(mixed: Mixed | None, theirs: Hello) -> MixedPart | None:
-    if mixed is None or theirs.companion is None:
-        return None
-    return MixedPart(mixed.tensors, theirs.companion.weight, _scale(mixed))

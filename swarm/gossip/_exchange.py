@@ -99,7 +99,7 @@ class Companion:
 
 @dataclass(frozen=True)
 class _Part:
-    """One part's state during the data phase: what we send, how, and what we received."""
+    """One part of an exchange in its data phase: what we send, how, and our own frames' decoder."""
 
     local: Mapping[str, torch.Tensor]
     spec: ExchangeSpec

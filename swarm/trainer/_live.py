@@ -44,9 +44,9 @@ PROBE_SIZE = 128
 @dataclass(frozen=True)
 class DeltaSnapshot:
     """Our pseudo-gradient per sample (``(anchor - params) / samples``), the steps it holds, and a
-    fixed sample of our anchor (``probe``) that tells a partner how far apart our models are;
-    ``anchor``: a copy of the anchor itself, taken in the same instant (``averaging.anchor_pull:
-    folded``)."""
+    fixed sample of our anchor (``probe``) that tells a partner how far apart our models are; or
+    instead of the probe, ``anchor``: a copy of the anchor itself, taken in the same instant
+    (``averaging.anchor_pull: folded``)."""
 
     mean: Tensors
     steps: int
@@ -101,8 +101,8 @@ class LiveModel:
         """Our pseudo-gradient per sample, or None when there is nothing new to give.
 
         None while a committed update waits to be applied (its steps are in the model still) or
-        before the first step since the last one. ``with_anchor`` adds a copy of the anchor (None
-        also while an anchor update waits, or when the anchor is not finite).
+        before the first step since the last one. ``with_anchor`` adds a copy of the anchor instead
+        of the probe (None also while an anchor update waits, or when the anchor is not finite).
         """
         with self.lock:
             waiting = {"delta", "solo", "anchor"} if with_anchor else {"delta", "solo"}
@@ -117,12 +117,15 @@ class LiveModel:
                 if not all_finite(self.outer.anchor.values()):
                     return None
                 anchor = {name: t.clone() for name, t in self.outer.anchor.items()}
-            probe = tuple(
-                value
-                for name, positions in self._probe_at.items()
-                for value in self.outer.anchor[name].reshape(-1)[positions].tolist()
-            )
+            probe = () if with_anchor else self._probe()  # the anchor itself measures the drift exactly
             return DeltaSnapshot(mean, self.steps, samples, probe, anchor)
+
+    def _probe(self) -> tuple[float, ...]:
+        return tuple(
+            value
+            for name, positions in self._probe_at.items()
+            for value in self.outer.anchor[name].reshape(-1)[positions].tolist()
+        )
 
     def anchor_snapshot(self) -> Tensors | None:
         """A copy of our anchor, or None while an anchor update waits to be applied."""
