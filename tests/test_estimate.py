@@ -50,6 +50,18 @@ def test_meta_count_equals_a_real_model_and_wire_bytes_equal_encoded_bytes() -> 
     assert estimate.inner_optimizer == 8 * estimate.parameters  # float32 AdamW on the CPU
 
 
+def test_a_folded_anchor_pull_sends_the_anchor_every_round_and_holds_both_parts_at_once() -> None:
+    separate = estimate_peer(load_config("configs/local-tiny.yaml", ["averaging.param_codec=int8"], env={}))
+    overrides = ["averaging.param_codec=int8", "averaging.anchor_pull=folded", "averaging.param_sync_every=1"]
+    folded = estimate_peer(load_config("configs/local-tiny.yaml", overrides, env={}))
+    assert folded.wire_params == separate.wire_params  # the same int8 anchor ...
+    assert separate.wire_per_sync == separate.wire_delta + separate.wire_params / 5  # ... every 5th round
+    assert folded.wire_per_sync == folded.wire_delta + folded.wire_params  # ... or in every exchange
+    # one exchange holds the pseudo-gradient's buffers (int8, error feedback: 5 copies) and the anchor's
+    # (int8: 4) at once, plus the state being published (2)
+    assert folded.exchange_buffers == (5 + 4 + 2) * 4 * folded.parameters > separate.exchange_buffers
+
+
 def test_8bit_adam_state_is_a_quarter_for_large_tensors() -> None:
     model = torch.nn.Linear(1024, 1024, bias=True)  # the bias is below bitsandbytes' 4096 threshold
     state = adamw_state_bytes(model, cuda=True)

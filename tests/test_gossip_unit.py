@@ -17,6 +17,7 @@ from swarm.compression import ErrorFeedback, get_codec
 from swarm.gossip import PROTOCOL_VERSION, GossipAverager, PartnerInfo, SyncOutcome
 from swarm.gossip import _partners as partners_module
 from swarm.gossip._exchange import (
+    Companion,
     ExchangeHooks,
     ExchangeSpec,
     PartnerRejected,
@@ -27,7 +28,7 @@ from swarm.gossip._exchange import (
 from swarm.gossip._metrics import MetricsRecorder
 from swarm.gossip._options import GossipOptions
 from swarm.gossip._partners import FORGET_AFTER_S, BanList, eligible_partners, pick_order
-from swarm.gossip._protocol import Channel, Hello, MsgKind, ProtocolError, handler_name
+from swarm.gossip._protocol import Channel, Hello, MsgKind, PartHello, ProtocolError, handler_name
 from swarm.gossip._reputation import HOLD_S, Reputation
 from swarm.gossip._robust import ClipStats
 from swarm.gossip._validation import NormPolicy, ValidationError, schema_hash, schema_of, validate_received
@@ -59,6 +60,34 @@ def test_hello_roundtrip_and_mismatch() -> None:
     assert "config_hash" in hello.mismatch(_hello(config_hash="other"))
     assert "schema_hash" in hello.mismatch(_hello(schema_hash="x"))
     assert "version" in hello.mismatch(_hello(version=PROTOCOL_VERSION + 1))
+
+
+def test_a_companion_part_travels_in_the_hello_and_must_match() -> None:
+    """A folded anchor pull's HELLO describes its second part; a one-part HELLO is what it always was."""
+    assert "companion" not in _hello().to_json()
+    part = PartHello(schema_hash="a", codec="int8", weight=1.0)
+    hello = _hello(companion=part)
+    assert Hello.from_json(hello.to_json()) == hello
+    assert hello.mismatch(_hello(companion=PartHello("a", "int8", 3.0))) is None  # weights may differ
+    assert "companion part differs (ours one, theirs none)" in hello.mismatch(_hello())
+    assert "companion part differs (ours none, theirs one)" in _hello().mismatch(hello)
+    assert "companion codec" in hello.mismatch(_hello(companion=PartHello("a", "fp16", 1.0)))
+    assert "companion schema_hash" in hello.mismatch(_hello(companion=PartHello("b", "int8", 1.0)))
+
+
+@pytest.mark.parametrize(
+    "companion",
+    [
+        [],
+        {"schema_hash": "a", "codec": "int8"},
+        {"schema_hash": "a", "codec": "int8", "weight": -1},
+        {"schema_hash": 1, "codec": "int8", "weight": 1.0},
+        {"schema_hash": "a", "codec": "int8", "weight": True},
+    ],
+)
+def test_hello_rejects_a_malformed_companion_part(companion: object) -> None:
+    with pytest.raises(ProtocolError, match=r"companion|wrong type"):
+        Hello.from_json(_hello().to_json() | {"companion": companion})
 
 
 @pytest.mark.parametrize(
@@ -184,6 +213,23 @@ def test_only_an_unclipped_exchange_forgives_a_suspect() -> None:
     assert not reputation.is_banned("honest")  # a clean exchange in between forgave the first
 
 
+def test_a_hard_clipped_companion_part_counts_against_the_partner() -> None:
+    """A folded anchor pull judges the anchor part like the update: a poisoned anchor beside an honest
+    pseudo-gradient is suspect, and two in a row ban its sender."""
+    reputation = Reputation(GossipOptions(clip_strikes=2), MetricsRecorder())
+    clean = ClipStats(scale=1.0, excess=0.5, hard=False, own_norm=1.0)
+    hard = ClipStats(scale=0.01, excess=50.0, hard=True, own_norm=1.0)
+    reputation.committed("warmup", clean, clean)
+    reputation.committed("poisoner", clean, hard)
+    assert not reputation.is_banned("poisoner")
+    reputation.committed("poisoner", clean, hard)
+    assert reputation.is_banned("poisoner") and "companion part" in reputation.reasons()["poisoner"]
+    reputation.committed("honest", clean, hard)
+    reputation.committed("honest", clean, clean)  # both parts clean: forgiven
+    reputation.committed("honest", clean, hard)
+    assert not reputation.is_banned("honest")
+
+
 def test_eligible_partners_filters_and_random_order() -> None:
     bans = BanList(10, 100)
     bans.ban("banned", "test")
@@ -291,6 +337,39 @@ async def _exchange_pair(
     a.close()
     b.close()
     return results[0], results[1], ef
+
+
+async def _two_part_pair(left: tuple[dict, dict], right: tuple[dict, dict]) -> list[object]:
+    """Both sides exchange a fp32 first part (weights 1 and 3) and an int8 companion (weights 1 and 1)."""
+    a, b = await _channel_pair()
+    fp32, int8 = get_codec("fp32"), get_codec("int8")
+    first, second = (ExchangeSpec(codec=c, chunk_bytes=CHUNK, policy=NormPolicy()) for c in (fp32, int8))
+    results = await asyncio.gather(
+        run_exchange(a, left[0], (1.0, 3.0), first, None, companion=Companion(left[1], (1.0, 1.0), second)),
+        run_exchange(b, right[0], (3.0, 1.0), first, None, companion=Companion(right[1], (1.0, 1.0), second)),
+        return_exceptions=True,
+    )
+    a.close()
+    b.close()
+    return results
+
+
+def test_a_companion_part_is_mixed_with_its_own_weights_and_codec_and_validated() -> None:
+    left = ({"w": torch.randn(64, 100)}, {"w": torch.randn(64, 100)})
+    right = ({"w": torch.randn(64, 100)}, {"w": torch.randn(64, 100)})
+    mixed_a, mixed_b = asyncio.run(_two_part_pair(left, right))
+    # the first part: the weighted pair mean, exactly (fp32)
+    torch.testing.assert_close(mixed_a.tensors["w"], (left[0]["w"] + 3 * right[0]["w"]) / 4)
+    # the companion: the unweighted pair mean within int8's noise, and the pair's sum exact
+    second_a, second_b = mixed_a.companion.tensors["w"], mixed_b.companion.tensors["w"]
+    mean = (left[1]["w"] + right[1]["w"]) / 2
+    assert float((second_a - mean).norm() / mean.norm()) < 0.02
+    torch.testing.assert_close(second_a + second_b, left[1]["w"] + right[1]["w"], atol=1e-5, rtol=0)
+    # a companion part far too large is rejected like any other data: nothing mixed on either side
+    poisoned = (right[0], {"w": right[1]["w"] * 1e6})
+    results = asyncio.run(_two_part_pair(left, poisoned))
+    assert isinstance(results[0], ValidationError), results
+    assert isinstance(results[1], PartnerRejected), results
 
 
 @pytest.mark.parametrize("codec", ["fp32", "int8"])

@@ -107,6 +107,33 @@ class AveragingSection(Section):
         "raw weights stalled training there (docs/benchmarks.md).",
     )
 
+    anchor_pull: Literal["separate", "folded"] = Field(
+        "separate",
+        description="How anchors are pulled together (gossip backend). 'separate': an anchor exchange of "
+        "its own every param_sync_every rounds (and every round while drift > max_drift); 'folded': "
+        "every pseudo-gradient exchange carries the anchor too (param_codec, param_clip_ratio), in one "
+        "handshake, and reports the drift exactly; needs param_sync_every 1 (docs/gossip.md, 'Anchors "
+        "in the same exchange').",
+    )
+
+    @field_validator("anchor_pull")
+    @classmethod
+    def _folded_pull_needs_gossip_and_every_round(cls, value: str, info: ValidationInfo) -> str:
+        if value != "folded":
+            return value
+        backend, every = info.data.get("backend"), info.data.get("param_sync_every")
+        if backend is not None and backend != "gossip":
+            raise cross_field(
+                "backend", "'folded' needs backend 'gossip' (backend is '{backend}')", backend=backend
+            )
+        if every is not None and every != 1:
+            raise cross_field(
+                "param_sync_every",
+                "'folded' pulls the anchors in every exchange: set param_sync_every to 1 (it is {every})",
+                every=every,
+            )
+        return value
+
     @field_validator("ban_max_s")
     @classmethod
     def _max_ban_not_below_base(cls, value: float, info: ValidationInfo) -> float:

@@ -294,7 +294,8 @@ class RunConfig(BaseModel):
         ``pipeline.num_stages: auto`` is resolved (from this peer's memory budget): peers must agree on
         the cut itself, so a peer whose budget gives another count has another hash. Without a pipeline
         (one stage) the section is left out, so the hashes of unpipelined runs did not change with it;
-        ``data.tokenizer`` enters as its content's fingerprint, and not at all when unset.
+        ``data.tokenizer`` enters as its content's fingerprint, and not at all when unset;
+        ``averaging.anchor_pull`` only when it is not the default ``separate``.
         """
         view = swarm_view(self.model_dump(mode="json"))
         if view["pipeline"]["num_stages"] == "auto":
@@ -303,6 +304,8 @@ class RunConfig(BaseModel):
             view["pipeline"]["num_stages"] = resolve_num_stages(self)
         if view["pipeline"]["num_stages"] == 1:
             del view["pipeline"]
+        if view["averaging"]["anchor_pull"] == "separate":  # runs keep the hashes they had before the key
+            del view["averaging"]["anchor_pull"]
         if self.data.tokenizer is None:  # byte-level runs keep the hashes they had before tokenizers
             del view["data"]["tokenizer"]
         else:  # the tokenizer's content, not its name or path, is what peers must share

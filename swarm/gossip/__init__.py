@@ -5,7 +5,7 @@ See docs/gossip.md for the protocol, the commit rule and the averaging semantics
 
 from swarm.gossip._averager import GossipAverager
 from swarm.gossip._metrics import GossipMetrics, SyncOutcome, SyncResult
-from swarm.gossip._offer import Committed, Offer, Offerer
+from swarm.gossip._offer import Committed, MixedPart, Offer, Offerer, Part
 from swarm.gossip._options import GossipOptions
 from swarm.gossip._partners import PartnerInfo, PartnerSource
 from swarm.gossip._protocol import PROTOCOL_VERSION, handler_name
@@ -17,8 +17,10 @@ __all__ = [
     "GossipAverager",
     "GossipMetrics",
     "GossipOptions",
+    "MixedPart",
     "Offer",
     "Offerer",
+    "Part",
     "PartnerInfo",
     "PartnerSource",
     "SyncOutcome",

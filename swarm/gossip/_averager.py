@@ -16,18 +16,24 @@ import random
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
-
-import torch
 
 from swarm.compression import ErrorFeedback
 from swarm.gossip._background import Background, Tensors
 from swarm.gossip._deadlines import Deadlines, payload_nbytes
-from swarm.gossip._exchange import ExchangeHooks, Mixed, as_named, commit, in_thread, run_exchange, settle
+from swarm.gossip._exchange import (
+    ExchangeHooks,
+    Mixed,
+    as_named,
+    commit,
+    in_thread,
+    run_exchange,
+    settle,
+)
 from swarm.gossip._handshake import BANNED_REASON, Handshake
+from swarm.gossip._local import Local, clip_factor, companion_of, mixed_part, with_companion
 from swarm.gossip._metrics import GossipMetrics, MetricsRecorder, SyncOutcome, SyncResult
-from swarm.gossip._offer import Committed, Offer, Offerer
+from swarm.gossip._offer import Committed, Offerer
 from swarm.gossip._options import GossipOptions
 from swarm.gossip._partners import PartnerInfo, PartnerSource, eligible_partners, pick_order
 from swarm.gossip._protocol import PROTOCOL_VERSION, Channel, Hello, MsgKind, handler_name, parse_json
@@ -41,18 +47,6 @@ if TYPE_CHECKING:
     from swarm.network import SwarmKey
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class _Local:
-    """The tensors this peer averages (the caller's objects, updated in place) and their weight; in
-    offer mode, a snapshot the offerer gave for one exchange (``offer``), never written to."""
-
-    tensors: dict[str, torch.Tensor]
-    weight: float
-    schema_hash: str
-    nbytes: int = 0  # on the wire, one direction: what the exchange's deadline is sized by
-    offer: Offer | None = None
 
 
 class GossipAverager(StreamService):
@@ -71,7 +65,9 @@ class GossipAverager(StreamService):
 
     With an ``offerer`` the averager runs in offer mode (:mod:`swarm.gossip._offer`): each exchange,
     initiated or served, uses a fresh snapshot from ``offerer.offer()`` and reports its committed
-    result to ``offerer.committed()``; nothing is registered and nothing is written in place.
+    result to ``offerer.committed()``; nothing is registered and nothing is written in place. With a
+    ``companion_codec`` (offer mode only) every offer also carries a companion part, exchanged in the
+    same handshake and committed with the first part or not at all.
     """
 
     what = "gossip exchange"
@@ -98,6 +94,8 @@ class GossipAverager(StreamService):
         **tuning: Any,
     ) -> None:
         opts = self.options = dataclasses.replace(options or GossipOptions(), **tuning)
+        if opts.companion_codec is not None and offerer is None:
+            raise ValueError("a companion part (companion_codec) needs offer mode (offerer=)")
         handler = handler_name(run_id)
         super().__init__(
             run_id,
@@ -114,6 +112,7 @@ class GossipAverager(StreamService):
         self._offerer = offerer
         self._schema_hash = ""  # of the last tensors we exchanged: error feedback restarts when it changes
         self._spec = opts.exchange_spec(_hooks)
+        self._companion_spec = opts.companion_spec()
         self._handshake = Handshake(run_id, config_hash, handler, self._swarm_key, opts)
         self._use_ef = opts.error_feedback and not self._spec.codec.lossless
         self._ef: ErrorFeedback | None = None
@@ -126,7 +125,7 @@ class GossipAverager(StreamService):
         self._rng = random.Random(seed)
         # one exchange at a time, across averagers that share the lock (their buffers never add up)
         self._lock: threading.Lock = exclusive_with._lock if exclusive_with is not None else threading.Lock()
-        self._local: _Local | None = None
+        self._local: Local | None = None
         self._last_partner: str | None = None
         self._weight = float(initial_weight)
         self._background: Background | None = None
@@ -254,7 +253,7 @@ class GossipAverager(StreamService):
 
     # ------------------------------------------------------------------ state
 
-    def _register(self, tensors: Tensors | None, weight: float | None) -> _Local:
+    def _register(self, tensors: Tensors | None, weight: float | None) -> Local:
         """Called with the lock held."""
         if weight is not None:
             if not (weight > 0 and weight < float("inf")):
@@ -268,39 +267,46 @@ class GossipAverager(StreamService):
         self._local = self._local_of(tensors, self._weight)
         return self._local
 
-    def _offered(self, offerer: Offerer) -> _Local | None:
+    def _offered(self, offerer: Offerer) -> Local | None:
         """Offer mode: a fresh snapshot from ``offerer``, or None. Called with the lock held."""
         offer = offerer.offer()
         if offer is None:
             return None
         if not (offer.weight > 0 and offer.weight < float("inf")):
             raise ValueError(f"offered weight must be a finite positive number, got {offer.weight!r}")
-        return dataclasses.replace(self._local_of(offer.tensors, float(offer.weight)), offer=offer)
+        local = dataclasses.replace(self._local_of(offer.tensors, float(offer.weight)), offer=offer)
+        return with_companion(local, offer, self._companion_spec)
 
-    def _local_of(self, tensors: Tensors, weight: float) -> _Local:
+    def _local_of(self, tensors: Tensors, weight: float) -> Local:
         named = as_named(tensors)
         digest = schema_hash(schema_of(named))
         if self._schema_hash != digest:
             self._schema_hash = digest
             self._ef = ErrorFeedback(self._spec.codec) if self._use_ef else None
-        return _Local(named, weight, digest, payload_nbytes(named, self._spec.codec))
+        return Local(named, weight, digest, payload_nbytes(named, self._spec.codec))
 
-    def _hello(self, local: _Local) -> Hello:
+    def _hello(self, local: Local) -> Hello:
         probe = local.offer.probe if local.offer is not None else ()
-        return self._handshake.hello(local.schema_hash, local.weight, probe)
+        part = local.companion
+        companion = (part.schema_hash, part.weight) if part is not None else None
+        return self._handshake.hello(local.schema_hash, local.weight, probe, companion)
 
     # ------------------------------------------------------------------ both roles
 
     async def _exchange(
-        self, partner: str, channel: Channel, local: _Local, theirs: Hello, *, initiator: bool
+        self, partner: str, channel: Channel, local: Local, theirs: Hello, *, initiator: bool
     ) -> SyncResult:
         """Run the data phase under the exchange deadline; commit, or leave everything untouched."""
         started, before = time.monotonic(), (channel.bytes_sent, channel.bytes_received)
         norm_reference = self._reputation.norm_reference()
         weights = (local.weight, theirs.weight)
-        exchange = run_exchange(channel, local.tensors, weights, self._spec, self._ef, norm_reference)
+        companion = companion_of(local, theirs, self._companion_spec)
+        exchange = run_exchange(
+            channel, local.tensors, weights, self._spec, self._ef, norm_reference, companion
+        )
         try:
-            ended = await settle(exchange, self._deadlines.exchange_s(partner, local.nbytes), partner)
+            deadline = self._deadlines.exchange_s(partner, local.total_nbytes)
+            ended = await settle(exchange, deadline, partner)
         except asyncio.CancelledError:  # abort() or shutdown: nothing is committed
             if self._ef is not None:
                 self._ef.discard_pending()
@@ -312,8 +318,16 @@ class GossipAverager(StreamService):
             self._commit(partner, local, ended.mixed, latency)
             result = self._result(ended.outcome, partner, channel, latency, ended.reason)
             if local.offer is not None and self._offerer is not None:  # offer mode
-                scale = ended.mixed.clip.scale if ended.mixed.clip is not None else 1.0
-                done = Committed(ended.mixed.tensors, theirs.weight, initiator, result, theirs.probe, scale)
+                mixed = ended.mixed
+                done = Committed(
+                    mixed.tensors,
+                    theirs.weight,
+                    initiator,
+                    result,
+                    theirs.probe,
+                    clip_factor(mixed),
+                    mixed_part(mixed.companion, theirs),
+                )
                 await in_thread(self._offerer.committed, local.offer, done)
             return result
         else:
@@ -327,7 +341,7 @@ class GossipAverager(StreamService):
             )
         return self._result(ended.outcome, partner, channel, latency, ended.reason)
 
-    def _commit(self, partner: str, local: _Local, mixed: Mixed, latency: float) -> None:
+    def _commit(self, partner: str, local: Local, mixed: Mixed, latency: float) -> None:
         """Apply a fully ACKed exchange: tensors in place, weight, error-feedback residuals; then judge
         the partner (a hard clip is a strike toward a ban, anything else forgives it)."""
         if local.offer is None:
@@ -335,7 +349,8 @@ class GossipAverager(StreamService):
             local.weight = self._weight = mixed.weight
         if self._ef is not None:
             self._ef.commit_all()
-        self._reputation.committed(partner, mixed.clip)
+        companion_clip = mixed.companion.clip if mixed.companion is not None else None
+        self._reputation.committed(partner, mixed.clip, companion_clip)
         self._last_partner = partner
         self._metrics.record_ok(latency)
 
@@ -387,7 +402,7 @@ class GossipAverager(StreamService):
 
     # ------------------------------------------------------------------ initiating side
 
-    async def _initiate_abortable(self, local: _Local, candidates: Sequence[PartnerInfo]) -> SyncResult:
+    async def _initiate_abortable(self, local: Local, candidates: Sequence[PartnerInfo]) -> SyncResult:
         """:meth:`_initiate` as a task that :meth:`abort` can cancel; a cancelled one returns CANCELLED."""
         cancelled = self._result(SyncOutcome.CANCELLED, None, None, 0.0, "aborted: shutting down")
         if self._aborted:
@@ -403,7 +418,7 @@ class GossipAverager(StreamService):
         finally:
             self._inflight = None
 
-    async def _initiate(self, local: _Local, candidates: Sequence[PartnerInfo]) -> SyncResult:
+    async def _initiate(self, local: Local, candidates: Sequence[PartnerInfo]) -> SyncResult:
         """Try random eligible partners until one accepts; that exchange's outcome is the result."""
         eligible = eligible_partners(
             candidates,
@@ -432,7 +447,7 @@ class GossipAverager(StreamService):
         return dataclasses.replace(result, bytes_sent=sent, bytes_received=received)
 
     async def _try_partners(
-        self, order: Sequence[PartnerInfo], local: _Local, channels: list[Channel]
+        self, order: Sequence[PartnerInfo], local: Local, channels: list[Channel]
     ) -> SyncResult:
         deadline = time.monotonic() + self.options.exchange_timeout_s
         busy, reason = 0, ""

@@ -15,12 +15,17 @@ adds noise to the individual peers but never moves the swarm's weighted mean.
 With a :class:`~swarm.gossip._robust.ClipPolicy` in the spec the robust rule of
 ``swarm.gossip._robust`` replaces it: the partner's difference is clipped, weights stay, and the
 pair's mass is still conserved exactly.
+
+A companion part (:class:`Companion`: the trainer's anchor beside its pseudo-gradient) travels on the
+same stream right after the first part, and is validated and mixed by the same rules with its own
+weights, codec and clip; the one ACK each way covers both parts.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -73,11 +78,45 @@ class ExchangeSpec:
 
 @dataclass(frozen=True)
 class Mixed:
-    """The validated, mixed result, ready to be committed; ``clip`` is set when robust mixing ran."""
+    """The validated, mixed result, ready to be committed; ``clip`` is set when robust mixing ran;
+    ``companion``: the companion part's own result, when the exchange had one."""
 
     tensors: dict[str, torch.Tensor]
     weight: float
     clip: ClipStats | None = None
+    companion: Mixed | None = None
+
+
+@dataclass(frozen=True)
+class Companion:
+    """The second part of an exchange: our tensors, (our weight, the partner's), and its own spec
+    (codec, clip). It never uses error feedback, and the robust clip blames it on its own norm."""
+
+    tensors: Mapping[str, torch.Tensor]
+    weights: tuple[float, float]
+    spec: ExchangeSpec
+
+
+@dataclass(frozen=True)
+class _Part:
+    """One part of an exchange in its data phase: what we send, how, and our own frames' decoder."""
+
+    local: Mapping[str, torch.Tensor]
+    spec: ExchangeSpec
+    error_feedback: ErrorFeedback | None
+    schema: Schema
+    own: TensorStreamDecoder | None
+
+    @classmethod
+    def of(
+        cls, local: Mapping[str, torch.Tensor], spec: ExchangeSpec, error_feedback: ErrorFeedback | None
+    ) -> _Part:
+        schema: Schema = {name: (tuple(t.shape), t.dtype) for name, t in local.items()}
+        own = None if _codec(spec).lossless else TensorStreamDecoder(expected=schema)
+        return cls(local, spec, error_feedback, schema, own)
+
+    async def sent(self) -> Mapping[str, torch.Tensor]:
+        return dict(self.local) if self.own is None else await in_thread(_own_values, self.own)
 
 
 async def in_thread(fn: Callable[..., T], *args: Any) -> T:
@@ -98,22 +137,26 @@ async def run_exchange(
     spec: ExchangeSpec,
     error_feedback: ErrorFeedback | None,
     norm_reference: float = 0.0,
+    companion: Companion | None = None,
 ) -> Mixed:
     """Send ours and receive theirs concurrently, validate, mix, then swap ACKs.
 
     ``norm_reference`` (robust mixing only): our recent own norm, for blaming the partner.
+    ``companion``: a second part, sent and received after the first on the same stream.
 
     Returns only when both sides have ACKed; raises ValidationError (we rejected their data, NACK
     already sent), PartnerRejected, ProtocolError, or a connection/timeout error otherwise.
     """
-    schema: Schema = {name: (tuple(t.shape), t.dtype) for name, t in local.items()}
-    own = None if _codec(spec).lossless else TensorStreamDecoder(expected=schema)
-    sender = asyncio.create_task(_send_all(channel, list(local.items()), spec, error_feedback, own))
+    parts = [_Part.of(local, spec, error_feedback)]
+    if companion is not None:
+        parts.append(_Part.of(companion.tensors, companion.spec, None))
+    sender = asyncio.create_task(_send_parts(channel, parts))
     try:
-        received = await _receive_all(channel, schema)
+        received = [await _receive_all(channel, part.schema) for part in parts]
         await sender
-        sent = dict(local) if own is None else await in_thread(_own_values, own)
-        await in_thread(validate_received, received, local, spec.policy)
+        sent = [await part.sent() for part in parts]
+        for part, theirs in zip(parts, received, strict=True):
+            await in_thread(validate_received, theirs, part.local, part.spec.policy)
     except ValidationError as exc:
         await _cancel(sender)
         with contextlib.suppress(Exception):
@@ -122,7 +165,12 @@ async def run_exchange(
     except BaseException:
         await _cancel(sender)
         raise
-    mixed = await in_thread(_mix, spec, local, sent, weights, received, norm_reference)
+    mixed = await in_thread(_mix, spec, local, sent[0], weights, received[0], norm_reference)
+    if companion is not None:
+        other = await in_thread(
+            _mix, companion.spec, companion.tensors, sent[1], companion.weights, received[1], 0.0
+        )
+        mixed = dataclasses.replace(mixed, companion=other)
     await channel.send(MsgKind.ACK)
     kind, payload = await channel.recv_expect(MsgKind.ACK, MsgKind.NACK)
     if kind is MsgKind.NACK:
@@ -189,6 +237,12 @@ def _next_frame(frames: Iterator[bytes], own: TensorStreamDecoder | None) -> byt
         with contextlib.suppress(FrameError):  # surfaces again, as ProtocolError, in _own_values
             own.feed(frame)
     return frame
+
+
+async def _send_parts(channel: Channel, parts: Sequence[_Part]) -> None:
+    """Each part's frames and END, one part after the other."""
+    for part in parts:
+        await _send_all(channel, list(part.local.items()), part.spec, part.error_feedback, part.own)
 
 
 async def _send_all(

@@ -13,7 +13,15 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from swarm.gossip._options import GossipOptions
-from swarm.gossip._protocol import PROTOCOL_VERSION, Channel, Hello, MsgKind, ProtocolError, parse_json
+from swarm.gossip._protocol import (
+    PROTOCOL_VERSION,
+    Channel,
+    Hello,
+    MsgKind,
+    PartHello,
+    ProtocolError,
+    parse_json,
+)
 from swarm.p2p import StreamKey, dial
 
 if TYPE_CHECKING:
@@ -47,10 +55,21 @@ class Handshake:
         self._run_id, self._config_hash = run_id, config_hash
         self._handler, self._swarm_key = handler, swarm_key
         self._codec, self._block_size = options.codec, options.block_size
+        self._companion_codec = options.companion_codec
         self._timeout, self._max_data_bytes = options.chunk_timeout_s, options.max_data_bytes
 
-    def hello(self, schema_hash: str, weight: float, probe: tuple[float, ...] = ()) -> Hello:
-        """What we state about the tensors we are about to exchange (HELLO, or ACCEPT's body)."""
+    def hello(
+        self,
+        schema_hash: str,
+        weight: float,
+        probe: tuple[float, ...] = (),
+        companion: tuple[str, float] | None = None,
+    ) -> Hello:
+        """What we state about the tensors we are about to exchange (HELLO, or ACCEPT's body);
+        ``companion``: the companion part's schema hash and weight."""
+        part = None
+        if companion is not None and self._companion_codec is not None:
+            part = PartHello(schema_hash=companion[0], codec=self._companion_codec, weight=companion[1])
         return Hello(
             version=PROTOCOL_VERSION,
             run_id=self._run_id,
@@ -60,6 +79,7 @@ class Handshake:
             block_size=self._block_size,
             weight=weight,
             probe=probe,
+            companion=part,
         )
 
     def channel(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> Channel:

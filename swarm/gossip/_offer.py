@@ -9,7 +9,10 @@ nothing else with them. A trainer keeps training while its exchanges run, so it 
   ``None`` means nothing to offer now: a partner gets BUSY, our own ``sync`` returns SKIPPED;
 * when the exchange commits (both ACKs, the same rule as always), the averager calls
   :meth:`Offerer.committed` with the mixed tensors, the partner's weight and which side we were;
-  nothing is written anywhere else. An exchange that does not commit calls nothing.
+  nothing is written anywhere else. An exchange that does not commit calls nothing;
+* an averager given a companion codec (``GossipOptions.companion``) exchanges a second part with
+  every offer (:class:`Part`, the trainer's anchor beside its pseudo-gradient), mixed on its own
+  (its own weight, codec and clip) in the same handshake, and committed with the first or not at all.
 """
 
 from __future__ import annotations
@@ -23,6 +26,24 @@ from swarm.gossip._metrics import SyncResult
 
 
 @dataclass(frozen=True)
+class Part:
+    """The companion part of an offer: tensors (the averager's for the exchange) and their weight."""
+
+    tensors: dict[str, torch.Tensor]
+    weight: float
+
+
+@dataclass(frozen=True)
+class MixedPart:
+    """The companion part of a committed exchange: its mixed values (fresh tensors), the partner's
+    stated weight for it, and the robust clip's factor on the partner's pull (1.0: not clipped)."""
+
+    mixed: dict[str, torch.Tensor]
+    partner_weight: float
+    clip_scale: float = 1.0
+
+
+@dataclass(frozen=True)
 class Offer:
     """One exchange's tensors (owned by the averager until it ends) and their weight; ``token`` is
     the offerer's own bookkeeping, handed back on commit. ``probe``: a few numbers sent in the
@@ -33,6 +54,8 @@ class Offer:
     weight: float
     token: Any = None
     probe: tuple[float, ...] = ()
+    companion: Part | None = None
+    """Required by an averager with a companion codec, refused by one without."""
 
 
 @dataclass(frozen=True)
@@ -47,6 +70,8 @@ class Committed:
     partner_probe: tuple[float, ...] = ()
     clip_scale: float = 1.0
     """The robust clip's factor on the partner's pull (1.0: not clipped, or no clip)."""
+    companion: MixedPart | None = None
+    """The companion part's result, when the offer had one."""
 
 
 class Offerer(Protocol):

@@ -52,6 +52,11 @@ class GossipOptions:
     """Partners tried per sync before giving up."""
     busy_patience_s: float = 5.0
     """How long a sync keeps retrying while every partner answers BUSY."""
+    companion_codec: str | None = None
+    """Offer mode: every offer carries a companion part (:class:`~swarm.gossip.Part`) in this codec,
+    exchanged in the same handshake, mixed on its own and never with error feedback (None: no part)."""
+    companion_clip_ratio: float = 0.1
+    """The robust clip's ratio for the companion part (``clip_ratio`` is the first part's)."""
 
     def __post_init__(self) -> None:
         if self.chunk_bytes < 4096:
@@ -70,11 +75,20 @@ class GossipOptions:
 
     def exchange_spec(self, hooks: ExchangeHooks | None = None) -> ExchangeSpec:
         """What every exchange of the averager uses: codec, chunking, norm checks, clip policy."""
+        return self._spec(self.codec, self.clip_ratio, hooks)
+
+    def companion_spec(self) -> ExchangeSpec | None:
+        """The same for the companion part (its codec and clip ratio, no test hooks), or None."""
+        if self.companion_codec is None:
+            return None
+        return self._spec(self.companion_codec, self.companion_clip_ratio, None)
+
+    def _spec(self, codec: str, clip_ratio: float, hooks: ExchangeHooks | None) -> ExchangeSpec:
         clip = None
         if self.robust_clip:
-            clip = ClipPolicy(self.clip_ratio, self.clip_floor, self.clip_hard_factor)
+            clip = ClipPolicy(clip_ratio, self.clip_floor, self.clip_hard_factor)
         return ExchangeSpec(
-            codec=get_codec(self.codec, block_size=self.block_size),
+            codec=get_codec(codec, block_size=self.block_size),
             chunk_bytes=self.chunk_bytes,
             policy=NormPolicy(max_norm_ratio=self.max_norm_ratio, norm_floor=self.norm_floor),
             hooks=hooks,

@@ -15,7 +15,9 @@ Sequence (both sides run the data phase concurrently, in both directions at once
            ◀─────────────────────── ACK | NACK
 
 A side commits only after it validated everything it received, sent its ACK, and received the
-partner's ACK (see docs/gossip.md, "Commit rule").
+partner's ACK (see docs/gossip.md, "Commit rule"). An exchange with a companion part (both HELLOs
+describe it) sends the companion's ``DATA* , END`` right after the first part's, on the same stream;
+there is still one ACK each way, for both parts.
 
 In a private swarm (a swarm key is set) both sides first run the swarm key handshake of
 :mod:`swarm.p2p` on the stream; HELLO is only sent and read once both proved the key.
@@ -32,7 +34,16 @@ from typing import Any
 from swarm._protocol import PROTOCOL_VERSION
 from swarm.p2p import HEADER_LEN, ProtocolError, dump_json, parse_json, read_message, write_message
 
-__all__ = ["CONTROL_MAX_BYTES", "Channel", "Hello", "MsgKind", "ProtocolError", "handler_name", "parse_json"]
+__all__ = [
+    "CONTROL_MAX_BYTES",
+    "Channel",
+    "Hello",
+    "MsgKind",
+    "PartHello",
+    "ProtocolError",
+    "handler_name",
+    "parse_json",
+]
 
 CONTROL_MAX_BYTES = 64 * 1024
 MAX_PROBE = 1024
@@ -100,6 +111,29 @@ class Channel:
 
 
 @dataclass(frozen=True)
+class PartHello:
+    """What a HELLO states about the companion part: its schema, codec and weight."""
+
+    schema_hash: str
+    codec: str
+    weight: float
+
+    @classmethod
+    def from_json(cls, obj: Any) -> PartHello:
+        if not isinstance(obj, dict):
+            raise ProtocolError("handshake field 'companion' must be an object")
+        try:
+            part = cls(
+                schema_hash=_typed(obj, "schema_hash", str),
+                codec=_typed(obj, "codec", str),
+                weight=_weight(_typed(obj, "weight", (int, float)), "companion weight"),
+            )
+        except KeyError as exc:
+            raise ProtocolError(f"handshake field 'companion' lacks {exc}") from None
+        return part
+
+
+@dataclass(frozen=True)
 class Hello:
     """What each side states about itself before any tensor data moves (HELLO and ACCEPT)."""
 
@@ -111,10 +145,13 @@ class Hello:
     block_size: int
     weight: float
     probe: tuple[float, ...] = ()
+    companion: PartHello | None = None
 
     def to_json(self) -> dict[str, Any]:
         body = asdict(self)
         body["probe"] = list(self.probe)
+        if self.companion is None:  # a one-part HELLO is what it always was
+            del body["companion"]
         return body
 
     @classmethod
@@ -129,11 +166,11 @@ class Hello:
                 block_size=_typed(obj, "block_size", int),
                 weight=float(_typed(obj, "weight", (int, float))),
                 probe=_probe(obj.get("probe", [])),
+                companion=PartHello.from_json(obj["companion"]) if "companion" in obj else None,
             )
         except KeyError as exc:
             raise ProtocolError(f"handshake lacks field {exc}") from None
-        if not (math.isfinite(hello.weight) and 0.0 < hello.weight < 1e30):
-            raise ProtocolError(f"handshake weight {hello.weight!r} is not a finite positive number")
+        _weight(hello.weight, "weight")
         return hello
 
     def mismatch(self, other: Hello) -> str | None:
@@ -142,7 +179,23 @@ class Hello:
             mine, theirs = getattr(self, name), getattr(other, name)
             if mine != theirs:
                 return f"{name} differs (ours {mine!r}, theirs {theirs!r})"
+        ours, other_part = self.companion, other.companion
+        if (ours is None) != (other_part is None):
+            mine, theirs = ("one", "none") if ours is not None else ("none", "one")
+            return f"companion part differs (ours {mine}, theirs {theirs})"
+        if ours is not None and other_part is not None:
+            for name in ("schema_hash", "codec"):
+                mine, theirs = getattr(ours, name), getattr(other_part, name)
+                if mine != theirs:
+                    return f"companion {name} differs (ours {mine!r}, theirs {theirs!r})"
         return None
+
+
+def _weight(value: float, what: str) -> float:
+    value = float(value)
+    if not (math.isfinite(value) and 0.0 < value < 1e30):
+        raise ProtocolError(f"handshake {what} {value!r} is not a finite positive number")
+    return value
 
 
 def _probe(value: Any) -> tuple[float, ...]:

@@ -119,21 +119,29 @@ class Reputation:
             self.failed(peer, f"refused the handshake: {reply.reason}")
         self._metrics.count("failed")
 
-    def committed(self, peer: str, clip: ClipStats | None) -> None:
+    def committed(self, peer: str, clip: ClipStats | None, companion: ClipStats | None = None) -> None:
         """An exchange with ``peer`` committed: suspect it if clipped hard, forgive it if not clipped.
 
+        ``companion``: the clip of the exchange's companion part, judged alike (a hard clip of either
+        part makes the partner suspect, once); only the first part's norm is remembered as ours.
         No blame before we know our own usual norm: a first, tiny warm-up update looks like a victim.
         """
         knows_own_norm = bool(self._own_norms)
         if clip is not None:
             self._own_norms.append(clip.own_norm)
-            if clip.clipped:
-                self._metrics.count("clipped")
-            if clip.hard and knows_own_norm:
-                self._metrics.count("suspect")
-                reason = f"its update was {clip.excess:.3g}x our clip radius (clipped to {clip.scale:.3g})"
-                self.bans.suspect(peer, reason, self._clip_strikes)
-                return
-            if clip.clipped or not clip.judged:
-                return
+        clips = [(what, c) for what, c in (("update", clip), ("companion part", companion)) if c is not None]
+        if not clips:
+            self.bans.forgive(peer)
+            return
+        if any(c.clipped for _, c in clips):
+            self._metrics.count("clipped")
+        hard = [(what, c) for what, c in clips if c.hard]
+        if hard and knows_own_norm:
+            what, worst = hard[0]
+            self._metrics.count("suspect")
+            reason = f"its {what} was {worst.excess:.3g}x our clip radius (clipped to {worst.scale:.3g})"
+            self.bans.suspect(peer, reason, self._clip_strikes)
+            return
+        if any(c.clipped or not c.judged for _, c in clips):
+            return
         self.bans.forgive(peer)

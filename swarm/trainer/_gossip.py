@@ -7,7 +7,9 @@ made meanwhile (:mod:`swarm.trainer._live`). A partner that dials us gets a snap
 result too (:mod:`swarm.trainer._offers`): every exchange is a round for both sides. The device waits
 only when our own exchange lags more than ``averaging.max_lag_rounds`` rounds behind (0: a blocking
 sync). Every ``param_sync_every`` rounds, and every round while drifting, the worker also averages
-anchors with a partner, which measures the drift and pulls it back. The backend also owns the state
+anchors with a partner, which measures the drift and pulls it back; with ``averaging.anchor_pull:
+folded`` every pseudo-gradient exchange carries the anchors instead, and that second exchange is never
+run (its averager stays, for a joiner that adopts a partner's anchor). The backend also owns the state
 server that joiners download from, and joining itself.
 """
 
@@ -35,7 +37,7 @@ from swarm.trainer._backend import (
 )
 from swarm.trainer._joining import adopt, choose_donors, progress_of, snapshot_of, state_limits
 from swarm.trainer._live import LiveModel, Update
-from swarm.trainer._offers import AnchorOffers, DeltaOffers
+from swarm.trainer._offers import ANCHOR_WEIGHT, AnchorOffers, DeltaOffers
 from swarm.trainer._sync import SyncWorker, make_averager
 from swarm.training import OuterOptimizer, all_finite
 
@@ -56,7 +58,9 @@ class GossipBackend:
         map_large_allocations()  # an exchange's copies go back to the system when freed
         self.outer = OuterOptimizer.from_config(context.model, avg, state_device=outer_state_device(context))
         self.live = LiveModel(context.model, self.outer, context.config.train.batch_size)
-        self._delta_offers, self._anchor_offers = DeltaOffers(self.live), AnchorOffers(self.live)
+        self._folded = avg.anchor_pull == "folded"
+        self._delta_offers = DeltaOffers(self.live, with_anchor=self._folded)
+        self._anchor_offers = AnchorOffers(self.live)
         self._every_steps, self._every_seconds = avg.sync_every_steps, avg.sync_every_seconds
         self._max_lag = avg.max_lag_rounds
         self._last_request = time.monotonic()
@@ -82,7 +86,13 @@ class GossipBackend:
         config, dht = self._config, self._node.dht
         space = self._namespace
         self.deltas = make_averager(
-            config, dht, self._partners, self._delta_offers, namespace=space, client_mode=client_mode
+            config,
+            dht,
+            self._partners,
+            self._delta_offers,
+            namespace=space,
+            client_mode=client_mode,
+            with_anchor=self._folded,
         )
         self.params = make_averager(
             config,
@@ -153,7 +163,7 @@ class GossipBackend:
         try:
             result = self._averagers()[1].sync()
         finally:
-            self._anchor_offers.weight = 1.0
+            self._anchor_offers.weight = ANCHOR_WEIGHT
         if not self.live.apply_pending():
             logger.warning(
                 "could not fetch state from a live peer (%s); starting from the config seed", result.reason
@@ -275,6 +285,10 @@ class GossipBackend:
             self._averagers()[1].sync()
 
     def _anchor_exchange_due(self) -> bool:
+        """A separate anchor exchange: every ``param_sync_every`` own rounds, and every round while the
+        drift exceeds ``max_drift``; never with a folded pull (every exchange pulled the anchors)."""
+        if self._folded:
+            return False
         avg, drift = self._config.averaging, self._context.progress.drift
         return (drift is not None and drift > avg.max_drift) or self._own_rounds % avg.param_sync_every == 0
 

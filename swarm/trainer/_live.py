@@ -44,12 +44,15 @@ PROBE_SIZE = 128
 @dataclass(frozen=True)
 class DeltaSnapshot:
     """Our pseudo-gradient per sample (``(anchor - params) / samples``), the steps it holds, and a
-    fixed sample of our anchor (``probe``) that tells a partner how far apart our models are."""
+    fixed sample of our anchor (``probe``) that tells a partner how far apart our models are; or
+    instead of the probe, ``anchor``: a copy of the anchor itself, taken in the same instant
+    (``averaging.anchor_pull: folded``)."""
 
     mean: Tensors
     steps: int
     samples: int
     probe: tuple[float, ...] = ()
+    anchor: Tensors | None = None
 
 
 @dataclass
@@ -57,8 +60,9 @@ class Update:
     """A committed exchange's result, waiting for the training thread.
 
     ``kind="delta"``: ``gradient`` is the outer gradient (the pair's mean pseudo-gradient in sum units)
-    and ``consumed`` our snapshot's pseudo-gradient with its ``steps``. ``kind="anchor"``: ``shift`` is
-    how far the exchange moved our anchor snapshot. ``kind="solo"``: an outer step on our own, whole
+    and ``consumed`` our snapshot's pseudo-gradient with its ``steps``; with a folded anchor pull also
+    ``shift``, applied after the outer step. ``kind="anchor"``: ``shift`` is how far the exchange moved
+    our anchor snapshot. ``kind="solo"``: an outer step on our own, whole
     pseudo-gradient (no partner). ``info`` is for the round's report.
     """
 
@@ -93,25 +97,35 @@ class LiveModel:
 
     # ------------------------------------------------------------------ snapshots (any thread)
 
-    def delta_snapshot(self) -> DeltaSnapshot | None:
+    def delta_snapshot(self, with_anchor: bool = False) -> DeltaSnapshot | None:
         """Our pseudo-gradient per sample, or None when there is nothing new to give.
 
         None while a committed update waits to be applied (its steps are in the model still) or
-        before the first step since the last one.
+        before the first step since the last one. ``with_anchor`` adds a copy of the anchor instead
+        of the probe (None also while an anchor update waits, or when the anchor is not finite).
         """
         with self.lock:
-            if self._pending_kinds & {"delta", "solo"} or self.steps == 0:
+            waiting = {"delta", "solo", "anchor"} if with_anchor else {"delta", "solo"}
+            if self._pending_kinds & waiting or self.steps == 0:
                 return None
             samples = self.steps * self._samples_per_step
             mean = {name: delta.div_(samples) for name, delta in self._pseudo_gradient().items()}
             if not all_finite(mean.values()):  # never served: the training thread rolls back
                 return None
-            probe = tuple(
-                value
-                for name, positions in self._probe_at.items()
-                for value in self.outer.anchor[name].reshape(-1)[positions].tolist()
-            )
-            return DeltaSnapshot(mean, self.steps, samples, probe)
+            anchor = None
+            if with_anchor:
+                if not all_finite(self.outer.anchor.values()):
+                    return None
+                anchor = {name: t.clone() for name, t in self.outer.anchor.items()}
+            probe = () if with_anchor else self._probe()  # the anchor itself measures the drift exactly
+            return DeltaSnapshot(mean, self.steps, samples, probe, anchor)
+
+    def _probe(self) -> tuple[float, ...]:
+        return tuple(
+            value
+            for name, positions in self._probe_at.items()
+            for value in self.outer.anchor[name].reshape(-1)[positions].tolist()
+        )
 
     def anchor_snapshot(self) -> Tensors | None:
         """A copy of our anchor, or None while an anchor update waits to be applied."""
@@ -148,6 +162,10 @@ class LiveModel:
         if update.kind == "delta":
             moves = self.outer.advance(update.gradient)
             update.gradient = {}  # used: let it go before the parameters move
+            for name, shift in update.shift.items():  # a folded anchor pull: anchor and model move alike
+                self.outer.anchor[name].add_(shift)
+                moves[name].add_(shift)
+            update.shift = {}
             self._move_params(moves, update.consumed)
             update.consumed = {}
             self.steps -= update.steps

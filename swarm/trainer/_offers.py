@@ -9,26 +9,40 @@ it travels as a per-sample mean ``x = Δ / w`` with weight ``w`` = its samples, 
 took different numbers of steps are comparable (the robust clip compares their norms). The mix of a
 pair is ``x' = (w x + v y) / (w + v)``; the outer gradient each side applies is ``x' (w + v) / 2 =
 (Δ_a + Δ_b) / 2``: the pair's mean pseudo-gradient, in sum units, so every sample counts once.
+
+With ``averaging.anchor_pull: folded`` the pseudo-gradient offer carries a copy of the anchor as its
+companion part (weight 1, ``param_codec``, ``param_clip_ratio``): one exchange gives both the pair's
+mean pseudo-gradient and the anchors' pull, applied together as one update.
 """
 
 from __future__ import annotations
 
-from swarm.gossip import Committed, Offer
-from swarm.trainer._live import LiveModel, Update, probe_distance, relative_norm
+from swarm.gossip import Committed, MixedPart, Offer, Part
+from swarm.trainer._live import LiveModel, Tensors, Update, probe_distance, relative_norm
 
 
 class DeltaOffers:
-    """Offers our pseudo-gradient snapshot; a committed exchange becomes a ``delta`` update."""
+    """Offers our pseudo-gradient snapshot; a committed exchange becomes a ``delta`` update.
 
-    def __init__(self, live: LiveModel) -> None:
+    ``with_anchor`` (a folded anchor pull): the offer also carries our anchor as its companion part,
+    and the update also shifts anchor and model by the anchors' pull, which measures the drift exactly.
+    """
+
+    def __init__(self, live: LiveModel, with_anchor: bool = False) -> None:
         self._live = live
+        self._with_anchor = with_anchor
 
     def offer(self) -> Offer | None:
-        snapshot = self._live.delta_snapshot()
+        snapshot = self._live.delta_snapshot(with_anchor=self._with_anchor)
         if snapshot is None:
             return None
+        companion = Part(snapshot.anchor, ANCHOR_WEIGHT) if snapshot.anchor is not None else None
         return Offer(
-            tensors=snapshot.mean, weight=float(snapshot.samples), token=snapshot, probe=snapshot.probe
+            tensors=snapshot.mean,
+            weight=float(snapshot.samples),
+            token=snapshot,
+            probe=snapshot.probe,
+            companion=companion,
         )
 
     def committed(self, offer: Offer, exchange: Committed) -> None:
@@ -36,9 +50,15 @@ class DeltaOffers:
         pair_weight = (offer.weight + exchange.partner_weight) / 2
         gradient = {name: t.mul_(pair_weight) for name, t in exchange.mixed.items()}
         consumed = {name: t.mul_(snapshot.samples) for name, t in snapshot.mean.items()}
-        info = _info(exchange, weight=offer.weight, drift=probe_distance(offer.probe, exchange.partner_probe))
+        shift: Tensors = {}
+        drift = probe_distance(offer.probe, exchange.partner_probe)
+        if offer.companion is not None and exchange.companion is not None:
+            shift, drift = anchor_pull(offer.companion, exchange.companion)
+        info = _info(exchange, weight=offer.weight, drift=drift)
         self._live.queue(
-            Update("delta", gradient=gradient, consumed=consumed, steps=snapshot.steps, info=info)
+            Update(
+                "delta", gradient=gradient, consumed=consumed, steps=snapshot.steps, shift=shift, info=info
+            )
         )
 
 
@@ -53,19 +73,31 @@ class AnchorOffers:
 
     def __init__(self, live: LiveModel) -> None:
         self._live = live
-        self.weight = 1.0
+        self.weight = ANCHOR_WEIGHT
 
     def offer(self) -> Offer | None:
         anchor = self._live.anchor_snapshot()
         return None if anchor is None else Offer(tensors=anchor, weight=self.weight)
 
     def committed(self, offer: Offer, exchange: Committed) -> None:
-        shift = {name: exchange.mixed[name].sub_(before) for name, before in offer.tensors.items()}
-        share = exchange.partner_weight / (offer.weight + exchange.partner_weight)
-        drift = relative_norm(shift, offer.tensors) / max(share * exchange.clip_scale, 1e-12)
+        mixed = MixedPart(exchange.mixed, exchange.partner_weight, exchange.clip_scale)
+        shift, drift = anchor_pull(Part(offer.tensors, offer.weight), mixed)
         self._live.queue(
             Update("anchor", shift=shift, info=_info(exchange, weight=offer.weight, drift=drift))
         )
+
+
+ANCHOR_WEIGHT = 1.0
+"""An anchor's weight between peers: each side counts alike, so the pull goes to the pair's mean."""
+
+
+def anchor_pull(ours: Part, mixed: MixedPart) -> tuple[Tensors, float]:
+    """How far an anchor exchange moved our anchor snapshot (``mixed - ours``, reusing the mixed
+    tensors), and the distance to the partner's anchor before it, relative to ours: with partner share
+    ``s = v / (w + v)`` and clip factor ``c`` that distance is ``|shift| / (s c)``."""
+    shift = {name: mixed.mixed[name].sub_(before) for name, before in ours.tensors.items()}
+    share = mixed.partner_weight / (ours.weight + mixed.partner_weight)
+    return shift, relative_norm(shift, ours.tensors) / max(share * mixed.clip_scale, 1e-12)
 
 
 def _info(exchange: Committed, **extra: object) -> dict[str, object]:

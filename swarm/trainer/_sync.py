@@ -35,6 +35,7 @@ def make_averager(
     codec: str | None = None,
     client_mode: bool | None = None,
     respect_bans_of: GossipAverager | None = None,
+    with_anchor: bool = False,
 ) -> GossipAverager:
     """A gossip averager in offer mode, configured from the run config; ``suffix`` separates
     independent exchanges (``.params`` for the anchors), ``namespace`` a group of peers that averages
@@ -42,7 +43,8 @@ def make_averager(
 
     ``client_mode`` overrides ``network.client_mode`` (a peer that nobody could dial back);
     ``respect_bans_of`` makes this averager honour another one's bans and share its exchange lock
-    (docs/gossip.md)."""
+    (docs/gossip.md); ``with_anchor`` makes every exchange carry the offer's anchor as its companion
+    part, in ``param_codec`` and clipped by ``param_clip_ratio`` (``averaging.anchor_pull: folded``)."""
     avg, comp = config.averaging, config.compression
     return GossipAverager(
         run_id=config.run.run_id + namespace + suffix,
@@ -70,6 +72,8 @@ def make_averager(
         respect_bans_of=respect_bans_of,
         # one exchange of either kind at a time: their buffers never add up, and the CPU work neither
         exclusive_with=respect_bans_of,
+        companion_codec=avg.param_codec if with_anchor else None,
+        companion_clip_ratio=avg.param_clip_ratio,
         client_mode=config.network.client_mode if client_mode is None else client_mode,
     )
 

@@ -75,6 +75,7 @@ class PeerEstimate:
     wire_delta: int
     wire_params: int
     param_sync_every: int
+    anchor_pull: str = "separate"
 
     @property
     def outer(self) -> int:
@@ -102,7 +103,10 @@ class PeerEstimate:
         """What a peer sends per round: one pseudo-gradient exchange (a round is one exchange, whether
         the peer started it or was dialled), plus the anchor exchange amortised over its period (a peer
         starts one every ``param_sync_every`` of its own rounds, about every other round is its own, and
-        it is dialled for about as many as it starts)."""
+        it is dialled for about as many as it starts). With a folded anchor pull every exchange carries
+        the anchor: both, every round, and no exchange of its own for the anchors."""
+        if self.anchor_pull == "folded":
+            return self.wire_delta + self.wire_params
         return self.wire_delta + self.wire_params / self.param_sync_every
 
 
@@ -123,8 +127,14 @@ def exchange_buffer_bytes(params: int, lossy: bool, error_feedback: bool = False
     return copies * 4 * params
 
 
-def gossip_peak_buffer_bytes(params: int, delta_lossy: bool, error_feedback: bool, anchor_lossy: bool) -> int:
-    """Peak bytes, beyond the steady state, of a gossip trainer's sync path: the larger of
+def gossip_peak_buffer_bytes(
+    params: int, delta_lossy: bool, error_feedback: bool, anchor_lossy: bool, folded: bool = False
+) -> int:
+    """Peak bytes, beyond the steady state, of a gossip trainer's sync path.
+
+    With a folded anchor pull (``averaging.anchor_pull: folded``) one exchange holds both parts' buffers
+    at once, while the training thread publishes the state served to joiners (``8 P``); no separate
+    anchor exchange runs. Otherwise, the larger of
 
     * a pseudo-gradient exchange (:func:`exchange_buffer_bytes`) while the training thread publishes
       the state served to joiners (a new float32 copy of anchor and momentum, ``8 P``, is made before
@@ -137,6 +147,8 @@ def gossip_peak_buffer_bytes(params: int, delta_lossy: bool, error_feedback: boo
     new pseudo-gradient while one is queued, nor a new anchor while an anchor shift is queued.
     """
     delta = exchange_buffer_bytes(params, delta_lossy, error_feedback) + 8 * params
+    if folded:
+        return delta + exchange_buffer_bytes(params, anchor_lossy)
     anchor = exchange_buffer_bytes(params, anchor_lossy) + 12 * params
     return max(delta, anchor)
 
@@ -198,6 +210,7 @@ def estimate_peer(config: RunConfig, device: str = "cuda") -> PeerEstimate:
     activations, checkpointed = activation_bytes(model_shape(config, model))
     comp, avg = config.compression, config.averaging
     delta_lossy, anchor_lossy = comp.codec != "fp32", avg.param_codec != "fp32"
+    folded = avg.anchor_pull == "folded"
     residuals = 4 * params if delta_lossy and comp.error_feedback else 0  # anchor exchanges keep none
     return PeerEstimate(
         parameters=params,
@@ -208,7 +221,7 @@ def estimate_peer(config: RunConfig, device: str = "cuda") -> PeerEstimate:
         outer_state=8 * params,
         residuals=residuals,
         exchange_buffers=gossip_peak_buffer_bytes(
-            params, delta_lossy, delta_lossy and comp.error_feedback, anchor_lossy
+            params, delta_lossy, delta_lossy and comp.error_feedback, anchor_lossy, folded
         ),
         served_state=8 * params,  # a CPU float32 copy of anchor and momentum, for joiners
         activations=activations,
@@ -216,6 +229,7 @@ def estimate_peer(config: RunConfig, device: str = "cuda") -> PeerEstimate:
         wire_delta=wire_bytes(model, comp.codec, comp.block_size),
         wire_params=wire_bytes(model, avg.param_codec, comp.block_size),
         param_sync_every=avg.param_sync_every,
+        anchor_pull=avg.anchor_pull,
     )
 
 
@@ -252,9 +266,14 @@ def describe_estimate(estimate: PeerEstimate, checkpointing: bool = False) -> li
         f" + exchange buffers {b(e.exchange_buffers)}; host memory for the state served to joiners "
         f"{b(e.served_state)}",
         f"wire per sync per peer, each direction: {b(e.wire_per_sync)} "
-        f"(pseudo-gradient {b(e.wire_delta)} per round, initiated or served; anchors "
-        f"{b(e.wire_params)} every {e.param_sync_every} own rounds)",
+        f"(pseudo-gradient {b(e.wire_delta)} per round, initiated or served; {_anchor_wire(e)})",
     ]
+
+
+def _anchor_wire(e: PeerEstimate) -> str:
+    if e.anchor_pull == "folded":
+        return f"anchors {format_bytes(e.wire_params)} in the same exchange"
+    return f"anchors {format_bytes(e.wire_params)} every {e.param_sync_every} own rounds"
 
 
 def format_bytes(n: float) -> str:
