@@ -9,7 +9,7 @@ No processes here, only numbers from given inputs, so tests/test_soak.py can che
   checkpoint, done again after the restart. More accounted than trained means samples counted that
   nobody trained: the report fails; so does a ledger view above the samples trained.
 * **exchanges that failed**, by cause, from the INFO line the gossip averager logs for each exchange
-  that did not commit (swarm/gossip/_averager.py, ``_log_failure``), per role.
+  that did not commit (``swarm.gossip._metrics.log_failure``), per role.
 * **leftover processes** after the graceful stop, and processes of a killed trainer still alive after
   the kill: any makes the report fail.
 """

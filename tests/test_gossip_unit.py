@@ -248,6 +248,10 @@ def test_eligible_partners_filters_and_random_order() -> None:
         candidates, self_id="me", protocol_version=PROTOCOL_VERSION, config_hash="cfg", banned=bans.is_banned
     )
     assert [p.peer_id for p in eligible] == ["good1", "good2"]
+    rules = dict(self_id="me", protocol_version=PROTOCOL_VERSION, config_hash="cfg", banned=bans.is_banned)
+    # never the last partner again while there is another, but the last one rather than nobody
+    assert [p.peer_id for p in eligible_partners(candidates, **rules, last_partner="good1")] == ["good2"]
+    assert [p.peer_id for p in eligible_partners(candidates[:2], **rules, last_partner="good1")] == ["good1"]
     import random
 
     orders = {tuple(p.peer_id for p in pick_order(eligible, random.Random(s), 4)) for s in range(20)}

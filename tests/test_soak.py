@@ -52,15 +52,15 @@ def test_sync_lines_are_read_from_the_trainers_own_format() -> None:
 
 
 def test_failed_exchanges_are_counted_by_role_and_cause_from_the_averagers_line(caplog) -> None:
-    from swarm.gossip import _averager
-    from swarm.gossip._metrics import SyncOutcome
+    from swarm.gossip import _metrics
+    from swarm.gossip._metrics import SyncOutcome, log_failure
 
     peer = "12D3KooW" + "x" * 44
-    with caplog.at_level(logging.INFO, logger=_averager.logger.name):
-        _averager._log_failure("initiator", peer, "data", SyncOutcome.TIMEOUT, "exchange timed out: chunk 3")
-        _averager._log_failure("responder", peer, "data", SyncOutcome.FAILED, "IncompleteReadError: 0 bytes")
-        _averager._log_failure("responder", peer, "data", SyncOutcome.FAILED, "IncompleteReadError: 2 bytes")
-        _averager._log_failure(
+    with caplog.at_level(logging.INFO, logger=_metrics.logger.name):
+        log_failure("initiator", peer, "data", SyncOutcome.TIMEOUT, "exchange timed out: chunk 3")
+        log_failure("responder", peer, "data", SyncOutcome.FAILED, "IncompleteReadError: 0 bytes")
+        log_failure("responder", peer, "data", SyncOutcome.FAILED, "IncompleteReadError: 2 bytes")
+        log_failure(
             "initiator", peer, "handshake", SyncOutcome.FAILED, f"{peer}: P2PDaemonError: failed to dial"
         )
     text = "\n".join(f"2026-12-01 INFO {r.name}: {r.getMessage()}" for r in caplog.records)

@@ -31,9 +31,9 @@ from swarm.gossip._exchange import (
     settle,
 )
 from swarm.gossip._handshake import BANNED_REASON, Handshake
-from swarm.gossip._local import Local, clip_factor, companion_of, mixed_part, with_companion
-from swarm.gossip._metrics import GossipMetrics, MetricsRecorder, SyncOutcome, SyncResult
-from swarm.gossip._offer import Committed, Offerer
+from swarm.gossip._local import Local, committed_of, companion_of, with_companion
+from swarm.gossip._metrics import GossipMetrics, MetricsRecorder, SyncOutcome, SyncResult, log_failure
+from swarm.gossip._offer import Offerer
 from swarm.gossip._options import GossipOptions
 from swarm.gossip._partners import PartnerInfo, PartnerSource, eligible_partners, pick_order
 from swarm.gossip._protocol import PROTOCOL_VERSION, Channel, Hello, MsgKind, handler_name, parse_json
@@ -285,12 +285,6 @@ class GossipAverager(StreamService):
             self._ef = ErrorFeedback(self._spec.codec) if self._use_ef else None
         return Local(named, weight, digest, payload_nbytes(named, self._spec.codec))
 
-    def _hello(self, local: Local) -> Hello:
-        probe = local.offer.probe if local.offer is not None else ()
-        part = local.companion
-        companion = (part.schema_hash, part.weight) if part is not None else None
-        return self._handshake.hello(local.schema_hash, local.weight, probe, companion)
-
     # ------------------------------------------------------------------ both roles
 
     async def _exchange(
@@ -318,16 +312,7 @@ class GossipAverager(StreamService):
             self._commit(partner, local, ended.mixed, latency)
             result = self._result(ended.outcome, partner, channel, latency, ended.reason)
             if local.offer is not None and self._offerer is not None:  # offer mode
-                mixed = ended.mixed
-                done = Committed(
-                    mixed.tensors,
-                    theirs.weight,
-                    initiator,
-                    result,
-                    theirs.probe,
-                    clip_factor(mixed),
-                    mixed_part(mixed.companion, theirs),
-                )
+                done = committed_of(ended.mixed, theirs, initiator, result)
                 await in_thread(self._offerer.committed, local.offer, done)
             return result
         else:
@@ -336,9 +321,8 @@ class GossipAverager(StreamService):
             if ended.blame_partner:
                 self._reputation.failed(partner, ended.reason)
             self._metrics.count("rejected" if ended.outcome is SyncOutcome.REJECTED else "failed")
-            _log_failure(
-                "initiator" if initiator else "responder", partner, "data", ended.outcome, ended.reason
-            )
+            role = "initiator" if initiator else "responder"
+            log_failure(role, partner, "data", ended.outcome, ended.reason)
         return self._result(ended.outcome, partner, channel, latency, ended.reason)
 
     def _commit(self, partner: str, local: Local, mixed: Mixed, latency: float) -> None:
@@ -388,7 +372,7 @@ class GossipAverager(StreamService):
             if local is None:
                 await channel.send_json(MsgKind.BUSY, {"reason": "nothing to offer yet"})
                 return
-            ours = self._hello(local)
+            ours = self._handshake.hello(*local.stated())
             mismatch = ours.mismatch(theirs)
             if mismatch is not None:
                 await channel.send_json(MsgKind.REJECT, {"reason": mismatch})
@@ -426,11 +410,8 @@ class GossipAverager(StreamService):
             protocol_version=PROTOCOL_VERSION,
             config_hash=self.config_hash,
             banned=self._reputation.is_banned,
+            last_partner=self._last_partner,
         )
-        if len(eligible) > 1:
-            # Never the same partner twice in a row when there is a choice: with back-to-back syncs
-            # the two peers that just finished are the only idle ones, and would pair up forever.
-            eligible = [info for info in eligible if info.peer_id != self._last_partner]
         if not eligible:
             self._metrics.count("no_partner")
             return self._result(SyncOutcome.NO_PARTNER, None, None, 0.0, "no eligible partner")
@@ -454,22 +435,15 @@ class GossipAverager(StreamService):
         for info in order:
             if time.monotonic() >= deadline:
                 break
-            reply = await self._handshake.propose(self._p2p, info.peer_id, self._hello(local), channels)
+            hello = self._handshake.hello(*local.stated())
+            reply = await self._handshake.propose(self._p2p, info.peer_id, hello, channels)
             if reply.kind is MsgKind.ACCEPT and reply.channel is not None and reply.hello is not None:
                 return await self._exchange(info.peer_id, reply.channel, local, reply.hello, initiator=True)
             self._reputation.answered(info.peer_id, reply)
             busy += reply.kind is MsgKind.BUSY
             if reply.kind is not MsgKind.BUSY:
                 outcome = SyncOutcome.FAILED if reply.kind is None else SyncOutcome.REJECTED
-                _log_failure(
-                    "initiator", info.peer_id, "handshake", outcome, reply.reason or reply.describe()
-                )
+                log_failure("initiator", info.peer_id, "handshake", outcome, reply.reason or reply.describe())
             reason = f"{info.peer_id}: {reply.describe()}"
         outcome = SyncOutcome.BUSY if busy else SyncOutcome.FAILED
         return self._result(outcome, None, None, 0.0, reason)
-
-
-def _log_failure(role: str, partner: str, stage: str, outcome: SyncOutcome, reason: str) -> None:
-    """One INFO line per exchange that did not commit (BUSY answers aside), in a fixed shape that
-    scripts/soak.py counts by cause: ``exchange failed as ROLE with PEER at STAGE (OUTCOME): REASON``."""
-    logger.info("exchange failed as %s with %s at %s (%s): %s", role, partner, stage, outcome.value, reason)

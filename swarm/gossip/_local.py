@@ -15,7 +15,8 @@ import torch
 
 from swarm.gossip._deadlines import payload_nbytes
 from swarm.gossip._exchange import Companion, ExchangeSpec, Mixed, as_named
-from swarm.gossip._offer import MixedPart, Offer
+from swarm.gossip._metrics import SyncResult
+from swarm.gossip._offer import Committed, MixedPart, Offer
 from swarm.gossip._protocol import Hello
 from swarm.gossip._validation import schema_hash, schema_of
 
@@ -35,6 +36,13 @@ class Local:
     @property
     def total_nbytes(self) -> int:
         return self.nbytes + (self.companion.nbytes if self.companion is not None else 0)
+
+    def stated(self) -> tuple[str, float, tuple[float, ...], tuple[str, float] | None]:
+        """What a HELLO states about these tensors (:meth:`Handshake.hello`'s arguments): schema hash,
+        weight, the offer's probe, and the companion part's schema hash and weight."""
+        probe = self.offer.probe if self.offer is not None else ()
+        part = self.companion
+        return self.schema_hash, self.weight, probe, (part.schema_hash, part.weight) if part else None
 
 
 def with_companion(local: Local, offer: Offer, spec: ExchangeSpec | None) -> Local:
@@ -75,3 +83,16 @@ def mixed_part(mixed: Mixed | None, theirs: Hello) -> MixedPart | None:
     if mixed is None or theirs.companion is None:
         return None
     return MixedPart(mixed.tensors, theirs.companion.weight, clip_factor(mixed))
+
+
+def committed_of(mixed: Mixed, theirs: Hello, initiator: bool, result: SyncResult) -> Committed:
+    """What an offer-mode averager reports to its offerer for a committed exchange."""
+    return Committed(
+        mixed.tensors,
+        theirs.weight,
+        initiator,
+        result,
+        theirs.probe,
+        clip_factor(mixed),
+        mixed_part(mixed.companion, theirs),
+    )

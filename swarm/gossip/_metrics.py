@@ -15,8 +15,11 @@ Counters are per peer and cover both roles (exchanges this peer initiated and on
 from __future__ import annotations
 
 import enum
+import logging
 import threading
 from dataclasses import dataclass
+
+logger = logging.getLogger(__name__)
 
 
 class SyncOutcome(enum.Enum):
@@ -105,3 +108,9 @@ class MetricsRecorder:
                 last_latency_s=self._last_latency,
                 mean_latency_s=self._latency_sum / ok if ok else 0.0,
             )
+
+
+def log_failure(role: str, partner: str, stage: str, outcome: SyncOutcome, reason: str) -> None:
+    """One INFO line per exchange that did not commit (BUSY answers aside), in a fixed shape that
+    scripts/soak.py counts by cause: ``exchange failed as ROLE with PEER at STAGE (OUTCOME): REASON``."""
+    logger.info("exchange failed as %s with %s at %s (%s): %s", role, partner, stage, outcome.value, reason)

@@ -145,8 +145,13 @@ def eligible_partners(
     protocol_version: int,
     config_hash: str,
     banned: Callable[[str], bool],
+    last_partner: str | None = None,
 ) -> list[PartnerInfo]:
-    """Candidates we may dial: not ourselves, dialable, staying, compatible, not banned; no duplicates."""
+    """Candidates we may dial: not ourselves, dialable, staying, compatible, not banned; no duplicates.
+
+    Never ``last_partner`` again when there is a choice: with back-to-back syncs the two peers that
+    just finished are the only idle ones, and would pair up forever.
+    """
     seen: set[str] = set()
     result = []
     for info in candidates:
@@ -158,6 +163,8 @@ def eligible_partners(
             continue
         seen.add(info.peer_id)
         result.append(info)
+    if len(result) > 1:
+        result = [info for info in result if info.peer_id != last_partner]
     return result
 
 
