@@ -19,7 +19,9 @@ import torch
 from swarm.gossip import PROTOCOL_VERSION
 from tests.workers.gossip_pool import PeerPool, make_vector, p2pd_pids, wait_no_leak
 
-pytestmark = pytest.mark.multipeer
+# one xdist worker runs the whole module: the pool is module-scoped, and each worker that ran one of
+# these tests would otherwise start a pool of its own (eight daemons, 30-50 s on two busy cores)
+pytestmark = [pytest.mark.multipeer, pytest.mark.xdist_group("gossip-pool")]
 
 POOL_SIZE = 8
 # Generous timeouts: on a saturated 2-core CI machine a slow (not dead) peer must not time out, since
