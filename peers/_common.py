@@ -251,10 +251,13 @@ def _port_of(addresses: Sequence[str]) -> int | None:
 
 
 def setup_logging() -> None:
-    """Plain, quiet logs on stderr: our warnings, and hivemind's only when they matter."""
+    """Plain, quiet logs on stderr: ours at ``SWARM_LOG_LEVEL`` (warnings by default), and hivemind's and
+    py-multiaddr's only when they matter."""
     level = os.environ.get("SWARM_LOG_LEVEL", "WARNING").upper()
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("hivemind").setLevel(max(logging.getLevelName(level), logging.WARNING))
+    # libraries whose DEBUG/INFO lines would drown ours (py-multiaddr logs every address it parses)
+    for noisy in ("hivemind", "multiaddr"):
+        logging.getLogger(noisy).setLevel(max(logging.getLevelName(level), logging.WARNING))
 
 
 def enable_stack_dumps() -> None:

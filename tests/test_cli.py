@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import signal
 import stat
 import subprocess
@@ -257,3 +258,28 @@ def test_local_live_view_lists_trainers_in_a_narrow_terminal() -> None:
     text = console.export_text()
     assert text.index("local-1") < text.index("local-2") and "boot" not in text
     assert "3.610" in text and all(len(line) <= 70 for line in text.splitlines())
+
+
+def test_debug_logs_keep_the_libraries_quiet(monkeypatch) -> None:
+    """SWARM_LOG_LEVEL=DEBUG shows our debug lines, not every address py-multiaddr parses."""
+    from peers import _common
+
+    root = logging.getLogger()
+    saved = (
+        root.level,
+        list(root.handlers),
+        {n: logging.getLogger(n).level for n in ("hivemind", "multiaddr")},
+    )
+    monkeypatch.setenv("SWARM_LOG_LEVEL", "DEBUG")
+    root.handlers.clear()  # basicConfig configures only a root logger without handlers
+    try:
+        _common.setup_logging()
+        assert logging.getLogger("swarm.trainer").isEnabledFor(logging.DEBUG)
+        for noisy in ("hivemind", "multiaddr.codecs.cid"):
+            assert not logging.getLogger(noisy).isEnabledFor(logging.INFO), noisy
+            assert logging.getLogger(noisy).isEnabledFor(logging.WARNING), noisy
+    finally:
+        root.setLevel(saved[0])
+        root.handlers[:] = saved[1]
+        for name, level in saved[2].items():
+            logging.getLogger(name).setLevel(level)
