@@ -187,6 +187,8 @@ def resolve_network(config: RunConfig, flags: NetworkFlags) -> NetworkOptions:
             host_maddrs_given=host_maddrs is not None,
             announce_maddrs_given=announce_maddrs is not None,
             swarm_key_file=net.swarm_key_file,
+            auto_relay=net.auto_relay,
+            force_reachability="private" if net.behind_nat else None,
         )
     except (AddressError, SwarmKeyError) as exc:
         fail(str(exc))
@@ -234,14 +236,24 @@ def reachability_lines(result: ReachabilityResult, who: str) -> list[str]:
         return [f"{who}: reachability direct (dialled back by {len(result.answered_by)} peer(s) at {where})"]
     port = _port_of(result.addresses)
     port_text = str(port) if port is not None else "N"
+    if result.status == "relay":
+        outcome = (
+            f"{who}: now reachable through a circuit relay at {', '.join(result.relay_addresses)}: "
+            "it trains, exchanges and serves, but its traffic crosses the relay, and direct peers are "
+            "preferred as partners"
+        )
+    else:
+        outcome = (
+            f"{who}: now running in client mode: it still trains and starts exchanges, but nobody dials it"
+        )
     return [
         f"{who}: no peer could dial this peer back at {', '.join(result.addresses)} "
         f"(asked {len(result.answered_by)} peer(s))",
-        "to let other peers connect to you:",
+        "to let other peers connect to you directly:",
         f"  1) open TCP port {port_text} in your firewall and forward it on your router to this machine",
         f"  2) pass --public-ip YOUR_PUBLIC_IP --port {port_text}",
         f"  3) or pass --announce-maddrs /ip4/YOUR_PUBLIC_IP/tcp/{port_text}",
-        f"{who}: now running in client mode: it still trains and starts exchanges, but nobody dials it",
+        outcome,
     ]
 
 

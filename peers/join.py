@@ -14,6 +14,7 @@ from peers._common import fail, reachability_lines
 from peers._trainer_output import open_with_output
 from swarm.config import RunConfig
 from swarm.network import NetworkOptions
+from swarm.p2p import RELAYED
 
 
 def run_join(
@@ -171,4 +172,7 @@ def summary_of(peer) -> dict:
         # partners this peer's pseudo-gradient averager holds bans against, and their strike counts
         "banned_peers": details.get("banned_peers", {}),
         "ban_strikes": details.get("ban_strikes", {}),
+        "reachability": peer.node.reachability,
+        # stream bytes over relayed connections (both directions, every service), see swarm/p2p/_relay.py
+        "relayed": RELAYED.snapshot(),
     }

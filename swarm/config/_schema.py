@@ -65,6 +65,16 @@ class NetworkSection(Section):
     client_mode: bool = Field(
         False, description="Do not accept incoming connections (for peers behind NAT without relays)."
     )
+    auto_relay: bool = Field(
+        True,
+        description="If no peer can dial this one, reserve a slot on a libp2p circuit relay (the initial "
+        "peers) and announce the /p2p-circuit addresses instead of running in client mode.",
+    )
+    behind_nat: bool = Field(
+        False,
+        description="This peer is behind NAT without a port forward: its p2p daemon skips AutoNAT's "
+        "guess and reserves a relay slot at once (with auto_relay).",
+    )
     swarm_key_file: str | None = Field(
         None,
         description="File (mode 0600) holding the secret key of a private swarm; or set SWARM_KEY. "

@@ -9,6 +9,8 @@ What every swarm protocol on a raw hivemind binary stream shares:
 - :class:`StreamService`, the serving side (own replica, handler, handshake, fault logging, close);
 - :func:`dial` (open a stream, then authenticate) and :func:`run_with_replica` (a one-shot replica for a
   blocking call), the asking side;
+- circuit relays (:func:`note_relay_addresses`, which :func:`dial` connects through; :data:`RELAYED`,
+  the bytes of relayed streams);
 - :data:`PEER_FAULTS`, what a peer can make a stream fail with; :data:`RUN_ID` and :func:`check_run_id`.
 
 Nothing here imports torch: hivemind (which does) is imported inside the functions that use it.
@@ -26,17 +28,20 @@ from swarm.p2p._framing import (
     write_message,
 )
 from swarm.p2p._loop import LoopThread
+from swarm.p2p._relay import RELAYED, RelayedBytes, note_relay_addresses, relay_addresses_of
 from swarm.p2p._service import PEER_FAULTS, P2PFactory, StreamService
 from swarm.p2p._setup import RUN_ID, check_run_id, daemon_maddr
 
 __all__ = [
     "HEADER_LEN",
     "PEER_FAULTS",
+    "RELAYED",
     "RUN_ID",
     "AuthError",
     "LoopThread",
     "P2PFactory",
     "ProtocolError",
+    "RelayedBytes",
     "StalledError",
     "StreamKey",
     "StreamService",
@@ -45,8 +50,10 @@ __all__ = [
     "daemon_maddr",
     "dial",
     "dump_json",
+    "note_relay_addresses",
     "parse_json",
     "read_message",
+    "relay_addresses_of",
     "run_with_replica",
     "swarm_key_of",
     "write_message",

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Self
 from swarm.p2p._auth import AuthError, StreamKey, authenticate_stream, swarm_key_of
 from swarm.p2p._framing import ProtocolError
 from swarm.p2p._loop import LoopThread
+from swarm.p2p._relay import RELAYED
 from swarm.p2p._setup import check_run_id, daemon_maddr, replicate
 
 if TYPE_CHECKING:
@@ -101,6 +102,7 @@ class StreamService:
 
     async def _serve(self, info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = info.peer_id.to_base58()
+        RELAYED.meter(info.addr, reader, writer)
         self._active += 1
         try:
             if self._swarm_key is not None:
