@@ -88,6 +88,7 @@ def test_two_trainers_behind_home_routers_train_through_the_bootstrap_relay(spaw
             assert numbers["reachability"] == "relay"
             assert numbers["exchanges_ok"] >= EXCHANGES
             relayed = numbers["relayed"]
+            print(f"{summary.name}: exchanges_ok {numbers['exchanges_ok']}, relayed {relayed}")
             # what one exchange carries each way is well over 1 KiB even for the tiny model (int8)
             assert relayed["streams"] >= EXCHANGES
             assert relayed["sent"] > 1024 * EXCHANGES and relayed["received"] > 1024 * EXCHANGES, relayed
