@@ -26,6 +26,7 @@ from swarm.config import ConfigError, NetworkSection, RunConfig, load_config
 if TYPE_CHECKING:  # the network stack imports torch and hivemind: load it only for commands that need it
     from swarm import NodeInfo, SwarmNode
     from swarm.network import NetworkOptions, ReachabilityResult
+    from swarm.p2p import RelayForwarder
 
 R = TypeVar("R")
 
@@ -187,8 +188,7 @@ def resolve_network(config: RunConfig, flags: NetworkFlags) -> NetworkOptions:
             host_maddrs_given=host_maddrs is not None,
             announce_maddrs_given=announce_maddrs is not None,
             swarm_key_file=net.swarm_key_file,
-            auto_relay=net.auto_relay,
-            force_reachability="private" if net.behind_nat else None,
+            behind_nat=net.behind_nat,
         )
     except (AddressError, SwarmKeyError) as exc:
         fail(str(exc))
@@ -238,13 +238,14 @@ def reachability_lines(result: ReachabilityResult, who: str) -> list[str]:
     port_text = str(port) if port is not None else "N"
     if result.status == "relay":
         outcome = (
-            f"{who}: now reachable through a circuit relay at {', '.join(result.relay_addresses)}: "
-            "it trains, exchanges and serves, but its traffic crosses the relay, and direct peers are "
+            f"{who}: now reachable through relays at {', '.join(result.relay_addresses)}: "
+            "it trains, exchanges and serves, but its traffic crosses a relay, and direct peers are "
             "preferred as partners"
         )
     else:
         outcome = (
-            f"{who}: now running in client mode: it still trains and starts exchanges, but nobody dials it"
+            f"{who}: now running in client mode: it still trains and starts exchanges, but nobody dials it "
+            "(or set network.behind_nat: true to be reached through the initial peers, which relay)"
         )
     return [
         f"{who}: no peer could dial this peer back at {', '.join(result.addresses)} "
@@ -316,3 +317,23 @@ def shutdown_on_signals() -> Iterator[threading.Event]:
     finally:
         for signum, old in previous.items():
             signal.signal(signum, old)
+
+
+def start_relay(node: SwarmNode) -> RelayForwarder:
+    """Forward streams to the peers behind NAT that joined through this node (swarm/p2p/_forward.py)."""
+    from swarm.p2p import RelayForwarder
+
+    return RelayForwarder(node.info.run_id, dht=node.dht)
+
+
+def close_relay(relay: RelayForwarder, who: str) -> None:
+    """Stop relaying, and say what was carried (if anything)."""
+    from swarm.p2p import FORWARDED
+
+    relay.close()
+    carried = FORWARDED.snapshot()
+    if carried["streams"]:
+        typer.echo(
+            f"{who}: relayed {carried['streams']} stream(s) for peers behind NAT: "
+            f"{carried['sent'] / 1e6:.2f} MB to them, {carried['received'] / 1e6:.2f} MB back"
+        )

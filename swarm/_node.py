@@ -38,7 +38,7 @@ from swarm.network import (
     rejoin_initial_peers,
     start_dht,
 )
-from swarm.p2p import note_relay_addresses
+from swarm.p2p import note_relay_addresses, split_circuit, trust_relays
 
 logger = logging.getLogger(__name__)
 
@@ -172,14 +172,13 @@ class SwarmNode:
         """Ask up to ``max_checkers`` other live members to dial this peer back at its announced addresses.
 
         ``direct``: some checker reached us, the record says so. ``relay`` (checkers answered, none
-        reached us; ``auto_relay`` and ``force_reachability="private"``, with initial peers): the
-        record announces our ``/p2p-circuit`` addresses through the initial peers (p2pd's trusted
-        relays, on which its autorelay reserves a slot) and says ``reachability: relay``; we keep
-        serving. ``unreachable`` (the same without relays): this node switches to client mode, so its
-        record lists no addresses and nobody picks it as a partner; components that serve (gossip
-        averagers, state server) must be switched by their owner. ``skipped``: no other member to ask
-        (or already in client mode or relayed); ``unknown``: nobody answered. Both leave the record as
-        it was.
+        reached us; ``network.behind_nat``, with initial peers): the record announces our
+        ``/p2p-circuit`` addresses through the initial peers, which forward streams to us
+        (:mod:`swarm.p2p._forward`), and says ``reachability: relay``; we keep serving.
+        ``unreachable`` (the same without relays): this node switches to client mode, so its record
+        lists no addresses and nobody picks it as a partner; components that serve (gossip averagers,
+        state server) must be switched by their owner. ``skipped``: no other member to ask (or already
+        in client mode or relayed); ``unknown``: nobody answered. Both leave the record as it was.
         """
         if self._client_mode or self._relay_addresses:
             return ReachabilityResult("skipped")
@@ -211,15 +210,16 @@ class SwarmNode:
         return result
 
     def _relay_candidates(self) -> list[str]:
-        """Our circuit addresses through the initial peers, if the daemon reserves relay slots there.
-
-        It does only when told it is behind NAT (``force_reachability="private"``): the bundled p2pd
-        starts looking for relays only once AutoNAT says so, and with a few peers AutoNAT never
-        decides (measured on the testbed: no reservation in 8 minutes).
-        """
-        if not self.network.auto_relay or self.network.force_reachability != "private":
+        """Our circuit addresses through the initial peers, which forward streams to us, if we are
+        ``network.behind_nat`` (:mod:`swarm.p2p._forward`); from now on we serve what they forward."""
+        if not self.network.behind_nat:
             return []
-        return [a for a in self.network.relay_addresses(self.peer_id) if f"/p2p/{self.peer_id}/" not in a]
+        addresses = [
+            a for a in self.network.relay_addresses(self.peer_id) if f"/p2p/{self.peer_id}/" not in a
+        ]
+        relays = [split_circuit(a) for a in addresses]
+        trust_relays(relay_id for _, relay_id in filter(None, relays))
+        return addresses
 
     def enter_client_mode(self) -> None:
         """From now on announce ``client_mode=True`` with no addresses, and stop answering checks."""
@@ -238,8 +238,8 @@ class SwarmNode:
     def members(self) -> list[Member]:
         """The live members of this run, this peer included once its record is stored.
 
-        The circuit addresses of relayed members are noted for :func:`swarm.p2p.dial`, which connects
-        through them (the daemon cannot find them by itself).
+        The circuit addresses of relayed members are noted for :func:`swarm.p2p.dial`, which reaches
+        them through those relays.
         """
         members = list_members(self.dht, self.info.run_id)
         for member in members:

@@ -65,15 +65,16 @@ class NetworkSection(Section):
     client_mode: bool = Field(
         False, description="Do not accept incoming connections (for peers behind NAT without relays)."
     )
-    auto_relay: bool = Field(
-        True,
-        description="If no peer can dial this one, reserve a slot on a libp2p circuit relay (the initial "
-        "peers) and announce the /p2p-circuit addresses instead of running in client mode.",
+    relay: bool = Field(
+        False,
+        description="Forward streams to peers behind NAT that list this peer among their initial peers "
+        "(every bootstrap does); for a directly reachable trainer.",
     )
     behind_nat: bool = Field(
         False,
-        description="This peer is behind NAT without a port forward: its p2p daemon skips AutoNAT's "
-        "guess and reserves a relay slot at once (with auto_relay).",
+        description="This peer is behind NAT without a port forward: if no peer can dial it directly, it "
+        "announces /p2p-circuit addresses through its initial peers, which relay streams to it, instead "
+        "of running in client mode.",
     )
     swarm_key_file: str | None = Field(
         None,

@@ -28,7 +28,7 @@ class PartnerInfo:
     leaving: bool = False
     """Its record says it is shutting down: not dialled, and failures with it are no misbehaviour."""
     relayed: bool = False
-    """Reachable only through a circuit relay (its record says ``reachability: relay``): dialled, but
+    """Reachable only through a relay (its record says ``reachability: relay``): dialled, but
     after direct partners are more likely (:func:`pick_order`)."""
 
 

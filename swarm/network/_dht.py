@@ -13,7 +13,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import hivemind
 import psutil
@@ -41,11 +41,9 @@ class NetworkOptions:
     Build it with :meth:`from_user_input` so that shortcuts are expanded and every address is validated.
     ``swarm_key`` makes the swarm private: every DHT RPC and every swarm stream is then authenticated.
 
-    ``auto_relay``: the daemon looks for a libp2p circuit relay (v2) and reserves a slot on it once it
-    finds itself unreachable, trying the initial peers first (p2pd's default trusted relays).
-    ``force_reachability`` skips the daemon's AutoNAT guess: ``"private"`` for a peer known to be
-    behind NAT (it reserves a relay slot without waiting for AutoNAT), ``"public"`` for a bootstrap,
-    whose relay service then runs from the start.
+    ``behind_nat``: the peer may not be dialable (a home router without a port forward). If the
+    dial-back check confirms it, the peer announces itself through its initial peers, which forward
+    streams to it (:mod:`swarm.p2p._forward`), instead of going into client mode.
     """
 
     initial_peers: list[str] = field(default_factory=list)
@@ -55,8 +53,7 @@ class NetworkOptions:
     client_mode: bool = False
     startup_timeout_s: float = 30.0
     swarm_key: SwarmKey | None = None
-    auto_relay: bool = True
-    force_reachability: Literal["public", "private"] | None = None
+    behind_nat: bool = False
 
     @classmethod
     def from_user_input(
@@ -74,8 +71,7 @@ class NetworkOptions:
         announce_maddrs_given: bool = False,
         swarm_key_file: str | None = None,
         environ: Mapping[str, str] | None = None,
-        auto_relay: bool = True,
-        force_reachability: Literal["public", "private"] | None = None,
+        behind_nat: bool = False,
     ) -> NetworkOptions:
         """Validate every address (raising :class:`~swarm.network.AddressError`) and expand shortcuts.
 
@@ -99,8 +95,7 @@ class NetworkOptions:
             client_mode=client_mode,
             startup_timeout_s=startup_timeout_s,
             swarm_key=load_swarm_key(swarm_key_file, os.environ if environ is None else environ),
-            auto_relay=auto_relay,
-            force_reachability=force_reachability,
+            behind_nat=behind_nat,
         )
 
     def relay_addresses(self, peer_id: str) -> list[str]:
@@ -171,9 +166,6 @@ def start_dht(
         startup_timeout=options.startup_timeout_s,
         # A fresh throwaway identity cannot be taken; skipping the check saves a network round trip.
         check_if_identity_free=options.identity_path is not None,
-        use_relay=True,
-        use_auto_relay=options.auto_relay and not options.client_mode,
-        force_reachability=options.force_reachability,
     )
     if options.announce_maddrs:
         kwargs["announce_maddrs"] = options.announce_maddrs

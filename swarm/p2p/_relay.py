@@ -1,80 +1,90 @@
-"""Streams through libp2p circuit relays: where to dial a relayed peer, and how many bytes such streams carry.
+"""Who is reachable only through a relay, which relays a peer behind NAT trusts, and relayed byte counts.
 
-A peer behind NAT that reserved a slot on a relay is reachable at ``<relay maddr>/p2p-circuit/p2p/<id>``.
-The bundled p2pd does not advertise that address itself (neither its ``identify`` answer nor the
-addresses other daemons learn from the libp2p DHT list it), so a daemon asked to open a stream to the
-peer by id alone tries its private addresses and fails. The circuit addresses are in the peer's
-membership record: :func:`note_relay_addresses` keeps them (``SwarmNode`` does, for every member it
-reads) and :func:`dial` connects through them before opening the stream.
+A peer behind NAT announces ``<relay maddr>/p2p-circuit/p2p/<its id>`` for each of its relays (its
+initial peers) instead of addresses nobody can dial. :func:`note_relay_addresses` keeps those
+addresses from the membership records (``SwarmNode`` does, for every member it reads);
+:func:`relays_of` gives :func:`swarm.p2p.dial` the relays to forward through
+(:mod:`swarm.p2p._forward`). :func:`trust_relays` names the peers whose forwarded streams this process
+serves: only they may say who a forwarded stream comes from.
 
 :data:`RELAYED` counts the stream bytes (what the swarm protocols write and read, without libp2p's
-framing and encryption) of every stream whose connection is relayed: the daemon tells each side the
-remote address of the connection a stream runs on, and a relayed one contains ``/p2p-circuit``.
+framing and encryption) of every forwarded stream that starts or ends in this process;
+:data:`FORWARDED` counts what a relay carried for others.
 """
 
 from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 MAX_RELAYED_PEERS = 4096
 """Peers whose circuit addresses are kept at most (the oldest go first)."""
 
+CIRCUIT = "/p2p-circuit"
+
+
+def split_circuit(address: str) -> tuple[str, str] | None:
+    """``(relay maddr with its /p2p/ id, relay peer id)`` of a circuit address, or None if it is not one."""
+    relay_maddr, sep, _ = address.partition(CIRCUIT)
+    if not sep or "/p2p/" not in relay_maddr:
+        return None
+    relay_id = relay_maddr.rsplit("/p2p/", 1)[1]
+    return (relay_maddr, relay_id) if relay_id and "/" not in relay_id else None
+
 
 class _Routes:
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._by_peer: dict[str, tuple[str, ...]] = {}
+        self._by_peer: dict[str, tuple[tuple[str, str], ...]] = {}
+        self._trusted: frozenset[str] = frozenset()
 
-    def note(self, peer_id: str, addresses: Sequence[str]) -> None:
-        circuits = tuple(a for a in addresses if isinstance(a, str) and "/p2p-circuit" in a)
+    def note(self, peer_id: str, addresses: Sequence[Any]) -> None:
+        relays = tuple(r for a in addresses if isinstance(a, str) and (r := split_circuit(a)) is not None)
         with self._lock:
             self._by_peer.pop(peer_id, None)
-            if circuits:
-                self._by_peer[peer_id] = circuits
+            if relays:
+                self._by_peer[peer_id] = relays
             while len(self._by_peer) > MAX_RELAYED_PEERS:
                 del self._by_peer[next(iter(self._by_peer))]
 
-    def get(self, peer_id: str) -> tuple[str, ...]:
+    def get(self, peer_id: str) -> tuple[tuple[str, str], ...]:
         with self._lock:
             return self._by_peer.get(peer_id, ())
+
+    def trust(self, peer_ids: Iterable[str]) -> None:
+        with self._lock:
+            self._trusted = frozenset(peer_ids)
+
+    def trusted(self, peer_id: str) -> bool:
+        return peer_id in self._trusted
 
 
 _ROUTES = _Routes()
 
 
-def note_relay_addresses(peer_id: str, addresses: Sequence[str]) -> None:
-    """Remember ``peer_id``'s ``/p2p-circuit`` addresses (from its record); none listed forgets it."""
+def note_relay_addresses(peer_id: str, addresses: Sequence[Any]) -> None:
+    """Remember ``peer_id``'s circuit addresses (from its record); a record without any forgets it."""
     _ROUTES.note(peer_id, addresses)
 
 
-def relay_addresses_of(peer_id: str) -> tuple[str, ...]:
+def relays_of(peer_id: str) -> tuple[tuple[str, str], ...]:
+    """``(relay maddr, relay peer id)`` pairs through which ``peer_id`` said it can be reached."""
     return _ROUTES.get(peer_id)
 
 
-async def connect_via_relay(p2p: Any, peer_id: str, timeout: float) -> None:
-    """If ``peer_id`` is only reachable through relays, have the daemon connect to it through them.
+def trust_relays(peer_ids: Iterable[str]) -> None:
+    """Serve forwarded streams from these peers (replacing any earlier set); an empty set serves none."""
+    _ROUTES.trust(peer_ids)
 
-    A no-op for other peers, and cheap when a connection exists already. Failures are left to the
-    stream that follows: it fails with the daemon's own reason.
-    """
-    circuits = relay_addresses_of(peer_id)
-    if not circuits:
-        return
-    from hivemind.p2p import PeerID
-    from multiaddr import Multiaddr
 
-    try:
-        addresses = [Multiaddr(a) for a in circuits]
-        await asyncio.wait_for(p2p._client.connect(PeerID.from_base58(peer_id), addresses), timeout)
-    except Exception:  # the stream open reports why the peer cannot be reached
-        return
+def is_trusted_relay(peer_id: str) -> bool:
+    return _ROUTES.trusted(peer_id)
 
 
 class RelayedBytes:
-    """Process-wide counts of stream bytes sent and received over relayed connections (thread-safe)."""
+    """Process-wide counts of stream bytes sent and received over relays (thread-safe)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -82,25 +92,20 @@ class RelayedBytes:
         self.received = 0
         self.streams = 0
 
-    def add(self, sent: int = 0, received: int = 0) -> None:
+    def add(self, sent: int = 0, received: int = 0, streams: int = 0) -> None:
         with self._lock:
             self.sent += sent
             self.received += received
+            self.streams += streams
 
     def snapshot(self) -> dict[str, int]:
         with self._lock:
             return {"sent": self.sent, "received": self.received, "streams": self.streams}
 
-    def meter(self, remote_maddr: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
-        """Count this stream's bytes from now on if its connection is relayed; return whether it is.
-
-        Counts at the stream's two ends in this process: what the peer's data callback feeds the
-        reader, and what is written to the writer.
-        """
-        if "/p2p-circuit" not in str(remote_maddr):
-            return False
-        with self._lock:
-            self.streams += 1
+    def meter(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """Count this stream's bytes from now on, at its two ends in this process: what the daemon
+        feeds the reader, and what is written to the writer."""
+        self.add(streams=1)
         feed, write, writelines = reader.feed_data, writer.write, writer.writelines
 
         def counted_feed(data: Any) -> None:
@@ -119,8 +124,11 @@ class RelayedBytes:
         reader.feed_data = counted_feed  # type: ignore[method-assign]
         writer.write = counted_write  # type: ignore[method-assign]
         writer.writelines = counted_writelines  # type: ignore[method-assign,assignment]
-        return True
 
 
 RELAYED = RelayedBytes()
-"""Every relayed stream of this process, whichever service opened or served it."""
+"""Every forwarded stream of this process that it opened or served (not those it forwarded)."""
+
+FORWARDED = RelayedBytes()
+"""What this process carried as a relay: ``sent`` is what it passed on to the peers behind NAT,
+``received`` what it passed back to the peers that dialled them, ``streams`` the streams forwarded."""
