@@ -26,6 +26,7 @@ from swarm.config import ConfigError, NetworkSection, RunConfig, load_config
 if TYPE_CHECKING:  # the network stack imports torch and hivemind: load it only for commands that need it
     from swarm import NodeInfo, SwarmNode
     from swarm.network import NetworkOptions, ReachabilityResult
+    from swarm.p2p import RelayForwarder
 
 R = TypeVar("R")
 
@@ -187,6 +188,7 @@ def resolve_network(config: RunConfig, flags: NetworkFlags) -> NetworkOptions:
             host_maddrs_given=host_maddrs is not None,
             announce_maddrs_given=announce_maddrs is not None,
             swarm_key_file=net.swarm_key_file,
+            behind_nat=net.behind_nat,
         )
     except (AddressError, SwarmKeyError) as exc:
         fail(str(exc))
@@ -234,14 +236,25 @@ def reachability_lines(result: ReachabilityResult, who: str) -> list[str]:
         return [f"{who}: reachability direct (dialled back by {len(result.answered_by)} peer(s) at {where})"]
     port = _port_of(result.addresses)
     port_text = str(port) if port is not None else "N"
+    if result.status == "relay":
+        outcome = (
+            f"{who}: now reachable through relays at {', '.join(result.relay_addresses)}: "
+            "it trains, exchanges and serves, but its traffic crosses a relay, and direct peers are "
+            "preferred as partners"
+        )
+    else:
+        outcome = (
+            f"{who}: now running in client mode: it still trains and starts exchanges, but nobody dials it "
+            "(or set network.behind_nat: true to be reached through the initial peers, which relay)"
+        )
     return [
         f"{who}: no peer could dial this peer back at {', '.join(result.addresses)} "
         f"(asked {len(result.answered_by)} peer(s))",
-        "to let other peers connect to you:",
+        "to let other peers connect to you directly:",
         f"  1) open TCP port {port_text} in your firewall and forward it on your router to this machine",
         f"  2) pass --public-ip YOUR_PUBLIC_IP --port {port_text}",
         f"  3) or pass --announce-maddrs /ip4/YOUR_PUBLIC_IP/tcp/{port_text}",
-        f"{who}: now running in client mode: it still trains and starts exchanges, but nobody dials it",
+        outcome,
     ]
 
 
@@ -304,3 +317,23 @@ def shutdown_on_signals() -> Iterator[threading.Event]:
     finally:
         for signum, old in previous.items():
             signal.signal(signum, old)
+
+
+def start_relay(node: SwarmNode) -> RelayForwarder:
+    """Forward streams to the peers behind NAT that joined through this node (swarm/p2p/_forward.py)."""
+    from swarm.p2p import RelayForwarder
+
+    return RelayForwarder(node.info.run_id, dht=node.dht)
+
+
+def close_relay(relay: RelayForwarder, who: str) -> None:
+    """Stop relaying, and say what was carried (if anything)."""
+    from swarm.p2p import FORWARDED
+
+    relay.close()
+    carried = FORWARDED.snapshot()
+    if carried["streams"]:
+        typer.echo(
+            f"{who}: relayed {carried['streams']} stream(s) for peers behind NAT: "
+            f"{carried['sent'] / 1e6:.2f} MB to them, {carried['received'] / 1e6:.2f} MB back"
+        )

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import typer
 
-from peers._common import open_node, reachability_lines
+from peers._common import close_relay, open_node, reachability_lines, start_relay
 from swarm import NodeInfo, SwarmNode, describe_device
 from swarm.config import RunConfig
 from swarm.network import NetworkOptions
@@ -69,6 +69,7 @@ def run_bootstrap(
 
     with open_node(network, info, config, status=status) as node:
         publisher = _start_publisher(node, config)
+        relay = start_relay(node)
         try:
             _print_lines(node, config, config_path)
             if config.network.reachability_check:
@@ -82,6 +83,7 @@ def run_bootstrap(
         finally:
             if mirror is not None:
                 mirror.close()
+            close_relay(relay, "bootstrap")
             publisher.stop()
 
 

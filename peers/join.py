@@ -10,10 +10,11 @@ from pathlib import Path
 
 import typer
 
-from peers._common import fail, reachability_lines
+from peers._common import close_relay, fail, reachability_lines, start_relay
 from peers._trainer_output import open_with_output
 from swarm.config import RunConfig
 from swarm.network import NetworkOptions
+from swarm.p2p import RELAYED
 
 
 def run_join(
@@ -56,6 +57,7 @@ def run_join(
 
     if check_swarm:
         check_swarm_config(config, network)
+    relay = None
     peer, output = open_with_output(
         lambda on_sync: TrainingPeer(
             config, network, public_name=public_name, resume=resume, on_sync=on_sync
@@ -71,8 +73,10 @@ def run_join(
             f"peer {peer.node.peer_id} joined run {config.run.run_id!r} ({members} members visible, "
             f"{peer.n_params:,} parameters on {peer.device}{resumed})"
         )
-        for line in reachability_lines(peer.check_reachability(), "join"):
+        reachable = peer.check_reachability()
+        for line in reachability_lines(reachable, "join"):
             typer.echo(line)
+        relay = _maybe_relay(peer, config, reachable.status)
         with peer.aborting_on(stop):  # a stalled exchange while joining must not hold a shutdown either
             peer.join_swarm()
         joined = peer.joined
@@ -95,10 +99,23 @@ def run_join(
         summary = summary_of(peer) if summary_path is not None else None
     finally:
         leaving = time.monotonic()
+        if relay is not None:
+            close_relay(relay, "join")
         peer.close()
     typer.echo(f"join: left the swarm in {time.monotonic() - leaving:.1f} s{_since_stop(peer)}")
     if summary is not None and summary_path is not None:
         write_summary(peer, summary_path, summary)
+
+
+def _maybe_relay(peer, config: RunConfig, reachability: str):
+    """With ``network.relay``, relay for peers behind NAT, unless this peer cannot be dialled itself."""
+    if not config.network.relay:
+        return None
+    if peer.node.client_mode or reachability == "relay":
+        typer.echo("join: network.relay is set, but this peer is not directly reachable: not relaying")
+        return None
+    typer.echo("join: relaying for peers behind NAT that list this peer among their initial peers")
+    return start_relay(peer.node)
 
 
 def _where_it_stopped(peer) -> str:
@@ -171,4 +188,7 @@ def summary_of(peer) -> dict:
         # partners this peer's pseudo-gradient averager holds bans against, and their strike counts
         "banned_peers": details.get("banned_peers", {}),
         "ban_strikes": details.get("ban_strikes", {}),
+        "reachability": peer.node.reachability,
+        # stream bytes over relayed connections (both directions, every service), see swarm/p2p/_relay.py
+        "relayed": RELAYED.snapshot(),
     }

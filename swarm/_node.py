@@ -38,6 +38,7 @@ from swarm.network import (
     rejoin_initial_peers,
     start_dht,
 )
+from swarm.p2p import note_relay_addresses, split_circuit, trust_relays
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +84,7 @@ class SwarmNode:
         self._status = status or (lambda: {})
         self._started_at = time.time()
         self._client_mode = network.client_mode
+        self._relay_addresses: list[str] = []
         self.reachability: Reachability = "client" if network.client_mode else "unknown"
         self._checker: ReachabilityChecker | None = None
         self._recent_members: list[Member] | None = None
@@ -139,11 +141,16 @@ class SwarmNode:
             device=self.info.device,
             device_memory_gb=float(self.info.device_memory_gb),
             client_mode=self._client_mode,
-            addresses=[] if self._client_mode else self.visible_maddrs()[:16],
+            addresses=self._announced_maddrs(),
             reachability=self.reachability,
             started_at=self._started_at,
             **self._status(),
         )
+
+    def _announced_maddrs(self) -> list[str]:
+        if self._client_mode:
+            return []
+        return (self._relay_addresses or self.visible_maddrs())[:16]
 
     def announce_now(self) -> None:
         """Publish the current record at once (e.g. right after the state it describes changed)."""
@@ -164,13 +171,16 @@ class SwarmNode:
     def check_reachability(self, max_checkers: int = 3) -> ReachabilityResult:
         """Ask up to ``max_checkers`` other live members to dial this peer back at its announced addresses.
 
-        ``direct``: some checker reached us, the record says so. ``unreachable`` (checkers answered,
-        none reached us): this node switches to client mode, so its record lists no addresses and
-        nobody picks it as a partner; components that serve (gossip averagers, state server) must be
-        switched by their owner. ``skipped``: no other member to ask (or already in client mode);
-        ``unknown``: nobody answered. Both leave the record as it was.
+        ``direct``: some checker reached us, the record says so. ``relay`` (checkers answered, none
+        reached us; ``network.behind_nat``, with initial peers): the record announces our
+        ``/p2p-circuit`` addresses through the initial peers, which forward streams to us
+        (:mod:`swarm.p2p._forward`), and says ``reachability: relay``; we keep serving.
+        ``unreachable`` (the same without relays): this node switches to client mode, so its record
+        lists no addresses and nobody picks it as a partner; components that serve (gossip averagers,
+        state server) must be switched by their owner. ``skipped``: no other member to ask (or already
+        in client mode or relayed); ``unknown``: nobody answered. Both leave the record as it was.
         """
-        if self._client_mode:
+        if self._client_mode or self._relay_addresses:
             return ReachabilityResult("skipped")
         addresses = self.visible_maddrs()[:16]
         checkers = [
@@ -191,14 +201,29 @@ class SwarmNode:
         logger.info("reachability check: %s (errors: %s)", result.status, "; ".join(result.errors) or "none")
         if result.status == "direct":
             self.reachability = "direct"
+        elif result.unreachable and (relayed := self._relay_candidates()):
+            self._relay_addresses, self.reachability = relayed, "relay"
+            result = dataclasses.replace(result, status="relay", relay_addresses=tuple(relayed))
         elif result.unreachable:
             self.enter_client_mode()
         self.announce_now()
         return result
 
+    def _relay_candidates(self) -> list[str]:
+        """Our circuit addresses through the initial peers, which forward streams to us, if we are
+        ``network.behind_nat`` (:mod:`swarm.p2p._forward`); from now on we serve what they forward."""
+        if not self.network.behind_nat:
+            return []
+        addresses = [
+            a for a in self.network.relay_addresses(self.peer_id) if f"/p2p/{self.peer_id}/" not in a
+        ]
+        relays = [split_circuit(a) for a in addresses]
+        trust_relays(relay_id for _, relay_id in filter(None, relays))
+        return addresses
+
     def enter_client_mode(self) -> None:
         """From now on announce ``client_mode=True`` with no addresses, and stop answering checks."""
-        self._client_mode, self.reachability = True, "client"
+        self._client_mode, self.reachability, self._relay_addresses = True, "client", []
         if self._checker is not None:
             self._checker.close()
             self._checker = None
@@ -211,8 +236,16 @@ class SwarmNode:
         return None
 
     def members(self) -> list[Member]:
-        """The live members of this run, this peer included once its record is stored."""
-        return list_members(self.dht, self.info.run_id)
+        """The live members of this run, this peer included once its record is stored.
+
+        The circuit addresses of relayed members are noted for :func:`swarm.p2p.dial`, which reaches
+        them through those relays.
+        """
+        members = list_members(self.dht, self.info.run_id)
+        for member in members:
+            if member.peer_id != self.peer_id:
+                note_relay_addresses(member.peer_id, member.record.addresses)
+        return members
 
     def recent_members(self) -> list[Member]:
         """The live members as read by the announcer thread right after its last announcement (every

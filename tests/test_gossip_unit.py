@@ -558,3 +558,16 @@ def test_abort_cancels_a_stalled_exchange_without_commit_and_refuses_partners() 
     finally:
         first.close()
     assert not wait_no_leak(before, pgids=[], parent=os.getpid())
+
+
+def test_pick_order_prefers_direct_partners_but_keeps_relayed_ones() -> None:
+    import random
+
+    from swarm.gossip._partners import DIRECT_PREFERENCE, PartnerInfo
+
+    direct, relayed = PartnerInfo("direct", 1, "c"), PartnerInfo("relayed", 1, "c", relayed=True)
+    firsts = [pick_order([relayed, direct], random.Random(seed), 2) for seed in range(2000)]
+    assert all({p.peer_id for p in order} == {"direct", "relayed"} for order in firsts)
+    share = sum(order[0] is direct for order in firsts) / len(firsts)
+    expected = DIRECT_PREFERENCE / (DIRECT_PREFERENCE + 1)  # 0.8: a weighted draw, not 0.5 nor 1
+    assert abs(share - expected) < 0.05, share

@@ -65,6 +65,17 @@ class NetworkSection(Section):
     client_mode: bool = Field(
         False, description="Do not accept incoming connections (for peers behind NAT without relays)."
     )
+    relay: bool = Field(
+        False,
+        description="Forward streams to peers behind NAT that list this peer among their initial peers "
+        "(every bootstrap does); for a directly reachable trainer.",
+    )
+    behind_nat: bool = Field(
+        False,
+        description="This peer is behind NAT without a port forward: if no peer can dial it directly, it "
+        "announces /p2p-circuit addresses through its initial peers, which relay streams to it, instead "
+        "of running in client mode.",
+    )
     swarm_key_file: str | None = Field(
         None,
         description="File (mode 0600) holding the secret key of a private swarm; or set SWARM_KEY. "

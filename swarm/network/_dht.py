@@ -40,6 +40,10 @@ class NetworkOptions:
 
     Build it with :meth:`from_user_input` so that shortcuts are expanded and every address is validated.
     ``swarm_key`` makes the swarm private: every DHT RPC and every swarm stream is then authenticated.
+
+    ``behind_nat``: the peer may not be dialable (a home router without a port forward). If the
+    dial-back check confirms it, the peer announces itself through its initial peers, which forward
+    streams to it (:mod:`swarm.p2p._forward`), instead of going into client mode.
     """
 
     initial_peers: list[str] = field(default_factory=list)
@@ -49,6 +53,7 @@ class NetworkOptions:
     client_mode: bool = False
     startup_timeout_s: float = 30.0
     swarm_key: SwarmKey | None = None
+    behind_nat: bool = False
 
     @classmethod
     def from_user_input(
@@ -66,6 +71,7 @@ class NetworkOptions:
         announce_maddrs_given: bool = False,
         swarm_key_file: str | None = None,
         environ: Mapping[str, str] | None = None,
+        behind_nat: bool = False,
     ) -> NetworkOptions:
         """Validate every address (raising :class:`~swarm.network.AddressError`) and expand shortcuts.
 
@@ -89,7 +95,13 @@ class NetworkOptions:
             client_mode=client_mode,
             startup_timeout_s=startup_timeout_s,
             swarm_key=load_swarm_key(swarm_key_file, os.environ if environ is None else environ),
+            behind_nat=behind_nat,
         )
+
+    def relay_addresses(self, peer_id: str) -> list[str]:
+        """``/p2p-circuit`` addresses of ``peer_id`` through each initial peer (its trusted relays)."""
+        relays = [maddr for maddr in self.initial_peers if "/p2p-circuit" not in maddr]
+        return [f"{maddr}/p2p-circuit/p2p/{peer_id}" for maddr in relays]
 
     def resolved_identity_path(self) -> Path:
         """The configured identity file, created (mode 0600) if missing.

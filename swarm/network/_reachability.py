@@ -231,7 +231,7 @@ def _strip_peer_id(address: str, peer: str) -> str:
 # ---------------------------------------------------------------------------- asking
 
 
-ReachabilityStatus = Literal["direct", "unreachable", "unknown", "skipped", "disabled"]
+ReachabilityStatus = Literal["direct", "relay", "unreachable", "unknown", "skipped", "disabled"]
 
 
 @dataclass(frozen=True)
@@ -239,13 +239,15 @@ class ReachabilityResult:
     """What the checkers said. ``status``: ``direct`` (some checker reached some address),
     ``unreachable`` (at least one checker answered and none reached any address), ``unknown`` (no
     checker answered), ``skipped`` (nobody to ask, or nothing to check) or ``disabled`` (the program
-    did not ask)."""
+    did not ask). ``relay`` is set by the node, not by checkers: nobody reached us directly, and we
+    announce ``relay_addresses`` (``/p2p-circuit`` through relays) instead of going into client mode."""
 
     status: ReachabilityStatus
     addresses: tuple[str, ...] = ()
     reachable: tuple[str, ...] = ()
     answered_by: tuple[str, ...] = ()
     errors: tuple[str, ...] = field(default=())
+    relay_addresses: tuple[str, ...] = ()
 
     @property
     def unreachable(self) -> bool:

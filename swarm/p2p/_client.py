@@ -14,7 +14,9 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from swarm.p2p._auth import StreamKey, authenticate_stream
+from swarm.p2p._forward import open_via_relays
 from swarm.p2p._loop import LoopThread
+from swarm.p2p._relay import RELAYED, relays_of
 from swarm.p2p._setup import replicate, source_maddr
 
 if TYPE_CHECKING:
@@ -29,14 +31,22 @@ async def dial(
 ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
     """Open a stream to ``handler`` on ``peer`` and, in a private swarm, run the swarm key handshake.
 
+    A peer known to be reachable only through relays (:func:`~swarm.p2p._relay.note_relay_addresses`)
+    is reached through one of them (:mod:`swarm.p2p._forward`); such a stream's bytes are counted in
+    ``RELAYED``.
+
     Each step is bounded by ``timeout`` seconds. If the handshake fails (:class:`AuthError`) the stream
     is closed before the error propagates; otherwise closing it is the caller's job.
     """
     from hivemind.p2p import PeerID
 
-    _, reader, writer = await asyncio.wait_for(
-        p2p.call_binary_stream_handler(PeerID.from_base58(peer), handler), timeout
-    )
+    if relays_of(peer):
+        reader, writer = await open_via_relays(p2p, peer, handler, swarm_key, timeout)
+        RELAYED.meter(reader, writer)
+    else:
+        _, reader, writer = await asyncio.wait_for(
+            p2p.call_binary_stream_handler(PeerID.from_base58(peer), handler), timeout
+        )
     if swarm_key is None:
         return reader, writer
     try:

@@ -16,8 +16,10 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, ClassVar, Self
 
 from swarm.p2p._auth import AuthError, StreamKey, authenticate_stream, swarm_key_of
+from swarm.p2p._forward import RELAYED_SUFFIX, read_preamble
 from swarm.p2p._framing import ProtocolError
 from swarm.p2p._loop import LoopThread
+from swarm.p2p._relay import RELAYED, is_trusted_relay
 from swarm.p2p._setup import check_run_id, daemon_maddr, replicate
 
 if TYPE_CHECKING:
@@ -94,13 +96,35 @@ class StreamService:
         try:
             if not self.client_mode:
                 await p2p.add_binary_stream_handler(self._handler, self._serve)
+                await p2p.add_binary_stream_handler(self._handler + RELAYED_SUFFIX, self._serve_relayed)
         except BaseException:
             await p2p.shutdown()
             raise
         return p2p
 
     async def _serve(self, info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        peer = info.peer_id.to_base58()
+        await self._serve_peer(info.peer_id.to_base58(), reader, writer)
+
+    async def _serve_relayed(
+        self, info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        """A stream a relay forwards (:mod:`swarm.p2p._forward`): believe its preamble only from a relay
+        we trust, then serve it as the dialler's own."""
+        relay = info.peer_id.to_base58()
+        try:
+            if not is_trusted_relay(relay):
+                raise AuthError(f"peer {relay} forwarded a stream, and it is not one of our relays")
+            peer = await read_preamble(reader, max(self._auth_timeout, 10.0))
+        except (AuthError, *PEER_FAULTS) as exc:
+            logger.warning("refused forwarded %s from relay %s: %s", self.what, relay, exc)
+            writer.close()
+            return
+        RELAYED.meter(reader, writer)
+        await self._serve_peer(peer, reader, writer)
+
+    async def _serve_peer(
+        self, peer: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
         self._active += 1
         try:
             if self._swarm_key is not None:
@@ -144,8 +168,9 @@ class StreamService:
 
     async def _close_replica(self) -> None:
         if not self.client_mode:
-            with contextlib.suppress(Exception):
-                await self._p2p.remove_binary_stream_handler(self._handler)
+            for handler in (self._handler, self._handler + RELAYED_SUFFIX):
+                with contextlib.suppress(Exception):
+                    await self._p2p.remove_binary_stream_handler(handler)
         await self._p2p.shutdown()
 
     def __enter__(self) -> Self:

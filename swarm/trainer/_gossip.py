@@ -125,6 +125,7 @@ class GossipBackend:
                 m.record.config_hash,
                 m.record.client_mode,
                 leaving=m.record.state == "leaving",
+                relayed=m.record.reachability == "relay",
             )
             for m in self._members()
             if m.record.role == "trainer"
