@@ -63,6 +63,8 @@ class NetworkFlags:
     public_ip: str | None = None
     identity_path: str | None = None
     client_mode: bool | None = None
+    behind_nat: bool | None = None
+    relay: bool | None = None
     public_name: str = ""
 
 
@@ -106,6 +108,26 @@ NETWORK_OPTIONS: tuple[tuple[str, Any, Any], ...] = (
         bool | None,
         typer.Option(
             None, "--client-mode/--no-client-mode", help="Only dial out; others cannot dial this peer."
+        ),
+    ),
+    (
+        "behind_nat",
+        bool | None,
+        typer.Option(
+            None,
+            "--behind-nat/--no-behind-nat",
+            help="Behind NAT without a port forward: be reached through the initial peers, which relay "
+            "(network.behind_nat).",
+        ),
+    ),
+    (
+        "relay",
+        bool | None,
+        typer.Option(
+            None,
+            "--relay/--no-relay",
+            help="Relay for peers behind NAT that list this one among their initial peers (network.relay; "
+            "a bootstrap always relays).",
         ),
     ),
     ("public_name", str, typer.Option("", "--public-name", help="A name shown in records and the monitor.")),
@@ -188,7 +210,8 @@ def resolve_network(config: RunConfig, flags: NetworkFlags) -> NetworkOptions:
             host_maddrs_given=host_maddrs is not None,
             announce_maddrs_given=announce_maddrs is not None,
             swarm_key_file=net.swarm_key_file,
-            behind_nat=net.behind_nat,
+            behind_nat=net.behind_nat if flags.behind_nat is None else flags.behind_nat,
+            relay=net.relay if flags.relay is None else flags.relay,
         )
     except (AddressError, SwarmKeyError) as exc:
         fail(str(exc))
@@ -245,7 +268,7 @@ def reachability_lines(result: ReachabilityResult, who: str) -> list[str]:
     else:
         outcome = (
             f"{who}: now running in client mode: it still trains and starts exchanges, but nobody dials it "
-            "(or set network.behind_nat: true to be reached through the initial peers, which relay)"
+            "(or pass --behind-nat to be reached through the initial peers, which relay)"
         )
     return [
         f"{who}: no peer could dial this peer back at {', '.join(result.addresses)} "

@@ -76,7 +76,7 @@ def run_join(
         reachable = peer.check_reachability()
         for line in reachability_lines(reachable, "join"):
             typer.echo(line)
-        relay = _maybe_relay(peer, config, reachable.status)
+        relay = _maybe_relay(peer, network, reachable.status)
         with peer.aborting_on(stop):  # a stalled exchange while joining must not hold a shutdown either
             peer.join_swarm()
         joined = peer.joined
@@ -107,12 +107,12 @@ def run_join(
         write_summary(peer, summary_path, summary)
 
 
-def _maybe_relay(peer, config: RunConfig, reachability: str):
-    """With ``network.relay``, relay for peers behind NAT, unless this peer cannot be dialled itself."""
-    if not config.network.relay:
+def _maybe_relay(peer, network: NetworkOptions, reachability: str):
+    """With ``--relay``, relay for peers behind NAT, unless this peer cannot be dialled itself."""
+    if not network.relay:
         return None
     if peer.node.client_mode or reachability == "relay":
-        typer.echo("join: network.relay is set, but this peer is not directly reachable: not relaying")
+        typer.echo("join: --relay is set, but this peer is not directly reachable: not relaying")
         return None
     typer.echo("join: relaying for peers behind NAT that list this peer among their initial peers")
     return start_relay(peer.node)

@@ -34,6 +34,7 @@ from swarm.network import (
     ReachabilityChecker,
     ReachabilityResult,
     check_reachability,
+    connect_out,
     load_identity,
     rejoin_initial_peers,
     start_dht,
@@ -90,6 +91,7 @@ class SwarmNode:
         self._recent_members: list[Member] | None = None
         self._next_rejoin = time.monotonic() + REJOIN_EVERY_S
         self._rejoining: Any = None  # the pings in flight (an MPFuture of how many answered)
+        self._connecting: Any = None  # connections out to direct members, while relayed (an MPFuture)
         try:
             self.dht = start_dht(network, identity_path, membership_validators(info.run_id, self._signer))
         finally:
@@ -262,6 +264,8 @@ class SwarmNode:
     def _after_announcing(self) -> None:
         """On the announcer's thread, after each periodic announcement."""
         self._read_members()
+        if self._relay_addresses:
+            self._connect_out()
         if self.network.initial_peers and time.monotonic() >= self._next_rejoin:
             self._next_rejoin = time.monotonic() + REJOIN_EVERY_S
             self._rejoin()
@@ -269,6 +273,20 @@ class SwarmNode:
     def _read_members(self) -> None:
         if self._recent_members is not None:  # only for nodes that use the view (not bootstraps, monitors)
             self._recent_members = self.members()
+
+    def _connect_out(self) -> None:
+        """While relayed: connect out to the direct members, so that their streams to us need no relay
+        (:func:`swarm.network.connect_out`). One batch of connects at a time, from the latest member list."""
+        pending = self._connecting
+        if pending is not None and not pending.done():
+            return
+        members = self._recent_members if self._recent_members is not None else []
+        direct = {
+            m.peer_id: list(m.record.addresses)
+            for m in members
+            if m.record.reachability == "direct" and not m.record.client_mode
+        }
+        self._connecting = connect_out(self.dht, direct, return_future=True) if direct else None
 
     def _rejoin(self) -> None:
         """Get the initial peers back into our DHT routing table if it lost them (a healed partition).

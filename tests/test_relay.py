@@ -1,7 +1,7 @@
 """Two trainers, each behind its own home router (scripts/netlab.py ``add_nat_host``), beside a public
 bootstrap: neither can be dialled, and both train together through the bootstrap, which relays.
 
-Each trainer is told it may be behind NAT (``network.behind_nat``): the dial-back check finds it
+Each trainer is told it may be behind NAT (``--behind-nat``): the dial-back check finds it
 unreachable, and it announces a ``/p2p-circuit`` address through the bootstrap instead of going into
 client mode; the bootstrap forwards streams to it (swarm/p2p/_forward.py). Asserted: both say so
 (record ``reachability: relay``), each completes pseudo-gradient exchanges with the other (the only
@@ -67,8 +67,8 @@ def test_two_trainers_behind_home_routers_train_through_the_bootstrap_relay(spaw
         trainers = []
         for home, summary in zip(homes, summaries, strict=True):
             where = ["--host-maddrs", home.maddr(), "--summary", str(summary)]
-            args = ["join", "--initial-peers", maddr, *where]
-            sets = cli_sets([*OVERRIDES, "network.behind_nat=true"])
+            args = ["join", "--initial-peers", maddr, "--behind-nat", *where]
+            sets = cli_sets(OVERRIDES)
             trainers.append(spawn(home.command(swarm_cli(*args, *sets)), env=ONE_THREAD))
         ids = []
         for trainer in trainers:

@@ -1,6 +1,8 @@
-"""Swarm's relay (swarm/p2p/_forward.py) with three real daemons on loopback: a dialler, a relay and a
-peer that trusts the relay. The dialler could reach the peer directly here; because the peer's address
-book entry is a circuit address, dial goes through the relay, which is what a peer behind NAT needs."""
+"""Swarm's relay (swarm/p2p/_forward.py) with real daemons on loopback: a relay, a peer that trusts it,
+and diallers. The peer and the first dialler listen on no address (``no_listen``), like two peers
+behind NAT: each dials out to the relay only, so nothing but the relay connects them. A listening
+dialler stands for a public peer, to which the peer connects out (``connect_out``) so that its streams
+need no relay."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ import hivemind
 import psutil
 import pytest
 
-from swarm.network import SwarmKey
+from swarm.network import SwarmKey, connect_out
 from swarm.p2p import (
     RelayedBytes,
     RelayForwarder,
@@ -65,18 +67,19 @@ def _p2pds() -> set[psutil.Process]:
 
 
 @pytest.fixture(scope="module")
-def dhts() -> Iterator[tuple[hivemind.DHT, hivemind.DHT, hivemind.DHT]]:
-    """Three DHT nodes for the module; when it ends, their p2p daemons must be gone."""
+def dhts() -> Iterator[tuple[hivemind.DHT, hivemind.DHT, hivemind.DHT, hivemind.DHT]]:
+    """(dialler behind NAT, relay, peer behind NAT, public dialler); their daemons must end with them."""
     before = _p2pds()
     relay = hivemind.DHT(host_maddrs=[LOOPBACK], start=True)
     maddrs = [str(m) for m in relay.get_visible_maddrs()]
-    dialler = hivemind.DHT(initial_peers=maddrs, host_maddrs=[LOOPBACK], start=True)
-    peer = hivemind.DHT(initial_peers=maddrs, host_maddrs=[LOOPBACK], start=True)
+    dialler = hivemind.DHT(initial_peers=maddrs, no_listen=True, start=True)
+    peer = hivemind.DHT(initial_peers=maddrs, no_listen=True, start=True)
+    public = hivemind.DHT(initial_peers=maddrs, host_maddrs=[LOOPBACK], client_mode=True, start=True)
     ours = _p2pds() - before
     try:
-        yield dialler, relay, peer
+        yield dialler, relay, peer, public
     finally:
-        for dht in (dialler, relay, peer):
+        for dht in (dialler, relay, peer, public):
             dht.shutdown()
         _, alive = psutil.wait_procs(ours, timeout=30)
         assert not alive, f"p2pd daemons outlived their DHTs: {alive}"
@@ -94,7 +97,7 @@ def no_daemon_leaks(dhts) -> Iterator[None]:
 @pytest.fixture
 def book(dhts) -> Iterator[str]:
     """The peer's id, noted as reachable through the relay only, which the peer trusts."""
-    _, relay, peer = dhts
+    _, relay, peer, _ = dhts
     relay_maddr = str(relay.get_visible_maddrs()[0])
     peer_id = peer.peer_id.to_base58()
     note_relay_addresses(peer_id, [f"{relay_maddr}/p2p-circuit/p2p/{peer_id}"])
@@ -120,7 +123,7 @@ def _echo_through(dialler: hivemind.DHT, peer_id: str, swarm_key: SwarmKey | Non
 
 @pytest.mark.parametrize("private", [False, True], ids=["public", "private"])
 def test_a_stream_far_larger_than_a_circuit_allows_crosses_the_relay(dhts, book, private: bool) -> None:
-    dialler, relay, peer = dhts
+    dialler, relay, peer, _ = dhts
     key = SwarmKey(secrets.token_hex(32).encode()) if private else None
     carried = RelayedBytes()
     with RelayForwarder(RUN, dht=relay, swarm_key=key, counter=carried), Echo(peer, key) as echo:
@@ -133,7 +136,7 @@ def test_a_stream_far_larger_than_a_circuit_allows_crosses_the_relay(dhts, book,
 
 
 def test_a_peer_serves_forwarded_streams_only_from_relays_it_trusts(dhts, book, caplog) -> None:
-    dialler, relay, peer = dhts
+    dialler, relay, peer, _ = dhts
     trust_relays([])
     refused = pytest.raises((ConnectionError, asyncio.IncompleteReadError))
     warnings = caplog.at_level(logging.WARNING)
@@ -144,7 +147,7 @@ def test_a_peer_serves_forwarded_streams_only_from_relays_it_trusts(dhts, book, 
 
 
 def test_the_relay_forwards_only_to_peers_connected_to_it(dhts) -> None:
-    dialler, relay, _ = dhts
+    dialler, relay, _, _ = dhts
     stranger = "12D3KooWQYhTNQdmr3ArTeUHRYzFg94BKyTkoWBDWez9kSCVe2Xo"
     note_relay_addresses(stranger, [f"{relay.get_visible_maddrs()[0]}/p2p-circuit/p2p/{stranger}"])
     try:
@@ -156,7 +159,7 @@ def test_the_relay_forwards_only_to_peers_connected_to_it(dhts) -> None:
 
 
 def test_garbage_sent_to_the_relay_is_refused_and_it_goes_on_forwarding(dhts, book) -> None:
-    dialler, relay, peer = dhts
+    dialler, relay, peer, _ = dhts
     relay_id = relay.peer_id
 
     async def garbage(p2p) -> bytes:
@@ -173,3 +176,14 @@ def test_garbage_sent_to_the_relay_is_refused_and_it_goes_on_forwarding(dhts, bo
         assert run_with_replica(dialler, garbage, name="garbage", open_timeout_s=30, timeout_s=30) == b""
         assert _echo_through(dialler, book, None) == PAYLOAD[::-1]
     assert len(echo.served) == 1
+
+
+def test_a_peer_behind_nat_that_connected_out_is_dialled_directly(dhts, book) -> None:
+    _, relay, peer, public = dhts
+    carried = RelayedBytes()
+    addresses = {public.peer_id.to_base58(): [str(m) for m in public.get_visible_maddrs()]}
+    with RelayForwarder(RUN, dht=relay, swarm_key=None, counter=carried), Echo(peer, None) as echo:
+        assert connect_out(peer, addresses) == 1
+        assert _echo_through(public, book, None) == PAYLOAD[::-1]
+    assert echo.served == [public.peer_id.to_base58()]
+    assert carried.snapshot() == {"sent": 0, "received": 0, "streams": 0}  # not a byte through the relay

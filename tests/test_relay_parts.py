@@ -77,7 +77,7 @@ def test_a_relayed_peer_is_told_what_it_gets_and_how_to_get_more() -> None:
     assert f"join: now reachable through relays at {circuit}" in lines[-1]
     assert "1) open TCP port 4200" in "\n".join(lines)
     client = reachability_lines(ReachabilityResult("unreachable", addresses, answered_by=("boot",)), "join")
-    assert "now running in client mode" in client[-1] and "network.behind_nat: true" in client[-1]
+    assert "now running in client mode" in client[-1] and "--behind-nat" in client[-1]
 
 
 def test_a_trainer_relays_only_when_asked_and_reachable_itself(monkeypatch, capsys) -> None:
@@ -91,13 +91,57 @@ def test_a_trainer_relays_only_when_asked_and_reachable_itself(monkeypatch, caps
     def trainer(client_mode: bool) -> SimpleNamespace:
         return SimpleNamespace(node=SimpleNamespace(client_mode=client_mode))
 
-    def config(relay: bool) -> SimpleNamespace:
-        return SimpleNamespace(network=SimpleNamespace(relay=relay))
+    def network(relay: bool) -> SimpleNamespace:
+        return SimpleNamespace(relay=relay)
 
     direct = trainer(False)
-    assert join._maybe_relay(direct, config(False), "direct") is None
-    assert join._maybe_relay(trainer(True), config(True), "unreachable") is None
-    assert join._maybe_relay(trainer(False), config(True), "relay") is None
+    assert join._maybe_relay(direct, network(False), "direct") is None
+    assert join._maybe_relay(trainer(True), network(True), "unreachable") is None
+    assert join._maybe_relay(trainer(False), network(True), "relay") is None
     assert "not directly reachable: not relaying" in capsys.readouterr().out
-    assert join._maybe_relay(direct, config(True), "direct") is direct.node
+    assert join._maybe_relay(direct, network(True), "direct") is direct.node
     assert started == [direct.node]
+
+
+class _Pending:
+    def __init__(self, done: bool) -> None:
+        self._done = done
+
+    def done(self) -> bool:
+        return self._done
+
+
+def test_a_relayed_node_connects_out_to_direct_members_only_one_batch_at_a_time(monkeypatch) -> None:
+    from types import SimpleNamespace
+
+    from swarm import _node
+
+    asked: list[dict[str, list[str]]] = []
+
+    def fake_connect_out(dht, peers, *, return_future=False):
+        asked.append(dict(peers))
+        return _Pending(done=False)
+
+    monkeypatch.setattr(_node, "connect_out", fake_connect_out)
+
+    def member(peer_id: str, reachability: str, client_mode: bool = False) -> SimpleNamespace:
+        addresses = [f"/ip4/10.77.0.9/tcp/4200/p2p/{peer_id}"]
+        record = SimpleNamespace(reachability=reachability, client_mode=client_mode, addresses=addresses)
+        return SimpleNamespace(peer_id=peer_id, record=record)
+
+    node = _node.SwarmNode.__new__(_node.SwarmNode)
+    node.dht, node._connecting = None, None
+    node._recent_members = [
+        member("direct1", "direct"),
+        member("relayed", "relay"),
+        member("client", "client", client_mode=True),
+        member("unknown", "unknown"),
+        member("direct2", "direct"),
+    ]
+    node._connect_out()
+    assert asked == [{p: [f"/ip4/10.77.0.9/tcp/4200/p2p/{p}"] for p in ("direct1", "direct2")}]
+    node._connect_out()  # the first batch is still out: no second one
+    assert len(asked) == 1
+    node._connecting = _Pending(done=True)
+    node._connect_out()
+    assert len(asked) == 2

@@ -92,6 +92,22 @@ def test_resume_continues_the_same_order() -> None:
     assert resumed.samples_drawn == 8 * 30
 
 
+def test_a_batch_given_back_comes_next_and_is_not_counted() -> None:
+    corpus = random_corpus()
+    full = rows(TrainBatches(corpus, BLOCK, 8, peer_key="p", seed=0), 6)
+    batches = TrainBatches(corpus, BLOCK, 8, peer_key="p", seed=0)
+    assert rows(batches, 3) == full[: 8 * 3]
+    batches.give_back()  # the step that drew the third batch was abandoned
+    assert batches.samples_drawn == 8 * 2
+    resumed = TrainBatches(corpus, BLOCK, 8, peer_key="p", seed=0, start_sample=batches.samples_drawn)
+    assert rows(resumed, 4) == full[8 * 2 :]  # a peer resumed from the count trains it next
+    batches.give_back()
+    batches.give_back()  # only the last batch can be given back, once
+    assert batches.samples_drawn == 8 * 2
+    assert rows(batches, 4) == full[8 * 2 :]  # so does this one
+    assert batches.samples_drawn == 8 * 6
+
+
 def write_documents(directory: Path, count: int) -> list[bytes]:
     directory.mkdir()
     texts = []

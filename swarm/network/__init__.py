@@ -18,7 +18,7 @@ if TYPE_CHECKING:
         parse_maddr,
         parse_maddrs,
     )
-    from swarm.network._dht import NetworkError, NetworkOptions, rejoin_initial_peers, start_dht
+    from swarm.network._dht import NetworkError, NetworkOptions, connect_out, rejoin_initial_peers, start_dht
     from swarm.network._identity import (
         IDENTITY_FILE_MODE,
         IdentityError,
@@ -45,6 +45,7 @@ _EXPORTS = {
     "NetworkError": "_dht",
     "NetworkOptions": "_dht",
     "rejoin_initial_peers": "_dht",
+    "connect_out": "_dht",
     "start_dht": "_dht",
     "IDENTITY_FILE_MODE": "_identity",
     "IdentityError": "_identity",
@@ -77,6 +78,7 @@ __all__ = [
     "SwarmKey",
     "SwarmKeyError",
     "check_reachability",
+    "connect_out",
     "ensure_identity",
     "expand_listen_options",
     "load_identity",

@@ -43,7 +43,8 @@ class NetworkOptions:
 
     ``behind_nat``: the peer may not be dialable (a home router without a port forward). If the
     dial-back check confirms it, the peer announces itself through its initial peers, which forward
-    streams to it (:mod:`swarm.p2p._forward`), instead of going into client mode.
+    streams to it (:mod:`swarm.p2p._forward`), instead of going into client mode. ``relay``: this
+    peer relays for such peers (a bootstrap always does; the program starts the relay).
     """
 
     initial_peers: list[str] = field(default_factory=list)
@@ -54,6 +55,7 @@ class NetworkOptions:
     startup_timeout_s: float = 30.0
     swarm_key: SwarmKey | None = None
     behind_nat: bool = False
+    relay: bool = False
 
     @classmethod
     def from_user_input(
@@ -72,6 +74,7 @@ class NetworkOptions:
         swarm_key_file: str | None = None,
         environ: Mapping[str, str] | None = None,
         behind_nat: bool = False,
+        relay: bool = False,
     ) -> NetworkOptions:
         """Validate every address (raising :class:`~swarm.network.AddressError`) and expand shortcuts.
 
@@ -96,6 +99,7 @@ class NetworkOptions:
             startup_timeout_s=startup_timeout_s,
             swarm_key=load_swarm_key(swarm_key_file, os.environ if environ is None else environ),
             behind_nat=behind_nat,
+            relay=relay,
         )
 
     def relay_addresses(self, peer_id: str) -> list[str]:
@@ -224,3 +228,43 @@ async def _ping_missing(peer_ids: list[str], _dht: hivemind.DHT, node: DHTNode) 
     missing = [p for p in missing if protocol.routing_table.get(peer_id=p) is None]
     answers = await asyncio.gather(*(protocol.call_ping(p) for p in missing))
     return sum(answer is not None for answer in answers)
+
+
+CONNECT_TIMEOUT_S = 10.0
+
+
+def connect_out(dht: hivemind.DHT, peers: Mapping[str, Sequence[str]], *, return_future: bool = False) -> Any:
+    """Have this node's daemon connect to each of ``peers`` (peer id -> its announced addresses) that it
+    is not connected to; return how many of them it is connected to afterwards (or a future of it).
+
+    A peer behind NAT that nobody can dial connects out to the directly reachable members this way.
+    Their streams to it then run over these connections (:func:`swarm.p2p.dial` opens a stream directly
+    when a connection exists), and only peers that are behind NAT themselves need a relay.
+    """
+    me = dht.peer_id.to_base58()
+    targets = {
+        peer: [a.rsplit("/p2p/", 1)[0] for a in addresses if "/p2p-circuit" not in a]
+        for peer, addresses in peers.items()
+        if peer != me
+    }
+    targets = {peer: addresses for peer, addresses in targets.items() if addresses}
+    return dht.run_coroutine(functools.partial(_connect_missing, targets), return_future=return_future)
+
+
+async def _connect_missing(targets: dict[str, list[str]], _dht: hivemind.DHT, node: DHTNode) -> int:
+    from multiaddr import Multiaddr
+
+    p2p = node.p2p
+    connected = {info.peer_id.to_base58() for info in await p2p.list_peers()}
+
+    async def connect(peer: str, addresses: list[str]) -> bool:
+        try:
+            maddrs = [Multiaddr(a) for a in addresses]
+            await asyncio.wait_for(p2p._client.connect(PeerID.from_base58(peer), maddrs), CONNECT_TIMEOUT_S)
+        except Exception:  # unreachable for now: the next round of announcements tries again
+            return False
+        return True
+
+    missing = [peer for peer in targets if peer not in connected]
+    made = await asyncio.gather(*(connect(peer, targets[peer]) for peer in missing))
+    return len(connected & targets.keys()) + sum(made)

@@ -32,21 +32,13 @@ async def dial(
     """Open a stream to ``handler`` on ``peer`` and, in a private swarm, run the swarm key handshake.
 
     A peer known to be reachable only through relays (:func:`~swarm.p2p._relay.note_relay_addresses`)
-    is reached through one of them (:mod:`swarm.p2p._forward`); such a stream's bytes are counted in
-    ``RELAYED``.
+    is reached through one of them (:mod:`swarm.p2p._forward`), unless it has connected to us; such a
+    stream's bytes are counted in ``RELAYED``.
 
     Each step is bounded by ``timeout`` seconds. If the handshake fails (:class:`AuthError`) the stream
     is closed before the error propagates; otherwise closing it is the caller's job.
     """
-    from hivemind.p2p import PeerID
-
-    if relays_of(peer):
-        reader, writer = await open_via_relays(p2p, peer, handler, swarm_key, timeout)
-        RELAYED.meter(reader, writer)
-    else:
-        _, reader, writer = await asyncio.wait_for(
-            p2p.call_binary_stream_handler(PeerID.from_base58(peer), handler), timeout
-        )
+    reader, writer = await _open(p2p, peer, handler, swarm_key, timeout)
     if swarm_key is None:
         return reader, writer
     try:
@@ -64,6 +56,32 @@ async def dial(
         writer.close()
         raise
     return reader, writer
+
+
+async def _open(
+    p2p: P2P, peer: str, handler: str, swarm_key: StreamKey | None, timeout: float
+) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A stream to ``peer``: directly, unless it is reachable only through relays and has not connected
+    to us (a peer behind NAT connects out to direct members, :func:`swarm.network.connect_out`)."""
+    from hivemind.p2p import PeerID
+
+    relayed = bool(relays_of(peer))
+    if not relayed or await _connected(p2p, peer):
+        try:
+            _, reader, writer = await asyncio.wait_for(
+                p2p.call_binary_stream_handler(PeerID.from_base58(peer), handler), timeout
+            )
+            return reader, writer
+        except Exception:
+            if not relayed:
+                raise
+    reader, writer = await open_via_relays(p2p, peer, handler, swarm_key, timeout)
+    RELAYED.meter(reader, writer)
+    return reader, writer
+
+
+async def _connected(p2p: P2P, peer: str) -> bool:
+    return any(info.peer_id.to_base58() == peer for info in await p2p.list_peers())
 
 
 def run_with_replica(

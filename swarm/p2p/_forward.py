@@ -10,10 +10,12 @@ over which it can open streams. One forwarded stream goes:
 
 1. dialler -> relay, on :data:`FORWARD_HANDLER`: the swarm key handshake (private swarms), then
    ``FORWARD {"to": peer, "handler": h}``;
-2. relay -> peer, on ``h`` + :data:`RELAYED_SUFFIX`: ``PREAMBLE {"from": dialler}``;
-3. relay -> dialler: ``READY {}``, or ``REFUSED {"reason": ...}`` and the stream closes;
-4. then the relay copies raw bytes both ways until one side closes. The dialler and the peer run the
-   swarm key handshake end to end over them, under ``h``, naming each other, and then ``h``'s protocol.
+2. relay -> peer, on ``h`` + :data:`RELAYED_SUFFIX`: ``PREAMBLE {"from": dialler}``; or, if the relay
+   will not forward, relay -> dialler: ``REFUSED {"reason": ...}`` and the stream closes;
+3. the relay copies raw bytes both ways from then on, until one side closes. The first thing to cross
+   is the peer's ``READY {}`` to the dialler: the peer accepted the stream (a peer that refuses it
+   closes it instead). Then the dialler and the peer run the swarm key handshake end to end, under
+   ``h``, naming each other, and ``h``'s protocol.
 
 The peer believes a preamble only from the relays it trusts (:func:`swarm.p2p._relay.trust_relays`).
 The relay is :class:`swarm.p2p.RelayForwarder`; this module holds the wire format and both ends.
@@ -82,6 +84,11 @@ async def read_preamble(reader: asyncio.StreamReader, timeout: float) -> str:
     return field(body, "from", PEER_ID)
 
 
+async def send_ready(writer: asyncio.StreamWriter, timeout: float) -> None:
+    """The peer's answer to a preamble it accepts."""
+    await send_control(writer, ForwardKind.READY, {}, timeout)
+
+
 async def open_via_relays(
     p2p: P2P, peer: str, handler: str, swarm_key: StreamKey | None, timeout: float
 ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
@@ -134,7 +141,9 @@ async def _open_via(
         if kind is ForwardKind.REFUSED:
             raise ConnectionError(f"refused: {str(body.get('reason'))[:200]}")
         if kind is not ForwardKind.READY:
-            raise ProtocolError(f"expected READY or REFUSED from the relay, got {kind.name}")
+            raise ProtocolError(
+                f"expected READY (from the peer) or REFUSED (from the relay), got {kind.name}"
+            )
     except BaseException:
         writer.close()
         raise

@@ -117,8 +117,7 @@ class RelayForwarder(StreamService):
             return
         try:
             await send_control(peer_writer, ForwardKind.PREAMBLE, {"from": dialler}, CONTROL_TIMEOUT_S)
-            await send_control(writer, ForwardKind.READY, {}, CONTROL_TIMEOUT_S)
-            self.counter.add(streams=1)
+            self.counter.add(streams=1)  # the peer's READY (or its closing the stream) is the answer
             await _splice(reader, writer, peer_reader, peer_writer, self.counter)
         finally:
             peer_writer.close()

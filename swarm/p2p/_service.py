@@ -16,7 +16,7 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, ClassVar, Self
 
 from swarm.p2p._auth import AuthError, StreamKey, authenticate_stream, swarm_key_of
-from swarm.p2p._forward import RELAYED_SUFFIX, read_preamble
+from swarm.p2p._forward import RELAYED_SUFFIX, read_preamble, send_ready
 from swarm.p2p._framing import ProtocolError
 from swarm.p2p._loop import LoopThread
 from swarm.p2p._relay import RELAYED, is_trusted_relay
@@ -115,6 +115,7 @@ class StreamService:
             if not is_trusted_relay(relay):
                 raise AuthError(f"peer {relay} forwarded a stream, and it is not one of our relays")
             peer = await read_preamble(reader, max(self._auth_timeout, 10.0))
+            await send_ready(writer, max(self._auth_timeout, 10.0))
         except (AuthError, *PEER_FAULTS) as exc:
             logger.warning("refused forwarded %s from relay %s: %s", self.what, relay, exc)
             writer.close()

@@ -243,6 +243,7 @@ class TrainingPeer:
         try:
             stats = self.inner.step(self.batches, lr=lr, guard=self.backend.update_guard, stop=self._stop)
         except Interrupted:
+            self.batches.give_back()  # untrained: a resumed peer trains it next
             logger.info("stopping: abandoned step %d (nothing of it applied)", self.progress.step + 1)
             return []
         finally:

@@ -330,7 +330,7 @@ class TrainBatches:
     """Endless ``(x, y)`` int64 batches of shape ``(batch_size, block_size)`` in this peer's order.
 
     ``y`` is ``x`` shifted by one token. ``start_sample`` resumes the order after that many samples;
-    ``samples_drawn`` counts samples handed out (including the skipped ones).
+    ``samples_drawn`` counts samples handed out (including the skipped ones, less any given back).
     """
 
     source: TokenSource
@@ -342,6 +342,7 @@ class TrainBatches:
     samples_drawn: int = field(init=False)
     _windows: Iterator[torch.Tensor] = field(init=False, repr=False)
     _pending: list[torch.Tensor] = field(init=False, repr=False, default_factory=list)
+    _last: torch.Tensor | None = field(init=False, repr=False, default=None)
 
     def __post_init__(self) -> None:
         self.samples_drawn = self.start_sample
@@ -360,8 +361,19 @@ class TrainBatches:
         batch, rest = stacked[: self.batch_size], stacked[self.batch_size :]
         self._pending = [rest] if len(rest) else []
         self.samples_drawn += self.batch_size
+        self._last = batch
         batch = batch.long()
         return batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
+
+    def give_back(self) -> None:
+        """Put the last batch back in front, uncounted: the step that drew it was abandoned (a stop).
+
+        So ``samples_drawn`` counts only batches trained on, and a peer resumed from it trains that
+        batch next, as if the stop had come just before it was drawn."""
+        if self._last is not None:
+            self._pending.insert(0, self._last)
+            self._last = None
+            self.samples_drawn -= self.batch_size
 
     @classmethod
     def of_peer(
