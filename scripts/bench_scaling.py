@@ -34,10 +34,12 @@ GOSSIP: dict[str, float] = {
     "outer_momentum": 0.0,
     "param_sync_every": 20,
     "max_drift": 0.5,
+    "max_lag_rounds": 3,
 }
 """gossip's settings in the bench regime (``averaging.*``), chosen by the sweep (docs/benchmarks.md):
-H, the outer step, and how often anchors are averaged (every ``param_sync_every`` rounds, and every
-round while the drift exceeds ``max_drift``)."""
+H, the outer step, how often anchors are averaged (every ``param_sync_every`` rounds, and every round
+while the drift exceeds ``max_drift``), and how many rounds an exchange may lag before the device
+waits (``scripts/bench_lag.py``: on these links 1 idled the devices a third of the time)."""
 
 EVAL_SECONDS = 4.0
 """A trainer of a swarm evaluates about this often (a held-out batch costs about one inner step of real
@@ -307,8 +309,9 @@ def render_scaling(scaling: dict[str, Any], image: str | None) -> list[str]:
         "so it runs as that one trainer on the same emulated device (its speed-up is what perfect "
         "data parallelism gains in this regime, the ceiling for any swarm). gossip int8: N trainers over "
         f"{scaling['rate']} links, H = {scaling['sync_every_steps']:g}, outer lr {scaling['outer_lr']:g}, "
-        f"momentum {scaling['outer_momentum']:g}. Speed-up: one device's time over the run's (a run that "
-        "missed the target gives an upper bound, marked <). Samples: the swarm's samples when the mean "
+        f"momentum {scaling['outer_momentum']:g}, exchanges lagging up to "
+        f"{scaling.get('max_lag_rounds', 1):g} rounds. Speed-up: one device's time over the run's (a run "
+        "that missed the target gives an upper bound, marked <). Samples: the swarm's samples when the mean "
         "eval first reached the target. Compute and load as in the training table.",
         "",
         "| backend | devices | s to target | speed-up vs one | ideal | samples to target | join spread "

@@ -325,4 +325,8 @@ def brief(row: dict[str, Any]) -> str:
 
 
 if __name__ == "__main__":  # a trainer of a run: python -m scripts.bench_testbed TIMERS_JSON join ...
+    if len(sys.argv) < 3 or sys.argv[1].startswith("-"):  # the first argument is a file it writes
+        sys.exit(
+            "usage: python -m scripts.bench_testbed TIMERS_JSON join [swarm join options] (run by benchmarks)"
+        )
     bench_training.timed_cli(sys.argv[1], sys.argv[2:])

@@ -272,3 +272,14 @@ def test_without_root_the_testbed_is_skipped(tmp_path: Path, codecs_json: Path, 
     assert f"Skipped: {reason}." in text and f"the testbed was skipped ({reason})" in text
     assert not (img / "training_loss.png").exists() and not (img / "scaling.png").exists()
     assert report["codecs"]["rows"] and report["averaging"]["rows"]
+
+
+def test_bench_lag_runs_differ_only_in_the_lag() -> None:
+    from scripts import bench_lag
+
+    one, three = bench_lag.plans([1, 3], cap_s=150)
+    assert set(one.sets) ^ set(three.sets) == {"averaging.max_lag_rounds=1", "averaging.max_lag_rounds=3"}
+    assert one.until_target and one.peers == three.peers == 4 and one.budget_s == 150
+    row = {"name": "lag-1", "seconds_to_target": 9.0, "utilization": 0.5, "time_split": {"sync": 0.25}}
+    assert bench_lag.summary(row)["sync_share"] == 0.25
+    assert bench_lag.summary({"name": "x", "error": "boom"})["sync_share"] is None
