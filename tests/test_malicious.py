@@ -8,7 +8,10 @@ the same peers' in the clean swarm (same identities, so the same data): the atta
 honest peers the exchanges they waste on them, but not their training. Bans are checked as they
 happened, with the default ban times (a first ban lasts 10 s): while every peer trained, each honest
 peer banned the noise sender, at least one banned the scaling attacker (docs/gossip.md says why not
-every one), and no honest peer banned another, in either swarm.
+every one), and no honest peer judged another's data bad, in either swarm. A stream that broke
+(``BrokenPipeError``, ``IncompleteReadError``, a stall) also gets its partner a short ban, and on two
+cores shared with the rest of the suite honest peers' streams do break now and then (seen twice in
+three full-suite runs, never alone): those bans are printed, not held against the defence.
 Undefended, the same attacks take every peer to Inf/NaN (docs/gossip.md).
 
 A last, in-process test checks that nobody can overwrite another peer's membership record (and so
@@ -100,6 +103,15 @@ def _bans_while_all_trained(reports: list[dict[str, Any]], index: int) -> list[t
     return [(peer, reason) for at, peer, reason in reports[index]["bans"] if at < first_done]
 
 
+VERDICTS = ("rejected its data", "it rejected our data", "suspicious exchanges in a row")
+"""How the reasons of bans for data start (swarm/gossip/_exchange.py, _partners.py); the rest are for
+streams that broke or stalled."""
+
+
+def _verdict(reason: str) -> bool:
+    return any(verdict in reason for verdict in VERDICTS)
+
+
 @heavy_scenario
 @pytest.mark.multipeer
 @pytest.mark.timeout(480)
@@ -129,8 +141,8 @@ def test_honest_peers_train_through_an_attacker_and_ban_it(swarms, tmp_path) -> 
         banned_by = {}
         for i in honest:
             bans = _bans_while_all_trained(peer_reports, i)
-            wrongly = [(peer, reason) for peer, reason in bans if peer in honest_ids]
-            assert not wrongly, f"{name}: honest peer {i} banned honest peers: {wrongly}"
+            wrongly = [(peer, reason) for peer, reason in bans if peer in honest_ids and _verdict(reason)]
+            assert not wrongly, f"{name}: honest peer {i} judged honest peers' data bad: {wrongly}"
             banned_by[i] = {peer for peer, _ in bans}
         for index, attack in SWARMS[name][1].items():
             attacker = swarm.peer_ids[index]
