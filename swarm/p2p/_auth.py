@@ -24,7 +24,7 @@ import hashlib
 import hmac
 import secrets
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from swarm._errors import SwarmError
 from swarm.p2p._framing import ProtocolError, read_message, write_message
@@ -143,3 +143,32 @@ def _proof(
 def _check(received: bytes, expected: bytes, peer: str) -> None:
     if not hmac.compare_digest(received, expected):
         raise AuthError(f"peer {peer} sent a wrong swarm key proof (it holds another key, or none)")
+
+
+async def authenticate_dialled(
+    p2p: Any,
+    reader: asyncio.StreamReader,
+    writer: asyncio.StreamWriter,
+    key: StreamKey | None,
+    protocol: str,
+    remote_peer: str,
+    timeout: float,
+) -> None:
+    """The dialler's side of the handshake on a stream ``p2p`` opened (nothing without a key); on
+    failure the stream is closed before the error propagates."""
+    if key is None:
+        return
+    try:
+        await authenticate_stream(
+            reader,
+            writer,
+            key=key,
+            initiator=True,
+            protocol=protocol,
+            local_peer=p2p.peer_id.to_base58(),
+            remote_peer=remote_peer,
+            timeout=timeout,
+        )
+    except BaseException:
+        writer.close()
+        raise

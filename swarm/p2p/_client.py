@@ -13,7 +13,7 @@ import contextlib
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from swarm.p2p._auth import StreamKey, authenticate_stream
+from swarm.p2p._auth import StreamKey, authenticate_dialled
 from swarm.p2p._forward import open_via_relays
 from swarm.p2p._loop import LoopThread
 from swarm.p2p._relay import RELAYED, relays_of
@@ -39,22 +39,7 @@ async def dial(
     is closed before the error propagates; otherwise closing it is the caller's job.
     """
     reader, writer = await _open(p2p, peer, handler, swarm_key, timeout)
-    if swarm_key is None:
-        return reader, writer
-    try:
-        await authenticate_stream(
-            reader,
-            writer,
-            key=swarm_key,
-            initiator=True,
-            protocol=handler,
-            local_peer=p2p.peer_id.to_base58(),
-            remote_peer=peer,
-            timeout=timeout,
-        )
-    except BaseException:
-        writer.close()
-        raise
+    await authenticate_dialled(p2p, reader, writer, swarm_key, handler, peer, timeout)
     return reader, writer
 
 

@@ -28,7 +28,7 @@ import enum
 import re
 from typing import TYPE_CHECKING, Any
 
-from swarm.p2p._auth import StreamKey, authenticate_stream
+from swarm.p2p._auth import StreamKey, authenticate_dialled
 from swarm.p2p._framing import ProtocolError, dump_json, parse_json, read_message, write_message
 from swarm.p2p._relay import relays_of
 
@@ -100,9 +100,7 @@ async def open_via_relays(
     for relay_maddr, relay_id in relays_of(peer):
         try:
             return await _open_via(p2p, relay_maddr, relay_id, peer, handler, swarm_key, timeout)
-        except (ProtocolError, ConnectionError, OSError, TimeoutError, asyncio.IncompleteReadError) as exc:
-            errors.append(f"relay {relay_id}: {type(exc).__name__}: {exc}")
-        except Exception as exc:  # hivemind's P2PHandlerError and friends: the relay could not be reached
+        except Exception as exc:  # a broken protocol, or hivemind's P2PHandlerError: unreachable relay
             errors.append(f"relay {relay_id}: {type(exc).__name__}: {exc}")
     raise ConnectionError(
         f"peer {peer} is reachable only through relays, and none forwarded: {'; '.join(errors)}"
@@ -125,17 +123,7 @@ async def _open_via(
         p2p.call_binary_stream_handler(PeerID.from_base58(relay_id), FORWARD_HANDLER), timeout
     )
     try:
-        if swarm_key is not None:
-            await authenticate_stream(
-                reader,
-                writer,
-                key=swarm_key,
-                initiator=True,
-                protocol=FORWARD_HANDLER,
-                local_peer=p2p.peer_id.to_base58(),
-                remote_peer=relay_id,
-                timeout=timeout,
-            )
+        await authenticate_dialled(p2p, reader, writer, swarm_key, FORWARD_HANDLER, relay_id, timeout)
         await send_control(writer, ForwardKind.FORWARD, {"to": peer, "handler": handler}, timeout)
         kind, body = await read_control(reader, timeout)
         if kind is ForwardKind.REFUSED:

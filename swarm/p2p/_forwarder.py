@@ -45,6 +45,7 @@ class RelayForwarder(StreamService):
     """Forwards streams from any swarm member to the peers behind NAT connected to this daemon."""
 
     what = "relay request"
+    serves_relayed = False  # a relay forwards to peers behind NAT; it is not one
 
     def __init__(
         self,

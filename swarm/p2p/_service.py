@@ -53,6 +53,8 @@ class StreamService:
 
     what: ClassVar[str] = "stream"
     """What one stream is, for log lines ("refused state request from ...")."""
+    serves_relayed: ClassVar[bool] = True
+    """Also serve streams a relay forwards (``handler`` + ``.relayed``, swarm/p2p/_forward.py)."""
     open_timeout_s: ClassVar[float | None] = 60.0
     close_timeout_s: ClassVar[float] = 30.0
 
@@ -96,7 +98,8 @@ class StreamService:
         try:
             if not self.client_mode:
                 await p2p.add_binary_stream_handler(self._handler, self._serve)
-                await p2p.add_binary_stream_handler(self._handler + RELAYED_SUFFIX, self._serve_relayed)
+                if self.serves_relayed:
+                    await p2p.add_binary_stream_handler(self._handler + RELAYED_SUFFIX, self._serve_relayed)
         except BaseException:
             await p2p.shutdown()
             raise
@@ -116,7 +119,7 @@ class StreamService:
                 raise AuthError(f"peer {relay} forwarded a stream, and it is not one of our relays")
             peer = await read_preamble(reader, max(self._auth_timeout, 10.0))
             await send_ready(writer, max(self._auth_timeout, 10.0))
-        except (AuthError, *PEER_FAULTS) as exc:
+        except PEER_FAULTS as exc:  # AuthError among them
             logger.warning("refused forwarded %s from relay %s: %s", self.what, relay, exc)
             writer.close()
             return
@@ -169,7 +172,8 @@ class StreamService:
 
     async def _close_replica(self) -> None:
         if not self.client_mode:
-            for handler in (self._handler, self._handler + RELAYED_SUFFIX):
+            relayed = [self._handler + RELAYED_SUFFIX] if self.serves_relayed else []
+            for handler in (self._handler, *relayed):
                 with contextlib.suppress(Exception):
                     await self._p2p.remove_binary_stream_handler(handler)
         await self._p2p.shutdown()
