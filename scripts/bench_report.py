@@ -16,7 +16,7 @@ Writes the generated part of docs/benchmarks.md (between its ``bench_report`` ma
 hand-written measurements around them are kept) and docs/img/training_loss.png, docs/img/scaling.png.
 Without root the testbed phases are skipped with the reason, in the JSON and the markdown.
 
-    .venv/bin/python scripts/bench_report.py --quick --json   # under 10 minutes on 2 cores
+    .venv/bin/python scripts/bench_report.py --quick --json   # about 20 minutes on 2 cores
     .venv/bin/python scripts/bench_report.py --json           # full; last line is one JSON object
     .venv/bin/python scripts/bench_report.py --from-json r.json   # only rewrite the doc and plots
 """
@@ -49,6 +49,10 @@ except ImportError:  # pragma: no cover - depends on how the caller was started
 REPO = bench_training.REPO
 SCRIPTS = REPO / "scripts"
 DOC = REPO / "docs" / "benchmarks.md"
+PARALLEL = 5
+"""Trainers at once, at most: every trainer of the bench regime computes about a fifth of a core (its
+model, its DHT process and daemons, an exchange every half second), so on 2 cores five keep the
+emulated devices' step time (8 at once took 97-112 ms of real compute per 100 ms step)."""
 IMG = REPO / "docs" / "img"
 SLOW_PEER = 4
 
@@ -204,13 +208,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--scaling", type=int, nargs="*", help="device counts (1 2 4 8); none: skip")
     parser.add_argument("--cap", type=float, help="longest a scaling run may take (300 s; quick 150)")
     parser.add_argument("--sweep", action="store_true", help="also sweep gossip's outer lr, momentum and H")
-    parser.add_argument("--parallel", type=int, help="trainers running at once, at most (9; quick 13)")
+    parser.add_argument("--parallel", type=int, default=PARALLEL, help=f"trainers at once ({PARALLEL})")
     parser.add_argument("--doc", type=Path, default=DOC, help="markdown file to (re)write")
     parser.add_argument("--img-dir", type=Path, default=IMG, help="where the PNGs go")
     parser.add_argument("--logs-dir", type=Path, default=REPO / "runs", help="parent of this run's logs")
     args = parser.parse_args(argv)
     args.budget = args.budget or (90.0 if args.quick else 150.0)
-    args.parallel = args.parallel or (13 if args.quick else 9)
     args.cap = args.cap or (150.0 if args.quick else 300.0)
     args.scaling = [1, 2, 4, 8] if args.scaling is None else args.scaling
     return args

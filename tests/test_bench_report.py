@@ -215,11 +215,20 @@ def test_targets_follow_the_measurements(tmp_path: Path, codecs_json: Path) -> N
     allreduce = checks["time to target <= 0.8x all-reduce"]
     assert allreduce["value"] == pytest.approx(1.125 / (0.5 / 0.6)) and allreduce["met"] is False
     equal = checks["eval at equal samples within 2% of all-reduce and within 5% of data-parallel"]
-    assert equal["value"] == pytest.approx(4.55 / 4.4 - 1) and equal["met"] is False
+    # all-reduce from the comparison (+3.4% at 80 samples); data-parallel is the ideal one of the
+    # speed-up runs against gossip's 4 equal trainers there, at the 120 samples both reached
+    assert "+3.4% vs all-reduce at 80 samples" in equal["text"]
+    assert "+10.5% vs ideal data-parallel (N = 4) at 120 samples (4.200 vs 3.800)" in equal["text"]
+    assert equal["value"] == pytest.approx(4.2 / 3.8 - 1) and equal["met"] is False
     # one device: 1.83 s; at N = 4 gossip 0.75 s (2.44x), ideal data-parallel 0.5 s (3.67x)
     scaling = checks["where data-parallel gains >= 2.5x at N = 4"]
     assert scaling["value"] == pytest.approx(0.5 / 0.75) and scaling["met"] is False
     assert "gossip reached the target after 70 samples" in scaling["why"]
+    assert "emulation did not hold" not in scaling["why"]  # 20 ms of real compute per 100 ms step
+    busy = next(run for run in report["scaling"]["runs"] if run["name"] == "scale-gossip-int8-4")
+    busy["compute_per_step_s"] = 0.09
+    scaling = next(c for c in target_checks(report) if c["target"].startswith("where data-parallel"))
+    assert "the emulation did not hold for gossip-int8 x 4 (90 of 100 ms)" in scaling["why"]
     int4 = checks["int4"]
     assert int4["value"] == pytest.approx(0.9) and int4["met"] is False
     assert "0.450 B/param" in int4["why"]
@@ -280,6 +289,13 @@ def test_bench_lag_runs_differ_only_in_the_lag() -> None:
     one, three = bench_lag.plans([1, 3], cap_s=150)
     assert set(one.sets) ^ set(three.sets) == {"averaging.max_lag_rounds=1", "averaging.max_lag_rounds=3"}
     assert one.until_target and one.peers == three.peers == 4 and one.budget_s == 150
+    short, long = bench_lag.plans([3], cap_s=150, sync_every=[5, 20])
+    differ = {s.split("=")[0] for s in set(short.sets) ^ set(long.sets)}
+    assert differ == {"averaging.sync_every_steps", "train.eval_every_rounds"}  # evaluations every ~4 s
+    assert short.rate == "4000kbit" and long.rate == "1000kbit"  # an exchange takes half of either round
+    runs = [{"name": "one-device", "seconds_to_target": 90.0}, {"name": "h5", "seconds_to_target": 60.0}]
+    runs.append({"name": "h20", "seconds_to_target": None})
+    assert [r["speedup_vs_one"] for r in bench_lag.with_speedup(runs)] == [1.0, 1.5, None]
     row = {"name": "lag-1", "seconds_to_target": 9.0, "utilization": 0.5, "time_split": {"sync": 0.25}}
     assert bench_lag.summary(row)["sync_share"] == 0.25
     assert bench_lag.summary({"name": "x", "error": "boom"})["sync_share"] is None
