@@ -50,9 +50,9 @@ REPO = bench_training.REPO
 SCRIPTS = REPO / "scripts"
 DOC = REPO / "docs" / "benchmarks.md"
 PARALLEL = 5
-"""Trainers at once, at most: every trainer of the bench regime computes about a fifth of a core (its
-model, its DHT process and daemons, an exchange every half second), so on 2 cores five keep the
-emulated devices' step time (8 at once took 97-112 ms of real compute per 100 ms step)."""
+"""Trainers at once, at most: a trainer of the bench regime keeps 0.4-0.5 of a core busy (``ps``, H = 5:
+about 0.3 its main process, 0.17 its DHT process and daemon), so on 2 cores five still leave the
+emulated devices mostly asleep (35-43 ms of real compute per 100 ms step); eight took 97-117 ms."""
 IMG = REPO / "docs" / "img"
 SLOW_PEER = 4
 
