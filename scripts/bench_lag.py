@@ -34,10 +34,9 @@ AT_ONCE = 1
 def plans(lags: list[int], cap_s: float, sync_every: list[int] | None = None) -> list[bench_testbed.Plan]:
     """One run per (H, lag): gossip int8 in the bench regime, each H over links sized to it
     (:func:`bench_scaling.link_rate`, as the sweep does), so that an exchange takes half its round."""
-    default = int(bench_scaling.GOSSIP["sync_every_steps"])
     runs = []
-    for h in sync_every or [default]:
-        rate = bench_scaling.link_rate(bench_training.n_params(), h, bench_training.REGIME["step_time_s"])
+    for h in sync_every or [int(bench_scaling.GOSSIP["sync_every_steps"])]:
+        rate = bench_scaling.regime_rate(h)
         for lag in lags:
             runs.append(
                 bench_testbed.Plan(
@@ -101,8 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     (REPO / "runs").mkdir(exist_ok=True)
     root = Path(tempfile.mkdtemp(prefix="bench-lag-", dir=REPO / "runs"))
     todo, rows = [one_device(args.cap), *plans(args.lags, args.cap, args.sync_every)], []
-    h = int(bench_scaling.GOSSIP["sync_every_steps"])
-    rate = bench_scaling.link_rate(bench_training.n_params(), h, bench_training.REGIME["step_time_s"])
+    rate = bench_scaling.regime_rate()  # only the one-device run uses it: the others carry their own
     try:
         for start in range(0, len(todo), AT_ONCE):
             group = todo[start : start + AT_ONCE]

@@ -96,15 +96,13 @@ def load_json(path: Path) -> dict[str, Any]:
 
 def regime() -> dict[str, Any]:
     """The settings every testbed run shares, with the link rate they imply."""
-    n_params = bench_training.n_params()
     h = int(bench_scaling.GOSSIP["sync_every_steps"])
     step = bench_training.REGIME["step_time_s"]
-    rate = bench_scaling.link_rate(n_params, h, step)
     return {
         **bench_training.REGIME,
         **bench_scaling.GOSSIP,
-        "rate": rate,
-        "n_params": n_params,
+        "rate": bench_scaling.regime_rate(),
+        "n_params": bench_training.n_params(),
         "config": bench_training.CONFIG,
         "half_round_s": h * step / 2,
         "eval_seconds": bench_scaling.EVAL_SECONDS,

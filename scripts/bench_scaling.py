@@ -63,6 +63,13 @@ def link_rate(n_params: int, sync_every: int, step_time_s: float) -> str:
     return f"{kbit}kbit"
 
 
+def regime_rate(sync_every: int | None = None) -> str:
+    """:func:`link_rate` of the bench model on the regime's emulated device, for H = ``sync_every``
+    (default: gossip's H in ``GOSSIP``)."""
+    h = int(GOSSIP["sync_every_steps"]) if sync_every is None else sync_every
+    return link_rate(bench_training.n_params(), h, bench_training.REGIME["step_time_s"])
+
+
 def exchange_seconds(bytes_per_param: float, n_params: int, rate_kbit: float) -> float:
     """Seconds one exchange of ``bytes_per_param`` takes over a link of ``rate_kbit`` (goodput)."""
     return bytes_per_param * n_params * 8 / (rate_kbit * 1e3 * INT8_GOODPUT)
@@ -217,7 +224,7 @@ def sweep_plans(grid: list[dict[str, float]], peers: int, budget_s: float) -> li
     for index, overrides in enumerate(grid, 1):
         sets = gossip_sets("int8", **overrides)
         h = int({**GOSSIP, **overrides}["sync_every_steps"])
-        rate = link_rate(bench_training.n_params(), h, bench_training.REGIME["step_time_s"])
+        rate = regime_rate(h)
         label = sweep_label(overrides)
         plans.append(Plan(f"sweep-{index}", "gossip-int8", peers, sets, label, budget_s=budget_s, rate=rate))
     return plans
