@@ -1,4 +1,4 @@
-"""What every peer command shares: option definitions, config + network resolution, signals, logging."""
+"""What every peer command shares: option definitions, config + network resolution, logging, SIGUSR1."""
 
 from __future__ import annotations
 
@@ -12,9 +12,7 @@ import os
 import re
 import signal
 import sys
-import threading
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
@@ -313,33 +311,6 @@ def exit_now(code: int | str | None) -> NoReturn:
         with contextlib.suppress(Exception):
             stream.flush()
     os._exit(status)
-
-
-@contextmanager
-def shutdown_on_signals() -> Iterator[threading.Event]:
-    """Turn the first SIGINT/SIGTERM into a set event (clean shutdown); a second one interrupts at once.
-
-    Processes forked while the handler is installed (hivemind's DHT worker) inherit it; there it does
-    nothing, because their owner shuts them down in order.
-    """
-    stop = threading.Event()
-    owner_pid = os.getpid()
-    previous = {}
-
-    def handler(signum: int, frame: object) -> None:
-        if os.getpid() != owner_pid:
-            return
-        if stop.is_set():
-            raise KeyboardInterrupt
-        stop.set()
-
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        previous[signum] = signal.signal(signum, handler)
-    try:
-        yield stop
-    finally:
-        for signum, old in previous.items():
-            signal.signal(signum, old)
 
 
 def start_relay(node: SwarmNode) -> RelayForwarder:

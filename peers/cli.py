@@ -9,6 +9,7 @@ from pathlib import Path
 import typer
 
 from peers import _common as common
+from peers._signals import shutdown_on_signals
 from peers.config_cmd import config_app, load_peer_config
 from peers.export_cmd import export, generate
 from peers.monitor import monitor_app
@@ -50,7 +51,7 @@ def bootstrap(
         common.fail("--state-dir needs --serve-state")
     cfg = common.load_run_config(config, set_)
     network = common.resolve_network(cfg, network_flags)
-    with common.shutdown_on_signals() as stop:
+    with shutdown_on_signals() as stop:
         run_bootstrap(
             cfg,
             network,
@@ -83,7 +84,7 @@ def join(
     cfg, network = load_peer_config(config, set_ or (), network_flags, check=True)  # no --config: the swarm's
     if not network.initial_peers:
         common.fail("swarm join needs --initial-peers (the line `swarm bootstrap` printed)")
-    with common.shutdown_on_signals() as stop:
+    with shutdown_on_signals() as stop:
         run_join(
             cfg,
             network,
@@ -121,7 +122,7 @@ def local(
 
     cfg = common.load_run_config(config, set_)
     log_dir = log_dir or Path("runs") / f"local-{datetime.now():%Y%m%d-%H%M%S}"
-    with common.shutdown_on_signals() as stop:
+    with shutdown_on_signals() as stop:
         status = run_local(
             cfg,
             peers=peers,

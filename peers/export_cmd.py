@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 import typer
 
 from peers import _common as common
+from peers._signals import shutdown_on_signals
 from swarm.config import RunConfig
 
 if TYPE_CHECKING:
@@ -71,7 +72,7 @@ def _download(config: RunConfig, initial_peers: list[str], wait_s: float) -> Exp
         config, common.NetworkFlags(initial_peers=initial_peers, client_mode=True)
     )
     node = common.open_node(network, observer_info(config), config, announce=False)
-    with common.shutdown_on_signals() as stop, node:
+    with shutdown_on_signals() as stop, node:
         return download_model(node, config, wait_s=wait_s, stop=stop)
 
 

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Protocol
 import typer
 
 from peers import _common as common
+from peers._signals import shutdown_on_signals
 from swarm.config import RunConfig
 from swarm.metrics import DEFAULT_MAX_DRIFT
 
@@ -74,7 +75,7 @@ def monitor(
         common.fail("swarm monitor needs --initial-peers")
     port = prometheus_port if prometheus_port is not None else cfg.monitor.prometheus_port
     history_path = history or (Path(cfg.monitor.history_path) if cfg.monitor.history_path else None)
-    with common.shutdown_on_signals() as stop:
+    with shutdown_on_signals() as stop:
         sinks = _open_sinks(output_format, once, prometheus_host, port, history_path)
         try:
             tensorboard = tensorboard_dir or cfg.monitor.tensorboard_dir

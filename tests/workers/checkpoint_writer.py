@@ -1,6 +1,6 @@
 """A process that writes large checkpoints in a loop, for the shutdown tests (tests/test_shutdown.py).
 
-It handles SIGTERM the way a trainer does (``peers._common.shutdown_on_signals``): the first one
+It handles SIGTERM the way a trainer does (``peers._signals.shutdown_on_signals``): the first one
 lets the save in progress finish, then the loop ends and the process exits 0; a second one
 interrupts at once (KeyboardInterrupt, possibly mid-write). SIGKILL can land anywhere.
 Started through a forkserver that has torch loaded, so each start costs a fork, not an import.
@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 CONTEXT = mp.get_context("forkserver")
-CONTEXT.set_forkserver_preload(["torch", "swarm.state.checkpoint", "peers._common"])
+CONTEXT.set_forkserver_preload(["torch", "swarm.state.checkpoint", "peers._signals"])
 
 
 def state_of(step: int, numel: int) -> dict[str, Any]:
@@ -30,7 +30,7 @@ def write_forever(directory: str, first_step: int, numel: int, saved: Any, start
     ``saved`` (a shared int) holds the last step whose save returned; ``started`` is set once the
     signal handler is installed.
     """
-    from peers._common import shutdown_on_signals
+    from peers._signals import shutdown_on_signals
     from swarm.state.checkpoint import save_checkpoint
 
     with shutdown_on_signals() as stop:

@@ -112,7 +112,7 @@ def peer_main(
     logging.getLogger("swarm").addHandler(ban_log)
     if os.environ.get("MALICIOUS_DEBUG"):
         _log_clips()
-    from peers._common import shutdown_on_signals
+    from peers._signals import shutdown_on_signals
     from peers.join import write_summary
     from swarm.config import load_config
     from swarm.network import NetworkOptions
