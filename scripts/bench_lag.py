@@ -15,16 +15,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import signal
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from scripts import bench_scaling, bench_testbed, bench_training, netlab  # noqa: E402
+from scripts import bench_scaling, bench_testbed, bench_training  # noqa: E402
 
 PEERS = 4
 AT_ONCE = 1
@@ -93,12 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cap", type=float, default=150.0, help="longest a run may take (s)")
     parser.add_argument("--json", action="store_true", help="print one JSON object on the last line")
     args = parser.parse_args(argv)
-    reason = netlab.unavailable_reason()
-    if reason is not None:
-        print(f"bench_lag: the testbed is unavailable: {reason}", file=sys.stderr)
-        return 2
-    (REPO / "runs").mkdir(exist_ok=True)
-    root = Path(tempfile.mkdtemp(prefix="bench-lag-", dir=REPO / "runs"))
+    root = bench_testbed.logs_root("bench-lag")
     todo, rows = [one_device(args.cap), *plans(args.lags, args.cap, args.sync_every)], []
     rate = bench_scaling.regime_rate()  # only the one-device run uses it: the others carry their own
     try:
@@ -117,10 +110,6 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _interrupt(*_: object) -> None:
-    raise KeyboardInterrupt  # SIGTERM tears the labs down like Ctrl+C
-
-
 if __name__ == "__main__":
-    signal.signal(signal.SIGTERM, _interrupt)
+    bench_testbed.interrupt_on_sigterm()
     sys.exit(main())

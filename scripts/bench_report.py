@@ -27,7 +27,7 @@ import argparse
 import json
 import os
 import platform
-import signal
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -198,6 +198,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--averaging-json", type=Path, help="reuse a saved `bench_averaging.py --json`")
     parser.add_argument("--from-json", type=Path, help="reuse a saved report (--json): only rewrite outputs")
     parser.add_argument("--sweep-json", type=Path, help="take the sweep from a saved report (--json)")
+    parser.add_argument(
+        "--baselines-json",
+        type=Path,
+        help="a saved `bench_baselines.py --json`: times to the target, run to the end",
+    )
     parser.add_argument("--note", help="a sentence for the report's header (e.g. what else ran meanwhile)")
     parser.add_argument("--skip-training", action="store_true", help="codecs and averaging only")
     parser.add_argument("--peers", type=int, default=4, help="trainers in the comparison (4)")
@@ -223,7 +228,7 @@ def collect(args: argparse.Namespace, argv: list[str], say: Progress) -> dict[st
     root = Path(tempfile.mkdtemp(prefix="bench-report-", dir=args.logs_dir))
     say(f"logs in {root}")
     report: dict[str, Any] = {
-        "command": " ".join(["scripts/bench_report.py", *argv]),
+        "command": shlex.join(["scripts/bench_report.py", *argv]),
         "quick": args.quick,
         "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "machine": machine(),
@@ -249,10 +254,6 @@ def collect(args: argparse.Namespace, argv: list[str], say: Progress) -> dict[st
     return report
 
 
-def _interrupt(*_: object) -> None:
-    raise KeyboardInterrupt  # SIGTERM tears the labs down like Ctrl+C
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
@@ -261,6 +262,8 @@ def main(argv: list[str] | None = None) -> int:
         report = load_json(args.from_json) if args.from_json else collect(args, argv, say)
         if args.sweep_json:
             report["sweep"] = {**load_json(args.sweep_json)["sweep"], "reused": str(args.sweep_json)}
+        if args.baselines_json:
+            report["baselines"] = {**load_json(args.baselines_json), "reused": str(args.baselines_json)}
         if args.note:
             report["note"] = args.note
     except KeyboardInterrupt:
@@ -274,5 +277,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    signal.signal(signal.SIGTERM, _interrupt)
+    bench_testbed.interrupt_on_sigterm()
     sys.exit(main())

@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -53,6 +55,28 @@ class Plan:
     batch: int = 1  # samples per inner step of one trainer, for the swarm's sample count
     devices: int = 0  # emulated devices it stands for (0: one per trainer)
     rate: str | None = ""  # its links: "" the report's rate, None unshaped
+
+
+def logs_root(program: str) -> Path:
+    """A fresh folder under runs/ for the logs of ``program``'s runs. Where the testbed is unavailable
+    (not root, no iproute2), say why and exit with status 2."""
+    reason = netlab.unavailable_reason()
+    if reason is not None:
+        print(f"{program}: the testbed is unavailable: {reason}", file=sys.stderr)
+        raise SystemExit(2)
+    runs = bench_training.REPO / "runs"
+    runs.mkdir(exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=f"{program}-", dir=runs))
+
+
+def interrupt_on_sigterm() -> None:
+    """Make SIGTERM raise KeyboardInterrupt in the main thread, so that a benchmark killed with it tears
+    its labs down the way Ctrl+C does (netlab's atexit), instead of leaving netns and p2pd behind."""
+
+    def interrupt(*_: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupt)
 
 
 @dataclass

@@ -5,6 +5,7 @@ scheduling and timing helpers, and the skip path without root. No training runs 
 from __future__ import annotations
 
 import json
+import shlex
 import time
 from pathlib import Path
 
@@ -209,6 +210,9 @@ def test_targets_follow_the_measurements(tmp_path: Path, codecs_json: Path) -> N
     util = checks["gossip int8 device utilization >= 0.95"]
     assert util["value"] == rows["gossip-int8"]["utilization"] and util["met"] is False
     assert "in DHT calls after each round" in util["why"]
+    # the ceiling on this machine: the solo device shares the cores but exchanges nothing
+    solo = rows["solo"]["utilization"]
+    assert f"One solo device, which exchanges nothing, was busy {solo:.1%}" in util["why"]
     # hivemind never reached the target: the ratio is an upper bound, gossip's time over the budget
     hivemind = checks["time to target <= 0.5x hivemind.Optimizer"]
     assert hivemind["value"] == pytest.approx(1.125 / 3.0) and hivemind["met"] is True
@@ -232,6 +236,34 @@ def test_targets_follow_the_measurements(tmp_path: Path, codecs_json: Path) -> N
     int4 = checks["int4"]
     assert int4["value"] == pytest.approx(0.9) and int4["met"] is False
     assert "0.450 B/param" in int4["why"]
+
+
+def test_a_baseline_that_never_reached_the_target_is_timed_by_a_run_to_the_end(
+    tmp_path: Path, codecs_json: Path
+) -> None:
+    report = _report(tmp_path, codecs_json)
+    report["training"]["budget_s"] = 2.0  # gossip's 1.125 s over it bounds the ratio by 0.56: above 0.5
+
+    def hivemind_check() -> dict:
+        return next(c for c in target_checks(report) if "hivemind" in c["target"])
+
+    unknown = hivemind_check()
+    assert unknown["met"] is None and "run scripts/bench_baselines.py" in unknown["text"]
+    doc = tmp_path / "benchmarks.md"
+    write_outputs(report, doc, tmp_path / "img")
+    assert "| not shown |" in doc.read_text()
+    runs = [
+        {"name": "gossip-int8", "seconds_to_target": 80.0},
+        {"name": "hivemind", "seconds_to_target": 250.0},
+    ]
+    report["baselines"] = {"runs": runs}
+    ended = hivemind_check()
+    assert ended["value"] == pytest.approx(0.32) and ended["met"] is True
+    assert "80.0 s vs 250.0 s; each run to the target" in ended["text"]
+    runs[1]["seconds_to_target"] = 120.0
+    assert hivemind_check()["met"] is False
+    runs[1]["seconds_to_target"] = None  # the run to the end did not reach it either: back to the bound
+    assert hivemind_check()["met"] is None
 
 
 def test_link_rate_makes_an_exchange_take_half_a_round() -> None:
@@ -272,9 +304,11 @@ def test_without_root_the_testbed_is_skipped(tmp_path: Path, codecs_json: Path, 
     argv = ["--quick", "--json", "--codecs-json", str(codecs_json)]
     argv += ["--averaging-json", str(_averaging_json(tmp_path))]
     argv += ["--doc", str(doc), "--img-dir", str(img), "--logs-dir", str(tmp_path / "runs")]
+    argv += ["--note", "an idle machine; nothing else ran"]
     assert bench_report.main(argv) == 0
     out = capsys.readouterr()
     report = json.loads(out.out.strip().splitlines()[-1])
+    assert shlex.split(report["command"])[1:] == argv  # the header's command line can be pasted back
     assert report["training"] == {"skipped": reason} and report["scaling"] == {"skipped": reason}
     assert f"training over the testbed skipped: {reason}" in out.err
     text = doc.read_text()
@@ -299,3 +333,37 @@ def test_bench_lag_runs_differ_only_in_the_lag() -> None:
     row = {"name": "lag-1", "seconds_to_target": 9.0, "utilization": 0.5, "time_split": {"sync": 0.25}}
     assert bench_lag.summary(row)["sync_share"] == 0.25
     assert bench_lag.summary({"name": "x", "error": "boom"})["sync_share"] is None
+
+
+def test_bench_baselines_runs_the_comparisons_plans_to_the_target() -> None:
+    from scripts import bench_baselines
+
+    plans = bench_baselines.plans(cap_s=600)
+    assert [p.name for p in plans] == ["gossip-int8", "allreduce", "hivemind"]
+    comparison = {p.name: p for p in bench_scaling.comparison_plans(4, 600, slow_peer=4)}
+    for plan in plans:  # the comparison's own plan, only run until the target instead of a budget
+        assert plan.until_target and not comparison[plan.name].until_target
+        assert (plan.sets, plan.peers, plan.slow_peer, plan.budget_s) == (
+            comparison[plan.name].sets,
+            4,
+            4,
+            600,
+        )
+    rows = [
+        {"name": "gossip-int8", "seconds_to_target": 80.0},
+        {"name": "allreduce", "seconds_to_target": 320.0},
+        {"name": "hivemind", "seconds_to_target": None},
+    ]
+    assert bench_baselines.ratios(rows) == {"gossip_over_allreduce": 0.25, "gossip_over_hivemind": None}
+
+
+def test_the_testbed_scripts_say_why_they_cannot_run(monkeypatch, capsys) -> None:
+    from scripts import bench_baselines, bench_lag
+
+    reason = "requires root and iproute2 (ip, tc) with network-namespace support: not running as root"
+    monkeypatch.setattr(bench_testbed.netlab, "unavailable_reason", lambda: reason)
+    for program, main in (("bench-baselines", bench_baselines.main), ("bench-lag", bench_lag.main)):
+        with pytest.raises(SystemExit) as exited:
+            main([])
+        assert exited.value.code == 2
+        assert capsys.readouterr().err == f"{program}: the testbed is unavailable: {reason}\n"
