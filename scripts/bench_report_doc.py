@@ -399,7 +399,11 @@ def _equal_samples(gossip, allreduce, scaling: dict[str, Any]) -> dict[str, Any]
         texts.append(f"{gap:+.1%} vs {who} at {samples:,.0f} samples ({mine:.3f} vs {theirs:.3f})")
         verdicts.append(gap <= limit)
     met = None if None in verdicts else all(verdicts)
-    why = "gossip's held-out loss is higher at the same number of samples (the gaps measured)"
+    why = (
+        "gossip's held-out loss is higher at the same number of samples: a round averages each update with"
+        " one partner's, not with all of them. The in-process probe measures that cost in samples without"
+        ' a network (docs/benchmarks.md, "What the averaging rule costs, in process")'
+    )
     return _check(name, max(gaps, default=None), "; ".join(texts), met, why)
 
 

@@ -237,9 +237,12 @@ def test_adversaries_are_rejected_and_banned_honest_peers_converge(pool: PeerPoo
 def test_a_poisoned_anchor_is_clipped_and_its_sender_banned(pool: PeerPool) -> None:
     """The parameter exchange's robust treatment (``averaging.param_clip_ratio`` 0.1): anchors a few
     percent apart, and a partner serving its anchor x10 (under the 100x norm check). Honest peers clip
-    it, suspect it, ban it after ``clip_strikes``, never ban each other, and agree near their own mean:
-    each of the at most ``clip_strikes`` exchanges it gets with an honest peer moves that peer by at most
-    ``clip_ratio / 2`` of its norm (the plain mean would move it 4.5x)."""
+    it, suspect it, ban it after ``clip_strikes``, never ban each other, and agree near their own mean.
+    An honest peer commits at most ``clip_strikes + 1`` exchanges with it: the strikes, and possibly
+    one before any blame, because a peer's first exchange cannot tell a poisoner from its own warm-up
+    (``Reputation.committed``). Each moves that peer by at most ``clip_ratio / 2`` of its norm then, so
+    the honest mean moves by at most ``(1 + clip_ratio / 2) ** (clip_strikes + 1) - 1``: 0.158 here,
+    measured 0.103-0.158 (the plain mean would move it 4.5x, a clip twice as wide 0.33)."""
     honest, adversary = [0, 1, 2], [3]
     numel, offset, ratio, strikes = 20_000, 10.0, 0.1, 2  # N(0, 1) on a common 10: about 14% apart
     per_peer = [{"offset": offset} for _ in honest] + [{"offset": offset, "adversary": "x10"}]
@@ -262,7 +265,9 @@ def test_a_poisoned_anchor_is_clipped_and_its_sender_banned(pool: PeerPool) -> N
     assert _spread(states, _mass_mean(states)) < 1e-3
     damage = _rel(_mass_mean(states), honest_mean)
     print(f"honest mean moved {damage:.3f} of its norm")
-    assert damage < strikes * ratio / 2 * 1.5
+    # 25% for what the bound leaves out: the peers' norms differ a little from their mean's, and an
+    # honest exchange that only one side committed moves the mean too
+    assert damage < ((1 + ratio / 2) ** (strikes + 1) - 1) * 1.25
 
 
 def _ids(pool: PeerPool, indices: Sequence[int]) -> list[str]:
