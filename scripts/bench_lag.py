@@ -25,8 +25,6 @@ sys.path.insert(0, str(REPO))
 from scripts import bench_scaling, bench_testbed, bench_training  # noqa: E402
 
 PEERS = 4
-AT_ONCE = 1
-"""Runs at once: more than the report's ``PARALLEL`` trainers break the emulation on 2 cores."""
 
 
 def plans(lags: list[int], cap_s: float, sync_every: list[int] | None = None) -> list[bench_testbed.Plan]:
@@ -94,11 +92,10 @@ def main(argv: list[str] | None = None) -> int:
     root = bench_testbed.logs_root("bench-lag")
     todo, rows = [one_device(args.cap), *plans(args.lags, args.cap, args.sync_every)], []
     rate = bench_scaling.regime_rate()  # only the one-device run uses it: the others carry their own
+    target = bench_training.REGIME["target"]
     try:
-        for start in range(0, len(todo), AT_ONCE):
-            group = todo[start : start + AT_ONCE]
-            target = bench_training.REGIME["target"]
-            rows += bench_testbed.run_plans(group, root=root, rate=rate, target=target, say=print)
+        for plan in todo:  # one at a time: more than the report's PARALLEL trainers break the emulation
+            rows.append(bench_testbed.run_plan(plan, root=root, rate=rate, target=target, say=print))
     except KeyboardInterrupt:  # the labs close at exit (netlab's atexit)
         print("bench_lag: interrupted; leftovers (if any): python scripts/netlab.py cleanup", file=sys.stderr)
         return 130
