@@ -68,7 +68,13 @@ def build_report(
     return {
         **device_info(),
         "cuda_tests": {"exit_code": tests_rc, "result": tests_result},
-        "swarm": {"exit_code": swarm_rc, "peers": 2, "steps": steps, "config": CONFIG, "overrides": overrides},
+        "swarm": {
+            "exit_code": swarm_rc,
+            "peers": 2,
+            "steps": steps,
+            "config": CONFIG,
+            "overrides": overrides,
+        },
         "per_peer": [peer_row(config, peer) for peer in peers],
     }
 
@@ -83,7 +89,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--steps", type=int, required=True)
     parser.add_argument("sets", nargs="*", help="the swarm's --set KEY=VALUE pairs")
     args = parser.parse_args(argv)
-    overrides = [value for flag, value in zip(args.sets[::2], args.sets[1::2], strict=False) if flag == "--set"]
+    overrides = [
+        value for flag, value in zip(args.sets[::2], args.sets[1::2], strict=False) if flag == "--set"
+    ]
     report = build_report(args.work, overrides, args.tests_rc, args.tests_result, args.swarm_rc, args.steps)
     args.out.write_text(json.dumps(report, indent=2))
     print(json.dumps(report, indent=2))

@@ -10,6 +10,7 @@ import sys
 import threading
 import types
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,6 +24,7 @@ from swarm.training import (
     Precision,
     Prefetcher,
     Throughput,
+    _optimizer,
     auto_micro_batch_size,
     build_model,
     chunked_cross_entropy,
@@ -35,7 +37,6 @@ from swarm.training import (
     resolve_device,
     resolve_precision,
 )
-from swarm.training import _optimizer
 from swarm.training.estimate import estimate_peer
 from tests._markers import needs_cuda
 
@@ -73,7 +74,10 @@ def test_an_oom_halves_the_micro_batch_and_the_step_equals_one_at_the_smaller_si
     flaky = OutOfMemoryAbove(build_model(TINY, seed=0), limit=4)
     steady = build_model(TINY, seed=0)
     cfg = TrainSection(batch_size=16)
-    trainers = [InnerTrainer(flaky, cfg, CPU, micro_batch_size=16), InnerTrainer(steady, cfg, CPU, micro_batch_size=4)]
+    trainers = [
+        InnerTrainer(flaky, cfg, CPU, micro_batch_size=16),
+        InnerTrainer(steady, cfg, CPU, micro_batch_size=4),
+    ]
     with caplog.at_level(logging.WARNING, logger="swarm.training.inner"):
         stats = [t.step(batches(1), lr=1e-2) for t in trainers]
         trainers[0].step(batches(1, seed=1))  # no further halving, no further log
@@ -131,7 +135,9 @@ def test_chunked_cross_entropy_equals_the_whole_vocabulary_one() -> None:
 
 def test_evaluation_at_the_micro_batch_in_vocabulary_chunks_equals_the_whole_batch() -> None:
     model = build_model(TINY, seed=0)
-    eval_set = EvalSet(torch.randint(256, (4000,), generator=torch.Generator().manual_seed(1)), 16, batch_size=8)
+    eval_set = EvalSet(
+        torch.randint(256, (4000,), generator=torch.Generator().manual_seed(1)), 16, batch_size=8
+    )
     whole = evaluate(model, eval_set, 3)
     with torch.no_grad():
         reference = sum(
@@ -170,11 +176,14 @@ def test_auto_precision_follows_the_device() -> None:
     assert resolve_precision("auto", torch.device("mps")).name == "fp16"
     assert resolve_precision("bf16", CPU).autocast_dtype == torch.bfloat16
     assert resolve_precision("fp32", CUDA, bf16_supported=bf16).name == "fp32"
-    with pytest.raises(ValueError, match="train.precision"):
+    with pytest.raises(ValueError, match=r"train\.precision"):
         resolve_precision("int4", CPU)
     with pytest.raises(ValueError, match="precision"):
         TrainSection(precision="int4")
-    assert load_config(None, ["train.precision=fp16"], env={}).config_hash() == load_config(None, [], env={}).config_hash()
+    assert (
+        load_config(None, ["train.precision=fp16"], env={}).config_hash()
+        == load_config(None, [], env={}).config_hash()
+    )
 
 
 def test_fp16_steps_scale_the_loss_and_skip_an_overflowing_step() -> None:
@@ -242,7 +251,10 @@ def test_8bit_adamw_is_used_only_when_its_probe_step_runs(monkeypatch, fresh_pro
 
 def test_the_estimate_follows_the_optimizer_and_the_precision() -> None:
     config = load_config("configs/gpt-125m.yaml", env={})
-    eight, full = estimate_peer(config, "cuda", eight_bit=True), estimate_peer(config, "cuda", eight_bit=False)
+    eight, full = (
+        estimate_peer(config, "cuda", eight_bit=True),
+        estimate_peer(config, "cuda", eight_bit=False),
+    )
     assert full.inner_optimizer == 8 * full.parameters > 3 * eight.inner_optimizer
     assert full.optimizer == "AdamW" and eight.optimizer == "8-bit AdamW"
     assert eight.autocast_weights == 2 * eight.parameters  # bf16 copies under autocast
@@ -278,7 +290,7 @@ def test_compiled_forward_trains_like_the_eager_one() -> None:
         trainer = InnerTrainer(model, TrainSection(batch_size=4, compile=compiled), CPU)
         try:
             results.append(trainer.step(batches(1, batch_size=4)).loss)
-        except Exception as error:  # noqa: BLE001  # no C compiler for inductor on this machine
+        except Exception as error:  # no C compiler for inductor on this machine
             pytest.skip(f"torch.compile does not run here: {type(error).__name__}")
         assert (trainer.forward_model is not model) == compiled
     assert results[1] == pytest.approx(results[0], rel=1e-4)
@@ -293,7 +305,9 @@ def test_prefetcher_hands_out_the_batches_in_order_and_gives_back() -> None:
         got = [b for b in itertools.islice(prefetch, 5)]
         assert prefetch.samples_drawn == 5 * 16
     assert torch.equal(first[0], expected[0][0])
-    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(got, expected, strict=True))
+    assert all(
+        torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(got, expected, strict=True)
+    )
 
 
 def test_prefetcher_draws_ahead_a_bounded_amount_closes_and_reraises() -> None:
@@ -364,7 +378,9 @@ def test_cuda_auto_precision_optimizer_and_figures() -> None:
 @needs_cuda
 def test_cuda_oom_in_a_step_halves_and_recovers() -> None:
     model = build_model(ModelSection(n_layer=2, n_head=4, n_embd=128, block_size=64), seed=0)
-    trainer = InnerTrainer(OutOfMemoryAbove(model, limit=2), TrainSection(batch_size=8), CUDA, micro_batch_size=8)
+    trainer = InnerTrainer(
+        OutOfMemoryAbove(model, limit=2), TrainSection(batch_size=8), CUDA, micro_batch_size=8
+    )
     data = ((x.repeat(1, 4), y.repeat(1, 4)) for x, y in batches(1, 8))
     stats = trainer.step(data)
     assert trainer.micro_batch_size == 2 and stats.samples == 8
@@ -372,7 +388,9 @@ def test_cuda_oom_in_a_step_halves_and_recovers() -> None:
 
 @needs_cuda
 def test_cuda_evaluation_peak_stays_below_the_training_one() -> None:
-    model = build_model(ModelSection(n_layer=2, n_head=4, n_embd=128, block_size=64, vocab_size=32000), seed=0)
+    model = build_model(
+        ModelSection(n_layer=2, n_head=4, n_embd=128, block_size=64, vocab_size=32000), seed=0
+    )
     trainer = InnerTrainer(model, TrainSection(batch_size=8), CUDA, micro_batch_size=4)
     data = ((x.repeat(1, 4), y.repeat(1, 4)) for x, y in batches(1, 8))
     torch.cuda.reset_peak_memory_stats()
@@ -382,3 +400,18 @@ def test_cuda_evaluation_peak_stays_below_the_training_one() -> None:
     torch.cuda.reset_peak_memory_stats()
     evaluate(model, EvalSet(torch.randint(32000, (20000,)), 64), 1, micro_batch_size=4)
     assert torch.cuda.max_memory_allocated() < training
+
+
+def test_the_config_headers_state_what_config_check_estimates() -> None:
+    from swarm.training.estimate import format_bytes
+
+    for name, layouts in (("llama-1b", (False, True)), ("gpt-125m", (False, True))):
+        path = f"configs/{name}.yaml"
+        lines = Path(path).read_text().splitlines()
+        header = " ".join(line.lstrip("# ") for line in lines if line.startswith("#"))
+        config = load_config(path, env={})
+        estimate = estimate_peer(config, "cuda", eight_bit=True)
+        checkpointing = config.train.activation_checkpointing
+        for host_state in layouts:
+            assert format_bytes(estimate.device_memory(checkpointing, host_state=host_state)) in header, name
+        assert format_bytes(estimate.host_memory(host_state=True)) in header, name

@@ -188,7 +188,9 @@ class TrainSection(Section):
     """Inner (local) training loop."""
 
     device: str = Field(
-        "auto", description="'auto' (CUDA when present, else Apple's MPS, else CPU), 'cpu', 'cuda', 'cuda:1', 'mps', ..."
+        "auto",
+        description="'auto' (CUDA when present, else Apple's MPS, else CPU), 'cpu', 'cuda', 'cuda:1', "
+        "'mps', ...",
     )
     batch_size: int = Field(16, ge=1, description="Samples per inner optimizer step.")
     micro_batch_size: Annotated[int, Field(ge=1)] | None = Field(
@@ -226,7 +228,8 @@ class TrainSection(Section):
         "fp16 with loss scaling on one that does not (T4, V100, RTX 20xx), fp32 on the CPU.",
     )
     compile: bool = Field(
-        False, description="Run the forward pass through torch.compile (per peer; slower start, faster steps)."
+        False,
+        description="Run the forward pass through torch.compile (per peer; slower start, faster steps).",
     )
     eval_every_rounds: int = Field(1, ge=1, description="Evaluate held-out loss every this many syncs.")
     eval_batches: int = Field(

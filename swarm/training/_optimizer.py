@@ -59,7 +59,7 @@ def adamw8bit_works(device: torch.device) -> bool:
         try:
             _probe_step(device)
             _probed[key] = True
-        except Exception as error:  # noqa: BLE001  # any failure of a native library means: do not use it
+        except Exception as error:  # any failure of a native library means: do not use it
             logger.warning(
                 "bitsandbytes' 8-bit AdamW does not work on %s (%s: %s): training with torch's AdamW "
                 "instead, whose state takes 4x the memory (8 bytes per parameter)",

@@ -52,7 +52,7 @@ class Prefetcher:
                     x, y = x.pin_memory(), y.pin_memory()
                 if not self._put((x, y)):
                     return
-        except BaseException as error:  # noqa: BLE001  # handed to the consumer, raised there
+        except BaseException as error:  # handed to the consumer, raised there
             self._put(error)
             return
         self._put(_END)

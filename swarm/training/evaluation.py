@@ -92,7 +92,9 @@ VOCAB_CHUNK = 8192
 """Vocabulary entries whose float32 logits :func:`chunked_cross_entropy` holds at once, per token."""
 
 
-def chunked_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, chunk: int = VOCAB_CHUNK) -> torch.Tensor:
+def chunked_cross_entropy(
+    logits: torch.Tensor, targets: torch.Tensor, chunk: int = VOCAB_CHUNK
+) -> torch.Tensor:
     """Summed next-token cross-entropy in nats, computed over the vocabulary ``chunk`` entries at a time.
 
     Equal to ``F.cross_entropy(logits.float(), targets, reduction="sum")``, but the float32 copy of

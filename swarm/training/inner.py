@@ -159,7 +159,7 @@ class InnerTrainer:
         self.model.activation_checkpointing = activation_checkpointing and device.type == "cuda"
         self.forward_model: nn.Module = self.model
         if train_cfg.compile:
-            self.forward_model = torch.compile(self.model)  # type: ignore[assignment]
+            self.forward_model = torch.compile(self.model)
         self.block_size = block_size or getattr(model, "block_size", None)
         micro = micro_batch_size or train_cfg.micro_batch_size
         if micro is None:
