@@ -293,9 +293,11 @@ class InnerTrainer:
             except RuntimeError as error:
                 if not is_oom(error) or self.micro_batch_size == 1:
                     raise
-                self._shrink(error)
+                message = str(error)
+            # outside the handler: the traceback, and the activations its frames hold, are gone
+            self._shrink(message)
 
-    def _shrink(self, error: BaseException) -> None:
+    def _shrink(self, message: str) -> None:
         self.optimizer.zero_grad(set_to_none=True)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -305,7 +307,7 @@ class InnerTrainer:
                 "out of memory at a micro-batch of %d (%s): retrying the step at %d, and halving again "
                 "whenever it recurs (logged once)",
                 old,
-                str(error).splitlines()[0][:200],
+                (message.splitlines() or [""])[0][:200],
                 self.micro_batch_size,
             )
         else:
