@@ -415,3 +415,11 @@ def test_the_config_headers_state_what_config_check_estimates() -> None:
         for host_state in layouts:
             assert format_bytes(estimate.device_memory(checkpointing, host_state=host_state)) in header, name
         assert format_bytes(estimate.host_memory(host_state=True)) in header, name
+
+
+def test_an_mps_peer_describes_its_device(monkeypatch) -> None:
+    from swarm._device import describe_device
+
+    monkeypatch.setattr(torch.mps, "recommended_max_memory", lambda: 24 * 2**30)
+    assert describe_device("mps") == ("Apple MPS", 24.0)
+    assert describe_device("cpu") == ("cpu", 0.0)

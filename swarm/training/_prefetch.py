@@ -28,7 +28,7 @@ class Prefetcher:
     """An iterator of ``(x, y)`` batches drawn from ``source`` on a background thread.
 
     Call :meth:`close` (or use it as a context manager) to stop the thread; it does not outlive that
-    call by more than one draw of ``source``.
+    call by more than one draw of ``source`` (the call waits at most 5 s for it).
     """
 
     def __init__(self, source: Iterator[Batch], *, pin_memory: bool = False, depth: int = 2) -> None:
@@ -104,7 +104,7 @@ class Prefetcher:
                 self._queue.get_nowait()
             except queue.Empty:
                 break
-        self._thread.join(timeout=30)
+        self._thread.join(timeout=5)
 
     def __enter__(self) -> Prefetcher:
         return self

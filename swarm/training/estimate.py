@@ -42,7 +42,7 @@ from torch import nn
 
 from swarm.compression import HEADER_SIZE, get_codec
 from swarm.config import RunConfig
-from swarm.training._optimizer import bitsandbytes_installed, optimizer_state_bytes
+from swarm.training._optimizer import adamw8bit_works, bitsandbytes_installed, optimizer_state_bytes
 from swarm.training.evaluation import VOCAB_CHUNK
 from swarm.training.model import build_model, count_parameters
 
@@ -279,7 +279,8 @@ def outer_state_on_host(config: RunConfig, device: torch.device) -> bool:
     if choice == "host":
         return True
     total = torch.cuda.get_device_properties(device).total_memory
-    need = estimate_peer(config, "cuda").device_memory(config.train.activation_checkpointing)
+    estimate = estimate_peer(config, "cuda", eight_bit=adamw8bit_works(device))  # the trainer's choice
+    need = estimate.device_memory(config.train.activation_checkpointing)
     return need > 0.9 * total
 
 
