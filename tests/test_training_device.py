@@ -4,7 +4,9 @@ chunks, prefetching and throughput figures. CPU fakes stand in for GPUs; tests n
 from __future__ import annotations
 
 import builtins
+import dataclasses
 import itertools
+import json
 import logging
 import sys
 import threading
@@ -423,3 +425,36 @@ def test_an_mps_peer_describes_its_device(monkeypatch) -> None:
     monkeypatch.setattr(torch.mps, "recommended_max_memory", lambda: 24 * 2**30)
     assert describe_device("mps") == ("Apple MPS", 24.0)
     assert describe_device("cpu") == ("cpu", 0.0)
+
+
+def test_the_sync_line_shows_throughput_before_drift() -> None:
+    from peers._trainer_output import format_sync_line
+    from swarm.trainer import SyncReport
+
+    report = SyncReport(
+        round=1, step=10, loss=3.0, eval_loss=3.1, samples_per_s=12.0, outcome="ok", partner=None,
+        bytes_sent=0, bytes_received=0, drift=0.01, lr=1e-3, weight=1.0,
+    )  # fmt: skip
+    assert "tok/s" not in format_sync_line(report)
+    shown = format_sync_line(
+        dataclasses.replace(report, tokens_per_s=12288.0, mfu=0.412, peak_memory_bytes=3 << 30)
+    )
+    assert " 12288 tok/s mfu 41.2% mem 3.00 GiB drift 0.0100" in shown
+    unknown = format_sync_line(dataclasses.replace(report, tokens_per_s=100.0))
+    assert " 100 tok/s mfu - mem - GiB drift" in unknown and unknown.split()[-2] == "drift"
+
+
+def test_the_gpu_check_report_compares_the_peak_with_the_estimate_at_the_chosen_micro_batch(tmp_path) -> None:
+    from scripts.gpu_check_report import build_report
+
+    peers = [
+        {"peer_id": "a", "micro_batch_size": 1, "optimizer": "adamw8bit", "peak_memory_bytes": 4 << 30},
+        {"peer_id": "b", "micro_batch_size": 8, "optimizer": "adamw-fused", "peak_memory_bytes": None},
+    ]
+    (tmp_path / "summary.json").write_text(json.dumps({"per_peer": peers}))
+    report = build_report(tmp_path, ["data.source=stdlib"], 0, "2 passed", 0, 60)
+    one, eight = report["per_peer"]
+    assert one["peak_over_estimate"] == pytest.approx((4 << 30) / one["estimated_device_bytes"])
+    assert eight["peak_over_estimate"] is None
+    assert eight["estimated_device_bytes"] > one["estimated_device_bytes"]  # larger micro-batch, AdamW
+    assert build_report(tmp_path / "absent", [], 1, "", 1, 60)["per_peer"] == []
