@@ -458,3 +458,15 @@ def test_the_gpu_check_report_compares_the_peak_with_the_estimate_at_the_chosen_
     assert eight["peak_over_estimate"] is None
     assert eight["estimated_device_bytes"] > one["estimated_device_bytes"]  # larger micro-batch, AdamW
     assert build_report(tmp_path / "absent", [], 1, "", 1, 60)["per_peer"] == []
+
+
+def test_the_micro_batch_leaves_room_for_exchanges_only_when_they_run_on_the_device(monkeypatch) -> None:
+    from swarm.training import estimate
+
+    config = load_config("configs/local-tiny.yaml", env={})
+    assert estimate.exchange_reserve_bytes(config, CPU) == 0
+    monkeypatch.setattr(estimate, "adamw8bit_works", lambda device: False)
+    monkeypatch.setattr(estimate, "outer_state_on_host", lambda config, device: True)
+    assert estimate.exchange_reserve_bytes(config, CUDA) == 0
+    monkeypatch.setattr(estimate, "outer_state_on_host", lambda config, device: False)
+    assert estimate.exchange_reserve_bytes(config, CUDA) == estimate_peer(config, "cuda").exchange_buffers > 0

@@ -166,6 +166,7 @@ class TrainingPeer:
                 optimizer=self.backend.inner_optimizer(),
                 block_size=config.model.block_size,
                 activation_checkpointing=config.train.activation_checkpointing,
+                reserve_bytes=self._exchange_reserve(),
             )
             self.resumed_from = self._resume() if resume else None
         except BaseException:
@@ -176,6 +177,14 @@ class TrainingPeer:
         )
         if self.device.type == "cuda":  # draw the next batch into pinned memory while the GPU computes
             self.batches = Prefetcher(self.batches, pin_memory=True)
+
+    def _exchange_reserve(self) -> int:
+        """What the exchanges will allocate on the device, for a micro-batch sized automatically."""
+        if self.config.train.micro_batch_size is not None or self.device.type != "cuda":
+            return 0
+        from swarm.training.estimate import exchange_reserve_bytes
+
+        return exchange_reserve_bytes(self.config, self.device)
 
     @property
     def backend(self) -> AveragingBackend:

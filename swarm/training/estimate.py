@@ -284,6 +284,14 @@ def outer_state_on_host(config: RunConfig, device: torch.device) -> bool:
     return need > 0.9 * total
 
 
+def exchange_reserve_bytes(config: RunConfig, device: torch.device) -> int:
+    """Device memory a micro-batch must leave free for the exchanges to come: their peak buffers when
+    the outer state lives on this CUDA device (:func:`outer_state_on_host`), else nothing."""
+    if device.type != "cuda" or outer_state_on_host(config, device):
+        return 0
+    return estimate_peer(config, "cuda", eight_bit=adamw8bit_works(device)).exchange_buffers
+
+
 def describe_estimate(estimate: PeerEstimate, checkpointing: bool = False) -> list[str]:
     """Lines for ``swarm config check``: both layouts, the breakdown, and the wire per round."""
     e, b = estimate, format_bytes
