@@ -188,7 +188,9 @@ class TrainSection(Section):
     """Inner (local) training loop."""
 
     device: str = Field(
-        "auto", description="'auto' (CUDA when present, else CPU), 'cpu', 'cuda', 'cuda:1', ..."
+        "auto",
+        description="'auto' (CUDA when present, else Apple's MPS, else CPU), 'cpu', 'cuda', 'cuda:1', "
+        "'mps', ...",
     )
     batch_size: int = Field(16, ge=1, description="Samples per inner optimizer step.")
     micro_batch_size: Annotated[int, Field(ge=1)] | None = Field(
@@ -219,6 +221,15 @@ class TrainSection(Section):
     checkpoint_every_s: float = Field(300.0, gt=0, description="Seconds between local checkpoints.")
     activation_checkpointing: bool = Field(
         False, description="Recompute activations in the backward pass to save GPU memory (CUDA only)."
+    )
+    precision: Literal["auto", "bf16", "fp16", "fp32"] = Field(
+        "auto",
+        description="Autocast type of forward and backward (per peer): 'auto' is bf16 on a GPU that has it, "
+        "fp16 with loss scaling on one that does not (T4, V100, RTX 20xx), fp32 on the CPU.",
+    )
+    compile: bool = Field(
+        False,
+        description="Run the forward pass through torch.compile (per peer; slower start, faster steps).",
     )
     eval_every_rounds: int = Field(1, ge=1, description="Evaluate held-out loss every this many syncs.")
     eval_batches: int = Field(

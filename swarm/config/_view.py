@@ -30,6 +30,9 @@ PER_PEER_KEYS: frozenset[str] = frozenset(
         "train.eval_every_rounds",
         "train.eval_batches",
         "train.activation_checkpointing",
+        # number format and compilation: the exchanged parameters are float32 whatever a peer computes in
+        "train.precision",
+        "train.compile",
         # local file locations differ between machines; the source kind is still shared
         "data.paths",
         # link-quality and local ban policy: a peer on a slow link may wait longer
