@@ -8,9 +8,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from swarm.p2p import P2PFactory, ProtocolError, StreamService
 from swarm.state._transfer_protocol import (
@@ -35,18 +35,26 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 MAX_CONCURRENT_STREAMS = 8
-"""A donor serves at most this many requests at once; further ones get ``{"error": "busy"}``."""
+"""A donor sends at most this many parts at once; further requests get ``{"error": "busy"}``."""
+MAX_STREAMS_PER_PEER = 2
+"""Streams one peer id may have open at once (reading its request or being served); its further
+ones get ``{"error": "busy"}`` at once, so one peer cannot take the slots of the others."""
+MIN_SEND_BYTES_PER_S = 256 << 10
+"""Progress floor of a part being served: after ``IO_TIMEOUT_S`` of grace, the bytes handed on must
+keep up with this rate, or the stream is dropped. Holding a slot costs a reader real bandwidth."""
 
 
 @dataclass
 class ServeStats:
-    """What a donor did: well-formed requests read, parts sent in full, frames sent, and requests
-    refused (the snapshot asked for is not the one served, or too many streams at once)."""
+    """What a donor did: well-formed requests read, parts sent in full, frames sent, requests refused
+    (the snapshot asked for is not the one served, or too many streams at once, in all or from that
+    peer) and streams dropped because their reader fell below the progress floor."""
 
     requests: int = 0
     parts_served: int = 0
     frames_sent: int = 0
     refused: int = 0
+    too_slow: int = 0
 
 
 @dataclass(frozen=True)
@@ -71,7 +79,9 @@ class StateServer(StreamService):
     (an async callable returning a P2P dedicated to this server). A request pins the snapshot it
     started on: a ``publish`` during a download never mixes two states into one stream. In a private
     swarm (``swarm_key``, by default the key ``dht`` was started with) a client must pass the swarm key
-    handshake before its request is read.
+    handshake before its request is read. Admission: at most :data:`MAX_STREAMS_PER_PEER` streams per
+    peer id and :data:`MAX_CONCURRENT_STREAMS` parts being sent in all, each kept above the progress
+    floor :data:`MIN_SEND_BYTES_PER_S`.
     """
 
     what = "state request"
@@ -97,6 +107,8 @@ class StateServer(StreamService):
         self._lock = threading.Lock()
         self._published: _Published | None = None
         self._stats = ServeStats()
+        self._sending = 0  # parts being sent now; like the per-peer counts, only touched on the loop thread
+        self._streams: dict[str, int] = {}
         self._start(f"state-{run_id}")
 
     def publish(self, snapshot: StateSnapshot) -> None:
@@ -122,6 +134,21 @@ class StateServer(StreamService):
                 setattr(self._stats, key, getattr(self._stats, key) + delta)
 
     async def _handle(self, peer: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self._streams.get(peer, 0) >= MAX_STREAMS_PER_PEER:
+            self._count(refused=1)
+            await send_json(writer, Kind.ERROR, {"error": "busy"}, IO_TIMEOUT_S)
+            return
+        self._streams[peer] = self._streams.get(peer, 0) + 1
+        try:
+            await self._serve_request(peer, reader, writer)
+        finally:
+            self._streams[peer] -= 1
+            if not self._streams[peer]:
+                del self._streams[peer]
+
+    async def _serve_request(
+        self, peer: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
         kind, payload = await recv(reader, REQUEST_MAX_BYTES, IO_TIMEOUT_S)
         if kind is not Kind.REQUEST:
             raise ProtocolError(f"expected REQUEST, got {kind.name}")
@@ -135,10 +162,14 @@ class StateServer(StreamService):
                 "error": "digest mismatch",
                 "digest": None if published is None else published.snapshot.digest,
             }
-        elif self._active > MAX_CONCURRENT_STREAMS:
+        elif self._sending >= MAX_CONCURRENT_STREAMS:
             error = {"error": "busy"}
         else:
-            sent = await self._send_part(writer, published, request)
+            self._sending += 1
+            try:
+                sent = await self._send_part(writer, published, request)
+            finally:
+                self._sending -= 1
             logger.info(
                 "served part %d/%d of %s (%d frames) to %s",
                 request.part,
@@ -154,11 +185,13 @@ class StateServer(StreamService):
     async def _send_part(self, writer: asyncio.StreamWriter, published: _Published, request: Request) -> int:
         snapshot = published.snapshot
         indices = request.indices(len(snapshot.frames))
+        floor = _ProgressFloor(asyncio.get_running_loop().time())
         header = header_json(snapshot, published.hashes_hex, len(indices))
-        await send_json(writer, Kind.HEADER, header, IO_TIMEOUT_S)
+        sending = send_json(writer, Kind.HEADER, header, IO_TIMEOUT_S)
+        await floor.within(sending, self._count, 70 * len(published.hashes_hex))
         for index in indices:
             data = await asyncio.to_thread(self._frame, snapshot, index)
-            await send(writer, Kind.FRAME, data, IO_TIMEOUT_S)
+            await floor.within(send(writer, Kind.FRAME, data, IO_TIMEOUT_S), self._count, len(data))
             self._count(frames_sent=1)
         self._count(parts_served=1)
         return len(indices)
@@ -171,3 +204,28 @@ class StateServer(StreamService):
         if hooks is not None and hooks.corrupt is not None:
             data = hooks.corrupt(index, data)
         return data
+
+
+class _ProgressFloor:
+    """The deadline of a part being sent: ``IO_TIMEOUT_S`` of grace plus the time its bytes so far take
+    at :data:`MIN_SEND_BYTES_PER_S`. It follows progress: a reader that keeps up never meets it, one
+    that reads a little now and then (enough for each write's own timeout) is dropped."""
+
+    def __init__(self, started: float) -> None:
+        self._started = started
+        self._bytes = 0
+
+    async def within(
+        self, sending: Coroutine[Any, Any, Any], count: Callable[..., None], size: int = 0
+    ) -> None:
+        self._bytes += size + 4096  # and an allowance for a message's framing
+        deadline = self._started + IO_TIMEOUT_S + self._bytes / MIN_SEND_BYTES_PER_S
+        floor = asyncio.timeout_at(deadline)
+        try:
+            async with floor:
+                await sending
+        except TimeoutError:
+            if not floor.expired():
+                raise  # the write's own stall timeout
+            count(too_slow=1)
+            raise ProtocolError(f"reader below the progress floor of {MIN_SEND_BYTES_PER_S} B/s") from None

@@ -205,6 +205,8 @@ class StateSnapshot:
     digest: str
     chunk_bytes: int = 1 << 20
     frames: tuple[FrameInfo, ...] = field(default=(), repr=False, compare=False)
+    sources: tuple[str, ...] = field(default=(), compare=False)
+    """The donors a downloaded snapshot came from (empty for one made here)."""
 
     def frame(self, index: int) -> bytes:
         """Canonical frame ``index`` (re-encoded on demand: fp32 frames are deterministic)."""
