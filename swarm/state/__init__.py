@@ -7,7 +7,7 @@ over the wire protocol of ``_transfer_protocol.py``. A bootstrap keeps and serve
 :class:`StateMirror` (``_mirror.py``).
 """
 
-from swarm.state._download import MIN_DONORS, download_state
+from swarm.state._download import MIN_DONORS, download_state, fetch_state
 from swarm.state._merge import MAX_PROGRESS, progress_of
 from swarm.state._mirror import StateMirror, choose_donors, initial_peer_ids
 from swarm.state._server import ServeStats, StateServer
@@ -33,6 +33,7 @@ __all__ = [
     "StateTransferError",
     "choose_donors",
     "download_state",
+    "fetch_state",
     "initial_peer_ids",
     "list_checkpoints",
     "load_latest_checkpoint",

@@ -72,19 +72,60 @@ def download_state(
     DHT ``source`` was started with) each stream starts with the swarm key handshake.
     Raises StateTransferError.
     """
+    _check_donors(donors, run_id, trusted, min_donors, timeout_s, parallel)  # before opening anything
+    key = swarm_key if swarm_key is not None else swarm_key_of(source)
+
+    async def download(p2p: P2P) -> StateSnapshot:
+        return await fetch_state(
+            p2p,
+            donors,
+            run_id=run_id,
+            trusted=trusted,
+            min_donors=min_donors,
+            limits=limits,
+            timeout_s=timeout_s,
+            parallel=parallel,
+            swarm_key=key,
+        )
+
+    return run_with_replica(source, download, name=f"state-download-{run_id}", open_timeout_s=IO_TIMEOUT_S)
+
+
+async def fetch_state(
+    p2p: P2P,
+    donors: Sequence[tuple[str, str]],
+    *,
+    run_id: str,
+    trusted: Collection[str] = (),
+    min_donors: int = MIN_DONORS,
+    limits: DecodeLimits = DecodeLimits(),
+    timeout_s: float = 60.0,
+    parallel: int = 4,
+    swarm_key: StreamKey | None = None,
+) -> StateSnapshot:
+    """:func:`download_state` on a running loop, through ``p2p`` (dialled as is; ``swarm_key``: the
+    handshake's key, None for none)."""
+    valid = _check_donors(donors, run_id, trusted, min_donors, timeout_s, parallel)
+    ctx = _Context(p2p, handler_name(run_id), limits, swarm_key)
+    return await _download(ctx, valid, timeout_s, parallel, trusted=trusted, min_donors=min_donors)
+
+
+def _check_donors(
+    donors: Iterable[tuple[str, str]],
+    run_id: str,
+    trusted: Collection[str],
+    min_donors: int,
+    timeout_s: float,
+    parallel: int,
+) -> list[tuple[str, str]]:
+    """The donors with a valid digest, one per peer; StateTransferError when they cannot give a state."""
     check_run_id(run_id)
     if parallel < 1 or timeout_s <= 0 or min_donors < 1:
         raise ValueError("parallel and min_donors must be >= 1 and timeout_s > 0")
     valid = _valid_donors(donors)
-    key = swarm_key if swarm_key is not None else swarm_key_of(source)
     if not any(peer in trusted for peer, _ in valid) and len({d for _, d in valid}) < min_donors:
         raise _too_few(valid, min_donors)
-
-    async def download(p2p: P2P) -> StateSnapshot:
-        ctx = _Context(p2p, handler_name(run_id), limits, key)
-        return await _download(ctx, valid, timeout_s, parallel, trusted=trusted, min_donors=min_donors)
-
-    return run_with_replica(source, download, name=f"state-download-{run_id}", open_timeout_s=IO_TIMEOUT_S)
+    return valid
 
 
 def _valid_donors(donors: Iterable[tuple[str, str]]) -> list[tuple[str, str]]:
