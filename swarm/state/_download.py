@@ -140,11 +140,13 @@ def _valid_donors(donors: Iterable[tuple[str, str]]) -> list[tuple[str, str]]:
     return list(unique.items())
 
 
-def _too_few(donors: list[tuple[str, str]], min_donors: int) -> StateTransferError:
+def _too_few(donors: list[tuple[str, str]], min_donors: int, trusted_failed: str = "") -> StateTransferError:
+    """Why no state is taken: too few distinct donors, and no trusted one (or it failed, and why)."""
     distinct = len({d for _, d in donors})
+    trust = f"the trusted state failed ({trusted_failed})" if trusted_failed else "none is trusted"
     return StateTransferError(
-        f"{len(donors)} donor(s) announce {distinct} distinct state(s) and none is trusted: a state "
-        f"needs {min_donors} distinct donors or a trusted one (an initial peer); not copying fewer"
+        f"{len(donors)} donor(s) announce {distinct} distinct state(s) and {trust}: a state needs "
+        f"{min_donors} distinct donors or a trusted one (an initial peer); not copying fewer"
     )
 
 
@@ -174,14 +176,17 @@ async def _download(
         groups.setdefault(digest, []).append(peer)
     try:
         async with asyncio.timeout(timeout_s):
+            failed = []
             for digest in dict.fromkeys(d for peer, d in donors if peer in trusted):
                 holders = sorted(groups.pop(digest), key=lambda peer: peer not in trusted)
                 try:
                     return await _fetch_trusted(ctx, digest, holders, parallel)
                 except StateTransferError as exc:
                     logger.warning("the trusted state %s failed: %s", digest[:12], exc)
+                    failed.append(str(exc))
             if len(groups) < min_donors:
-                raise _too_few([(p, d) for d, peers in groups.items() for p in peers], min_donors)
+                others = [(p, d) for d, peers in groups.items() for p in peers]
+                raise _too_few(others, min_donors, "; ".join(failed))
             return await _fetch_median(ctx, groups, parallel, min_donors)
     except TimeoutError:
         raise StateTransferError(f"state download did not finish within {timeout_s}s") from None
