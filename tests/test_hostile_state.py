@@ -22,6 +22,7 @@ import pytest
 import torch
 
 import swarm.state._server as server_module
+import swarm.state._transfer_protocol as protocol_module
 from swarm.membership import Member, PeerRecord
 from swarm.state import (
     MAX_PROGRESS,
@@ -54,8 +55,8 @@ HONEST_SAMPLES = (320, 352, 384)
 class PipeWriter:
     """The writing half of an in-memory stream: what is written is fed to the other side's reader."""
 
-    def __init__(self, other: asyncio.StreamReader) -> None:
-        self._other = other
+    def __init__(self, other: asyncio.StreamReader, delay: float = 0.0) -> None:
+        self._other, self._delay = other, delay
         self.closed = False
 
     def write(self, chunk: bytes | bytearray | memoryview) -> None:
@@ -66,7 +67,7 @@ class PipeWriter:
     async def drain(self) -> None:
         if self.closed:
             raise ConnectionResetError("drain on a closed stream")
-        await asyncio.sleep(0)
+        await asyncio.sleep(self._delay)  # how long the other side takes to read each piece
 
     def close(self) -> None:
         if not self.closed:
@@ -82,11 +83,13 @@ class PipeWriter:
 
 class MemorySwarm:
     """The surface of ``hivemind.p2p.P2P`` a downloader dials through, joined in memory to the handlers
-    of real StateServers (run on the downloader's loop). Records which donors were dialled."""
+    of real StateServers (run on the downloader's loop). Records which donors were dialled; a donor
+    in ``delays`` takes that many seconds to hand on each piece it sends (a slow link)."""
 
     def __init__(self) -> None:
         self.peer_id = peer_id("joiner")
         self.donors: dict[str, FakeP2P] = {}
+        self.delays: dict[str, float] = {}
         self.dialled: list[str] = []
         self.serving: list[asyncio.Task[None]] = []
 
@@ -98,17 +101,22 @@ class MemorySwarm:
         ours, theirs = asyncio.StreamReader(), asyncio.StreamReader()
         handler = donor.handlers[name]
         info = SimpleNamespace(peer_id=self.peer_id)
-        self.serving.append(asyncio.create_task(handler(info, theirs, PipeWriter(ours))))
+        slow = PipeWriter(ours, self.delays.get(peer.to_base58(), 0.0))
+        self.serving.append(asyncio.create_task(handler(info, theirs, slow)))
         return SimpleNamespace(peer_id=peer), ours, PipeWriter(theirs)
 
     def fetch(self, donors: list[tuple[str, str]], **options: Any) -> StateSnapshot:
-        """``fetch_state`` over this swarm (blocking), the donors' handlers awaited before returning."""
+        """``fetch_state`` over this swarm (blocking); the donors' handlers are ended before returning."""
+        options = {"timeout_s": 30, **options}
 
         async def run() -> StateSnapshot:
             try:
-                return await fetch_state(self, donors, run_id=RUN, timeout_s=30, **options)
+                return await fetch_state(self, donors, run_id=RUN, **options)
             finally:
+                for task in self.serving:
+                    task.cancel()
                 await asyncio.gather(*self.serving, return_exceptions=True)
+                self.serving.clear()
 
         return asyncio.run(run())
 
@@ -247,6 +255,34 @@ def test_progress_is_merged_by_the_median_and_bounded() -> None:
             progress_of({"samples_total": huge})
 
 
+# ---------------------------------------------------------------------------- deadlines that follow progress
+
+
+def test_a_slow_but_progressing_download_outlives_its_timeout_and_a_stalled_one_does_not(swarm) -> None:
+    memory, donor = swarm
+    organizer, kept = donor("organizer", *honest_states()[0])
+    assert len(kept.frames) >= 10
+    memory.delays[organizer] = 0.1  # a frame per 0.1 s: the whole state takes several timeouts
+    result = memory.fetch([(organizer, kept.digest)], trusted={organizer}, timeout_s=0.5)
+    assert result.digest == kept.digest
+    memory.delays[organizer] = 3600.0  # the header, then nothing
+    with pytest.raises(StateTransferError, match=r"made no progress for 0.5s"):
+        memory.fetch([(organizer, kept.digest)], trusted={organizer}, timeout_s=0.5)
+
+
+def test_a_donor_below_the_receive_floor_loses_its_part(swarm, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(protocol_module, "IO_TIMEOUT_S", 0.3)  # the client's grace and read timeout
+    monkeypatch.setattr(protocol_module, "MIN_RECV_BYTES_PER_S", 1 << 20, raising=False)
+    memory, donor = swarm
+    tensors, meta = honest_states()[0]
+    slow, kept = donor("slow", tensors, meta)
+    fast, _ = donor("fast", tensors, meta)
+    memory.delays[slow] = 0.1  # 16 KiB per 0.1 s, below 1 MiB/s; each read well within its 0.3 s
+    result = memory.fetch([(slow, kept.digest), (fast, kept.digest)], trusted={slow, fast}, parallel=2)
+    assert result.digest == kept.digest
+    assert slow not in result.sources and fast in result.sources  # its part went to the fast donor
+
+
 # ---------------------------------------------------------------------------- the state server
 
 
@@ -365,7 +401,6 @@ def mirror_of(swarm, tmp_path: Path) -> Iterator[Callable[[list[Member]], StateM
     made: list[StateMirror] = []
 
     def download(source: Any, donors: list[tuple[str, str]], **options: Any) -> StateSnapshot:
-        memory.serving.clear()
         return memory.fetch(donors, **{k: v for k, v in options.items() if k != "run_id"})
 
     def make(members: list[Member]) -> StateMirror:

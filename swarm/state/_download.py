@@ -156,6 +156,7 @@ class _Context:
     handler: str
     limits: DecodeLimits
     swarm_key: StreamKey | None
+    on_frame: Callable[[], None] | None = None  # a verified frame arrived: the deadline moves on
 
 
 class _DonorFault(Exception):
@@ -174,8 +175,10 @@ async def _download(
     groups: dict[str, list[str]] = {}
     for peer, digest in donors:
         groups.setdefault(digest, []).append(peer)
+    loop = asyncio.get_running_loop()
     try:
-        async with asyncio.timeout(timeout_s):
+        async with asyncio.timeout(timeout_s) as deadline:  # moved on by every verified frame
+            ctx = dataclasses.replace(ctx, on_frame=lambda: deadline.reschedule(loop.time() + timeout_s))
             failed = []
             for digest in dict.fromkeys(d for peer, d in donors if peer in trusted):
                 holders = sorted(groups.pop(digest), key=lambda peer: peer not in trusted)
@@ -189,7 +192,7 @@ async def _download(
                 raise _too_few(others, min_donors, "; ".join(failed))
             return await _fetch_median(ctx, groups, parallel, min_donors)
     except TimeoutError:
-        raise StateTransferError(f"state download did not finish within {timeout_s}s") from None
+        raise StateTransferError(f"state download made no progress for {timeout_s}s") from None
 
 
 async def _fetch_trusted(ctx: _Context, digest: str, group: list[str], parallel: int) -> StateSnapshot:
@@ -206,7 +209,7 @@ async def _fetch_trusted(ctx: _Context, digest: str, group: list[str], parallel:
         return candidates[0] if candidates else None
 
     async def attempt(part: int, donor: str) -> None:
-        await fetch_part(ctx.p2p, ctx.handler, donor, assembly, part, parts, ctx.swarm_key)
+        await fetch_part(ctx.p2p, ctx.handler, donor, assembly, part, parts, ctx.swarm_key, ctx.on_frame)
         delivered.append(donor)
 
     await _assign([(part, group[part]) for part in range(parts)], replacement, attempt)
@@ -242,7 +245,7 @@ async def _fetch_median(
         digest = announced[donor]
         assembly = Assembly(digest, ctx.limits)
         try:
-            await fetch_part(ctx.p2p, ctx.handler, donor, assembly, 0, 1, ctx.swarm_key)
+            await fetch_part(ctx.p2p, ctx.handler, donor, assembly, 0, 1, ctx.swarm_key, ctx.on_frame)
             snapshot = await asyncio.to_thread(assembly.finish)
             progress_of(snapshot.meta)
         except StateTransferError as exc:

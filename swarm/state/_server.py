@@ -8,16 +8,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from swarm.p2p import P2PFactory, ProtocolError, StreamService
 from swarm.state._transfer_protocol import (
     IO_TIMEOUT_S,
     REQUEST_MAX_BYTES,
     Kind,
+    ProgressFloor,
     Request,
+    SlowPeerError,
     StateSnapshot,
     build_snapshot,
     handler_name,
@@ -185,14 +187,19 @@ class StateServer(StreamService):
     async def _send_part(self, writer: asyncio.StreamWriter, published: _Published, request: Request) -> int:
         snapshot = published.snapshot
         indices = request.indices(len(snapshot.frames))
-        floor = _ProgressFloor(asyncio.get_running_loop().time())
+        floor = ProgressFloor(MIN_SEND_BYTES_PER_S, IO_TIMEOUT_S, "reader")
         header = header_json(snapshot, published.hashes_hex, len(indices))
-        sending = send_json(writer, Kind.HEADER, header, IO_TIMEOUT_S)
-        await floor.within(sending, self._count, 70 * len(published.hashes_hex))
-        for index in indices:
-            data = await asyncio.to_thread(self._frame, snapshot, index)
-            await floor.within(send(writer, Kind.FRAME, data, IO_TIMEOUT_S), self._count, len(data))
-            self._count(frames_sent=1)
+        try:
+            await floor.within(
+                send_json(writer, Kind.HEADER, header, IO_TIMEOUT_S), 70 * len(published.hashes_hex)
+            )
+            for index in indices:
+                data = await asyncio.to_thread(self._frame, snapshot, index)
+                await floor.within(send(writer, Kind.FRAME, data, IO_TIMEOUT_S), len(data))
+                self._count(frames_sent=1)
+        except SlowPeerError:
+            self._count(too_slow=1)
+            raise
         self._count(parts_served=1)
         return len(indices)
 
@@ -204,28 +211,3 @@ class StateServer(StreamService):
         if hooks is not None and hooks.corrupt is not None:
             data = hooks.corrupt(index, data)
         return data
-
-
-class _ProgressFloor:
-    """The deadline of a part being sent: ``IO_TIMEOUT_S`` of grace plus the time its bytes so far take
-    at :data:`MIN_SEND_BYTES_PER_S`. It follows progress: a reader that keeps up never meets it, one
-    that reads a little now and then (enough for each write's own timeout) is dropped."""
-
-    def __init__(self, started: float) -> None:
-        self._started = started
-        self._bytes = 0
-
-    async def within(
-        self, sending: Coroutine[Any, Any, Any], count: Callable[..., None], size: int = 0
-    ) -> None:
-        self._bytes += size + 4096  # and an allowance for a message's framing
-        deadline = self._started + IO_TIMEOUT_S + self._bytes / MIN_SEND_BYTES_PER_S
-        floor = asyncio.timeout_at(deadline)
-        try:
-            async with floor:
-                await sending
-        except TimeoutError:
-            if not floor.expired():
-                raise  # the write's own stall timeout
-            count(too_slow=1)
-            raise ProtocolError(f"reader below the progress floor of {MIN_SEND_BYTES_PER_S} B/s") from None
