@@ -41,7 +41,7 @@ MAX_CONCURRENT_STREAMS = 8
 MAX_STREAMS_PER_PEER = 2
 """Streams one peer id may have open at once (reading its request or being served); its further
 ones get ``{"error": "busy"}`` at once, so one peer cannot take the slots of the others."""
-MIN_SEND_BYTES_PER_S = 256 << 10
+MIN_SEND_BYTES_PER_S = 128 << 10
 """Progress floor of a part being served: after ``IO_TIMEOUT_S`` of grace, the bytes handed on must
 keep up with this rate, or the stream is dropped. Holding a slot costs a reader real bandwidth."""
 

@@ -53,7 +53,7 @@ MAX_FRAMES = (HEADER_MAX_BYTES - (1 << 20)) // 67  # one hex hash and its JSON p
 _DOMAIN = f"swarm.state.v{PROTOCOL_VERSION}\n".encode()
 IO_TIMEOUT_S = 20.0
 """Bound on dialling, on each message read and on each write drain, both sides."""
-MIN_RECV_BYTES_PER_S = 64 << 10
+MIN_RECV_BYTES_PER_S = 32 << 10
 """Progress floor of a part being received: after ``IO_TIMEOUT_S`` of grace the frames must keep up
 with this rate (counted at ``chunk_bytes`` each), or the donor is dropped and its part reassigned. An
 honest donor drops us first below its own floor (``_server.MIN_SEND_BYTES_PER_S``, 4 times this)."""
