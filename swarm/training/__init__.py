@@ -1,6 +1,15 @@
 """Training components: model, data, the inner loop and the outer (DiLoCo) step. See docs/training.md."""
 
-from swarm.training.data import Corpus, HFStreamSource, TrainBatches, open_source, stdlib_files
+from swarm.training._prepare import prepare_tokens
+from swarm.training.data import (
+    Corpus,
+    HFStreamSource,
+    TokenFile,
+    TokenFileError,
+    TrainBatches,
+    open_source,
+    stdlib_files,
+)
 from swarm.training.evaluation import (
     EvalSet,
     Interrupted,
@@ -30,6 +39,8 @@ __all__ = [
     "Interrupted",
     "OuterOptimizer",
     "StepStats",
+    "TokenFile",
+    "TokenFileError",
     "TrainBatches",
     "all_finite",
     "auto_micro_batch_size",
@@ -43,6 +54,7 @@ __all__ = [
     "make_inner_optimizer",
     "nats_to_bits",
     "open_source",
+    "prepare_tokens",
     "resolve_device",
     "stdlib_files",
     "total_samples_of",
