@@ -163,9 +163,13 @@ def _write_stream(
                 kept.append(text)
                 kept_bytes += len(text)
 
-    for tokens in source.token_arrays(training_documents()):
+    documents = training_documents()
+    for tokens in source.token_arrays(documents):
         train.write(budget.take(tokens))
         if budget.spent:
+            break
+    for _ in documents:  # the training tokens are complete: read on only for held-out documents
+        if kept_bytes >= source.eval_bytes:
             break
     if not kept:
         raise ValueError(f"{source.name}: no held-out documents; raise data.eval_fraction")
