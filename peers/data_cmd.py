@@ -13,14 +13,18 @@ import typer
 
 from peers import _common as common
 
-data_app = typer.Typer(help="Prepare training data: tokenize once, memory-map on every peer.", no_args_is_help=True)
+data_app = typer.Typer(
+    help="Prepare training data: tokenize once, memory-map on every peer.", no_args_is_help=True
+)
 
 
 @data_app.command("prepare")
 def prepare(
     config: Path | None = common.CONFIG_OPTION,
     set_: list[str] | None = common.SET_OPTION,
-    out: Path = typer.Option(..., "--out", "-o", help="Directory to write the tokens to.", show_default=False),
+    out: Path = typer.Option(
+        ..., "--out", "-o", help="Directory to write the tokens to.", show_default=False
+    ),
     max_tokens: int | None = typer.Option(
         None, "--max-tokens", min=1, help="Stop after this many training tokens (a sample of a large stream)."
     ),

@@ -64,7 +64,9 @@ def test_prepared_tokens_give_the_batches_of_the_text(text_dir: Path, prepared: 
     assert torch.equal(tokens.eval.long(), text.eval.long())
     epoch = len(text.train) // (BLOCK + 1) // BATCH
     for peer, count in (("a", epoch + 5), ("b", 50)):  # into the second epoch (another phase)
-        for (x1, y1), (x2, y2) in zip(batches_of(text, peer, count), batches_of(tokens, peer, count)):
+        for (x1, y1), (x2, y2) in zip(
+            batches_of(text, peer, count), batches_of(tokens, peer, count), strict=True
+        ):
             assert torch.equal(x1, x2) and torch.equal(y1, y2)
             assert x2.dtype == torch.int64
     # two peers start on different shards: their first batches share no window
@@ -90,7 +92,7 @@ def test_resume_by_offset_reads_only_what_it_trains_on(prepared: Path) -> None:
     expected = batches_of(fresh, "p", 400)
     resumed = TokenFile(prepared, tokenizer=None, eval_fraction=0.05)
     resumed._tokens = CountingTokens(resumed._tokens)  # type: ignore[assignment]
-    (x, y), = batches_of(resumed, "p", 1, start=397 * BATCH)
+    ((x, y),) = batches_of(resumed, "p", 1, start=397 * BATCH)
     assert torch.equal(x, expected[397][0]) and torch.equal(y, expected[397][1])
     # The 397 skipped batches were never read: what was gathered is at most a shard's windows.
     per_shard = -(-fresh.train_tokens // (BLOCK + 1) // 1024)
@@ -198,9 +200,9 @@ def test_prepared_bpe_tokens_match_the_tokenized_text(text_dir: Path, tmp_path: 
     text = open_source(data)
     assert tokens.unit == "token" and tokens.checksum in (tmp_path / "tokens" / "index.json").read_text()
     assert torch.equal(tokens.eval.long(), text.eval.long())
-    for (x1, _), (x2, _) in zip(batches_of(text, "a", 30), batches_of(tokens, "a", 30)):
+    for (x1, _), (x2, _) in zip(batches_of(text, "a", 30), batches_of(tokens, "a", 30), strict=True):
         assert torch.equal(x1, x2)
-    with pytest.raises(TokenFileError, match="prepared with tokenizer 'sha256:.*data.tokenizer is 'bytes'"):
+    with pytest.raises(TokenFileError, match=r"prepared with tokenizer 'sha256:.*data.tokenizer is 'bytes'"):
         TokenFile(tmp_path / "tokens", tokenizer=None, eval_fraction=0.05)
 
 
@@ -210,7 +212,7 @@ def test_a_large_vocabulary_is_stored_as_uint32(tmp_path: Path) -> None:
     assert (dtype_for(256), dtype_for(65536), dtype_for(65537)) == ("uint16", "uint16", "uint32")
     writer = TokenWriter(tmp_path / TRAIN_FILE, "uint32", 100_000)
     writer.write(np.array([0, 65_536, 99_999]))
-    with pytest.raises(ValueError, match="outside 0..99999"):
+    with pytest.raises(ValueError, match=r"outside 0\.\.99999"):
         writer.write(np.array([100_000]))
     writer.close()
     assert np.array_equal(np.fromfile(tmp_path / TRAIN_FILE, dtype="<u4"), [0, 65_536, 99_999])
@@ -218,7 +220,7 @@ def test_a_large_vocabulary_is_stored_as_uint32(tmp_path: Path) -> None:
 
 
 class FakeDatasets:
-    """``datasets.load_dataset`` serving in-memory documents (a real IterableDataset) and recording its call."""
+    """``datasets.load_dataset`` serving in-memory documents (a real IterableDataset), recording calls."""
 
     def __init__(self, records: list[dict[str, object]]) -> None:
         import datasets
@@ -254,7 +256,9 @@ def test_hf_source_streams_the_subset_split_and_field(fake_hub: FakeDatasets) ->
     assert b"the quick brown fox" in text
     assert b"doc " in bytes(source.eval.tolist())
     missing = open_source(DataSection(**HF_SUBSET, eval_fraction=0.1))  # text_field "text"
-    with pytest.raises(ValueError, match=r"no field 'text' \(it has \['content', 'id'\]\); set data.text_field"):
+    with pytest.raises(
+        ValueError, match=r"no field 'text' \(it has \['content', 'id'\]\); set data.text_field"
+    ):
         next(TrainBatches(missing, BLOCK, BATCH, peer_key="a", seed=0))
     wrong = open_source(DataSection(**HF_SUBSET, text_field="id", eval_fraction=0.1))
     with pytest.raises(ValueError, match="field 'id' holds int, not text"):
@@ -264,7 +268,7 @@ def test_hf_source_streams_the_subset_split_and_field(fake_hub: FakeDatasets) ->
 def test_hf_stream_resumes_at_the_next_batch(fake_hub: FakeDatasets) -> None:
     source = open_source(DataSection(**HF_SUBSET, text_field="content", eval_fraction=0.1))
     expected = batches_of(source, "a", 30)  # more than one pass over the 400 documents
-    (x, y), = batches_of(source, "a", 1, start=27 * BATCH)
+    ((x, y),) = batches_of(source, "a", 1, start=27 * BATCH)
     assert torch.equal(x, expected[27][0]) and torch.equal(y, expected[27][1])
 
 
@@ -298,7 +302,14 @@ def test_data_keys_are_checked_and_leave_default_hashes_alone(tmp_path: Path) ->
 
 def test_data_prepare_cli_writes_a_directory_peers_train_on(text_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "tokens"
-    sets = ["--set", "data.source=files", "--set", f"data.paths=[{text_dir}]", "--set", "data.eval_fraction=0.05"]
+    sets = [
+        "--set",
+        "data.source=files",
+        "--set",
+        f"data.paths=[{text_dir}]",
+        "--set",
+        "data.eval_fraction=0.05",
+    ]
     result = runner.invoke(app, ["data", "prepare", *sets, "--out", str(out)])
     assert result.exit_code == 0, result.output
     assert f"wrote {out}" in result.output and "data.source=tokens" in result.output

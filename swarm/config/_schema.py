@@ -186,7 +186,8 @@ class DataSection(Section):
             raise cross_field("source", "must name at least one file or directory when source is 'files'")
         if source == "tokens" and len(value) != 1:
             raise cross_field(
-                "source", "must name exactly one directory (written by swarm data prepare) when source is 'tokens'"
+                "source",
+                "must name exactly one directory (written by swarm data prepare) when source is 'tokens'",
             )
         return value
 

@@ -15,7 +15,11 @@ BYTE_VOCAB = 256
 
 def _bytes_to_unicode() -> dict[int, str]:
     """GPT-2's table: the printable Latin-1 bytes stand for themselves, the others for 256 upward."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
     table = {byte: chr(byte) for byte in printable}
     extra = 0
     for byte in range(BYTE_VOCAB):

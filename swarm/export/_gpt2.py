@@ -103,7 +103,9 @@ def from_gpt2(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         if block:
             index, part, kind = block.groups()
             ours = parts[part]
-            state[f"blocks.{index}.{ours}.{kind}"] = tensor.t() if ours in _TRANSPOSED and kind == "weight" else tensor
+            state[f"blocks.{index}.{ours}.{kind}"] = (
+                tensor.t() if ours in _TRANSPOSED and kind == "weight" else tensor
+            )
             continue
         top, _, kind = name.rpartition(".")
         if name == "lm_head.weight":

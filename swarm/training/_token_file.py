@@ -47,7 +47,7 @@ MAX_EVAL_TOKENS = 1 << 22
 """Held-out tokens kept (16 MiB as int32 in memory): evaluation reads a few hundred windows of them."""
 BYTES_TOKENIZER = "bytes"
 GATHER_WINDOWS = 256
-DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
+DTYPES: dict[str, np.dtype[Any]] = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
 _DIGEST_HEX = 32
 _LOG_EVERY_TOKENS = 1 << 26
 
@@ -142,14 +142,18 @@ class _Part:
 
 
 def _fail(directory: Path, problem: str) -> TokenFileError:
-    return TokenFileError(f"{directory / INDEX_FILE}: {problem}; prepare the directory again (swarm data prepare)")
+    return TokenFileError(
+        f"{directory / INDEX_FILE}: {problem}; prepare the directory again (swarm data prepare)"
+    )
 
 
 def read_index(directory: Path) -> dict[str, Any]:
     """``DIR/index.json``, checked field by field (types, sizes, digests); raises :class:`TokenFileError`."""
     path = directory / INDEX_FILE
     if not directory.is_dir():
-        raise TokenFileError(f"data.paths: {directory} is not a directory (write one with swarm data prepare)")
+        raise TokenFileError(
+            f"data.paths: {directory} is not a directory (write one with swarm data prepare)"
+        )
     try:
         with open(path, "rb") as handle:
             raw = handle.read(MAX_INDEX_BYTES + 1)
@@ -201,7 +205,9 @@ def _check_part(directory: Path, name: str, index: dict[str, Any]) -> None:
 class TokenFile:
     """A prepared token directory (module docstring) as a token source; see :func:`open_token_file`."""
 
-    def __init__(self, directory: str | os.PathLike[str], *, tokenizer: Tokenizer | None, eval_fraction: float):
+    def __init__(
+        self, directory: str | os.PathLike[str], *, tokenizer: Tokenizer | None, eval_fraction: float
+    ):
         self.directory = Path(directory)
         self.name = str(self.directory)
         index = read_index(self.directory)
@@ -227,7 +233,9 @@ class TokenFile:
         if self._train.count == 0:
             raise TokenFileError(f"{self._train.path}: no training tokens")
         if not 0 < held_out.count <= MAX_EVAL_TOKENS:
-            raise TokenFileError(f"{held_out.path}: {held_out.count} held-out tokens, not 1..{MAX_EVAL_TOKENS}")
+            raise TokenFileError(
+                f"{held_out.path}: {held_out.count} held-out tokens, not 1..{MAX_EVAL_TOKENS}"
+            )
         self._tokens = np.memmap(self._train.path, dtype=self._dtype, mode="r", shape=(self._train.count,))
         self._verified = bytearray(len(self._train.digests))
         self.eval = torch.from_numpy(self._read_whole(held_out).astype(np.int32))
@@ -262,7 +270,7 @@ class TokenFile:
         return _Part(path, entry["count"], tuple(entry["digests"]))
 
     def _check_chunk(self, part: _Part, chunk: int, data: np.ndarray) -> None:
-        if digest(memoryview(data).cast("B")) != part.digests[chunk]:
+        if digest(data.tobytes()) != part.digests[chunk]:
             low = chunk * self._chunk_bytes
             raise TokenFileError(
                 f"{part.path}: bytes {low}..{low + data.nbytes} (chunk {chunk + 1} of {len(part.digests)}) "
