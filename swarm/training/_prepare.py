@@ -90,14 +90,18 @@ def prepare_tokens(
     shutil.rmtree(temporary, ignore_errors=True)
     temporary.mkdir()
     try:
-        train = TokenWriter(temporary / TRAIN_FILE, dtype, vocab, chunk_bytes)
-        held_out = TokenWriter(temporary / EVAL_FILE, dtype, vocab, chunk_bytes)
-        budget = _Budget(max_tokens)
-        if data.source == "hf":
-            _write_stream(data, tokenizer, train, held_out, budget)
-        else:
-            _write_files(data, tokenizer, train, held_out, budget)
-        entries = {"train": train.close(), "eval": held_out.close()}
+        with (
+            TokenWriter(temporary / TRAIN_FILE, dtype, vocab, chunk_bytes) as train,
+            TokenWriter(temporary / EVAL_FILE, dtype, vocab, chunk_bytes) as held_out,
+        ):
+            budget = _Budget(max_tokens)
+            if data.source == "hf":
+                _write_stream(data, tokenizer, train, held_out, budget)
+            else:
+                _write_files(data, tokenizer, train, held_out, budget)
+            if train.count == 0:
+                raise ValueError(f"data.source {data.source!r}: no text to train on")
+            entries = {"train": train.close(), "eval": held_out.close()}
         index = {
             "format": FORMAT,
             "dtype": dtype,

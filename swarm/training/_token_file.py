@@ -85,7 +85,7 @@ class TokenWriter:
         self._dtype = DTYPES[dtype]
         self._vocab_size = vocab_size
         self._chunk_bytes = chunk_bytes
-        self._file = open(path, "wb")  # noqa: SIM115 - closed by close()
+        self._file = open(path, "wb")  # noqa: SIM115 - closed by close() or on leaving a with block
         self.restart()
 
     def restart(self) -> None:
@@ -121,6 +121,12 @@ class TokenWriter:
         self.digests.append(self._hash.hexdigest())
         self._hash = hashlib.blake2b(digest_size=_DIGEST_HEX // 2)
         self._in_chunk = 0
+
+    def __enter__(self) -> TokenWriter:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._file.close()  # a no-op after close(); after an error, what was written is discarded
 
     def close(self) -> dict[str, Any]:
         """Flush the file to disk; its index entry ``{"count", "digests"}``."""
