@@ -13,7 +13,7 @@ import torch
 from swarm._tokenizer import Tokenizer
 from swarm.training._windows import encode, hash64, is_held_out
 
-ENCODE_BATCH = 64
+ENCODE_BATCH = 256
 """Documents tokenized in one call: a fast tokenizer encodes a batch in parallel."""
 
 
