@@ -141,20 +141,29 @@ class ModelSection(Section):
 class DataSection(Section):
     """Where training text comes from."""
 
-    source: Literal["stdlib", "files", "hf"] = Field(
+    source: Literal["stdlib", "files", "hf", "tokens"] = Field(
         "stdlib",
         description="'stdlib': the Python standard library's source (no download); "
-        "'files': local text files in paths; 'hf': a streamed datasets dataset.",
+        "'files': local text files in paths; 'hf': a streamed datasets dataset; "
+        "'tokens': the directory in paths that `swarm data prepare` wrote.",
     )
     paths: list[str] = Field(
         default_factory=list,
         validate_default=True,
-        description="For source 'files': files or directories of text (per peer).",
+        description="For source 'files': files or directories of text; for 'tokens': the one prepared "
+        "directory (per peer).",
     )
     hf_dataset: str | None = Field(
         None,
         validate_default=True,
         description="For source 'hf': the dataset name, e.g. 'roneneldan/TinyStories'.",
+    )
+    hf_config: Annotated[str, Field(min_length=1)] | None = Field(
+        None, description="For source 'hf': the dataset's configuration (subset), e.g. 'sample-10BT'."
+    )
+    split: str = Field("train", min_length=1, description="For source 'hf': the split to stream.")
+    text_field: str = Field(
+        "text", min_length=1, description="For source 'hf': the field of a record that holds its text."
     )
     eval_fraction: float = Field(0.01, gt=0, lt=0.5, description="Share of the data held out for evaluation.")
     tokenizer: str | None = Field(
@@ -172,8 +181,14 @@ class DataSection(Section):
     @field_validator("paths")
     @classmethod
     def _files_need_paths(cls, value: list[str], info: ValidationInfo) -> list[str]:
-        if info.data.get("source") == "files" and not value:
+        source = info.data.get("source")
+        if source == "files" and not value:
             raise cross_field("source", "must name at least one file or directory when source is 'files'")
+        if source == "tokens" and len(value) != 1:
+            raise cross_field(
+                "source",
+                "must name exactly one directory (written by swarm data prepare) when source is 'tokens'",
+            )
         return value
 
     @field_validator("hf_dataset")
@@ -253,6 +268,9 @@ class MonitorSection(Section):
     )
 
 
+_DATA_KEYS_OUT_OF_HASH_AT_DEFAULT = {"hf_config": None, "split": "train", "text_field": "text"}
+"""Keys added after runs existed: at their default they stay out of the hash, which is then unchanged."""
+
 SECTIONS: tuple[str, ...] = (
     "run",
     "network",
@@ -328,6 +346,9 @@ class RunConfig(BaseModel):
             del view["pipeline"]
         if view["averaging"]["anchor_pull"] == "separate":  # runs keep the hashes they had before the key
             del view["averaging"]["anchor_pull"]
+        for key, default in _DATA_KEYS_OUT_OF_HASH_AT_DEFAULT.items():  # hashes of hf runs unchanged
+            if view["data"][key] == default:
+                del view["data"][key]
         if self.data.tokenizer is None:  # byte-level runs keep the hashes they had before tokenizers
             del view["data"]["tokenizer"]
         else:  # the tokenizer's content, not its name or path, is what peers must share

@@ -10,7 +10,7 @@ import torch
 
 from swarm.compression import DecodeLimits
 from swarm.config import RunConfig
-from swarm.export._files import ExportedModel, ExportError, progress_counters
+from swarm.export._files import ExportedModel, ExportError, progress_counters, run_tokenizer
 from swarm.state import StateTransferError, choose_donors, download_state, initial_peer_ids, progress_of
 from swarm.training import build_model
 
@@ -78,5 +78,10 @@ def download_model(
                 )
             param.copy_(received[name])
     return ExportedModel(
-        model.eval(), config.model, config.run.run_id, config.config_hash(), progress_counters(progress)
+        model.eval(),
+        config.model,
+        config.run.run_id,
+        config.config_hash(),
+        progress_counters(progress),
+        run_tokenizer(config),
     )

@@ -10,8 +10,17 @@ from swarm.training._optimizer import (
 )
 from swarm.training._precision import Precision, resolve_precision
 from swarm.training._prefetch import Prefetcher
+from swarm.training._prepare import prepare_tokens
 from swarm.training._throughput import PEAK_TFLOPS, Throughput, flops_per_token, peak_flops, peak_memory_bytes
-from swarm.training.data import Corpus, HFStreamSource, TrainBatches, open_source, stdlib_files
+from swarm.training.data import (
+    Corpus,
+    HFStreamSource,
+    TokenFile,
+    TokenFileError,
+    TrainBatches,
+    open_source,
+    stdlib_files,
+)
 from swarm.training.evaluation import (
     EvalSet,
     Interrupted,
@@ -44,6 +53,8 @@ __all__ = [
     "Prefetcher",
     "StepStats",
     "Throughput",
+    "TokenFile",
+    "TokenFileError",
     "TrainBatches",
     "adamw8bit_works",
     "all_finite",
@@ -66,6 +77,7 @@ __all__ = [
     "optimizer_state_bytes",
     "peak_flops",
     "peak_memory_bytes",
+    "prepare_tokens",
     "resolve_device",
     "resolve_precision",
     "stdlib_files",
