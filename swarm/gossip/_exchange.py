@@ -314,14 +314,15 @@ def mix(
     remote: Mapping[str, torch.Tensor],
     remote_weight: float,
 ) -> Mixed:
-    """``x' = (w * (2x - q) + v * p) / (w + v)`` in float64, rounded once to the local dtype."""
+    """``x' = (w * (2x - q) + v * p) / (w + v)`` in float32 (no float64: MPS has none), rounded once to
+    the local dtype."""
     total = local_weight + remote_weight
     out = {}
     for name, mine in local.items():
-        x = mine.detach().double()
+        x = mine.detach().to(torch.float32, copy=True)
         if sent[name] is not mine:  # lossy codec: x + (x - q) keeps the pair's mass exact
-            x = 2.0 * x - sent[name].to(device=mine.device, dtype=torch.float64)
-        p = remote[name].to(device=mine.device, dtype=torch.float64)
+            x.mul_(2.0).sub_(sent[name].to(device=mine.device, dtype=torch.float32))
+        p = remote[name].to(device=mine.device, dtype=torch.float32)
         mixed = x.mul_(local_weight / total).add_(p, alpha=remote_weight / total)
         out[name] = mixed.to(mine.dtype)
     return Mixed(tensors=out, weight=total / 2)
