@@ -318,7 +318,9 @@ class GossipAverager(StreamService):
         else:
             if self._ef is not None:
                 self._ef.discard_pending()
-            if ended.blame_partner:
+            if ended.bad_data:
+                self._reputation.misbehaved(partner, ended.reason)
+            elif ended.blame_partner:
                 self._reputation.failed(partner, ended.reason)
             self._metrics.count("rejected" if ended.outcome is SyncOutcome.REJECTED else "failed")
             role = "initiator" if initiator else "responder"

@@ -50,6 +50,10 @@ class PartnerRejected(SwarmError):
     """The partner answered NACK: it refused our data (or our part of the exchange)."""
 
 
+class SlowPartner(TimeoutError):
+    """While data was still due, the partner moved less than the rate floor in one window."""
+
+
 @dataclass
 class ExchangeHooks:
     """Test-only knobs: an adversarial sender and a deterministic mid-exchange stall.
@@ -74,6 +78,10 @@ class ExchangeSpec:
     policy: NormPolicy
     hooks: ExchangeHooks | None = None
     clip: ClipPolicy | None = None
+    min_rate_bytes_s: float = 0.0
+    """The rate floor of the data phase, each way (0: none); see :func:`_rate_floor`."""
+    rate_window_s: float = 10.0
+    """The window over which the floor is measured."""
 
 
 @dataclass(frozen=True)
@@ -152,8 +160,8 @@ async def run_exchange(
         parts.append(_Part.of(companion.tensors, companion.spec, None))
     sender = asyncio.create_task(_send_parts(channel, parts))
     try:
-        received = [await _receive_all(channel, part.schema) for part in parts]
-        await sender
+        receiver = asyncio.create_task(_receive_parts(channel, parts))
+        received = await _rate_floor(channel, sender, receiver, spec)
         sent = [await part.sent() for part in parts]
         for part, theirs in zip(parts, received, strict=True):
             await in_thread(validate_received, theirs, part.local, part.spec.policy)
@@ -178,15 +186,71 @@ async def run_exchange(
     return mixed
 
 
+async def _receive_parts(channel: Channel, parts: Sequence[_Part]) -> list[dict[str, torch.Tensor]]:
+    return [await _receive_all(channel, part.schema) for part in parts]
+
+
+async def _rate_floor(
+    channel: Channel,
+    sender: asyncio.Task[None],
+    receiver: asyncio.Task[list[dict[str, torch.Tensor]]],
+    spec: ExchangeSpec,
+) -> list[dict[str, torch.Tensor]]:
+    """Wait for both transfers; raise :class:`SlowPartner` as soon as one that is still running moved
+    less than ``spec.min_rate_bytes_s * spec.rate_window_s`` bytes in a window.
+
+    A partner that trickles (64 KiB every 10 s passes the framing's stall timeout) is dropped within
+    two windows, whatever its deadline: what a transfer costs the other side is bounded by the rate it
+    has to keep up, not by what it claims. Both tasks are cancelled if we end early.
+    """
+    tasks = {sender, receiver}
+    budget = spec.min_rate_bytes_s * spec.rate_window_s
+    try:
+        while not (sender.done() and receiver.done()):
+            before = (channel.bytes_sent, channel.bytes_received)
+            done, _ = await asyncio.wait(
+                [t for t in tasks if not t.done()], timeout=spec.rate_window_s,
+                return_when=asyncio.FIRST_EXCEPTION,
+            )
+            for task in done:
+                if task.exception() is not None:
+                    raise task.exception()  # type: ignore[misc]
+            if budget <= 0:
+                continue
+            if not receiver.done() and channel.bytes_received - before[1] < budget:
+                raise SlowPartner(_too_slow("received", channel.bytes_received - before[1], spec))
+            if not sender.done() and channel.bytes_sent - before[0] < budget:
+                raise SlowPartner(_too_slow("sent", channel.bytes_sent - before[0], spec))
+        await sender
+        return await receiver
+    finally:
+        for task in tasks:
+            if not task.done():
+                await _cancel(task)
+
+
+def _too_slow(what: str, nbytes: int, spec: ExchangeSpec) -> str:
+    return (
+        f"{what} {nbytes} bytes in {spec.rate_window_s:g} s, under the floor of "
+        f"{spec.min_rate_bytes_s:.0f} bytes/s"
+    )
+
+
 @dataclass(frozen=True)
 class Settled:
     """How an exchange ended: OK with its ``mixed`` result, or the outcome, the reason, and whether the
-    partner is to blame (it is not for a failure on our side, e.g. NaN in our own tensors)."""
+    partner is to blame (it is not for a failure on our side, e.g. NaN in our own tensors).
+
+    ``bad_data``: the partner sent something no honest peer sends (invalid tensors, a broken protocol):
+    banned at once, whether or not it has a record or says it is leaving. Other failures (a stream
+    cut, a deadline, the rate floor) may be a partner leaving, and wait for its record.
+    """
 
     outcome: SyncOutcome
     reason: str = ""
     mixed: Mixed | None = None
     blame_partner: bool = True
+    bad_data: bool = False
 
 
 async def settle(exchange: Awaitable[Mixed], timeout: float, partner: str) -> Settled:
@@ -198,7 +262,11 @@ async def settle(exchange: Awaitable[Mixed], timeout: float, partner: str) -> Se
         async with asyncio.timeout(timeout):
             return Settled(SyncOutcome.OK, mixed=await exchange)
     except ValidationError as exc:
-        return Settled(SyncOutcome.REJECTED, f"rejected its data: {exc}")
+        return Settled(SyncOutcome.REJECTED, f"rejected its data: {exc}", bad_data=True)
+    except SlowPartner as exc:
+        return Settled(SyncOutcome.TIMEOUT, f"dropped a slow partner: {exc}")
+    except ProtocolError as exc:
+        return Settled(SyncOutcome.FAILED, f"broke the protocol: {exc}", bad_data=True)
     except TimeoutError as exc:  # the exchange's deadline, or a stall (swarm.p2p.StalledError)
         return Settled(
             SyncOutcome.TIMEOUT, f"exchange timed out: {exc}" if str(exc) else "exchange timed out"

@@ -30,6 +30,9 @@ class GossipOptions:
     """Longest bound on one whole exchange; a value below exchange_timeout_s counts as that."""
     chunk_timeout_s: float = 10.0
     """Bound on dialling, the handshake, and on any pause in a transfer (nothing sent or received)."""
+    min_rate_bytes_s: float = 32 * 1024
+    """Rate floor of a transfer, each way: a partner that sends or reads less than this many bytes per
+    second, over any window of ``chunk_timeout_s`` while data is still due, is dropped (0: no floor)."""
     max_norm_ratio: float = 100.0
     """A received tensor may be at most this many times the norm of ours (docs/gossip.md)."""
     norm_floor: float = 1.0
@@ -63,6 +66,8 @@ class GossipOptions:
             raise ValueError(f"chunk_bytes must be at least 4096, got {self.chunk_bytes}")
         if self.exchange_timeout_s <= 0 or self.chunk_timeout_s <= 0:
             raise ValueError("timeouts must be positive")
+        if not self.min_rate_bytes_s >= 0:
+            raise ValueError(f"min_rate_bytes_s must be at least 0, got {self.min_rate_bytes_s}")
         if self.max_attempts < 1:
             raise ValueError(f"max_attempts must be at least 1, got {self.max_attempts}")
         if self.clip_strikes < 1:
@@ -93,4 +98,6 @@ class GossipOptions:
             policy=NormPolicy(max_norm_ratio=self.max_norm_ratio, norm_floor=self.norm_floor),
             hooks=hooks,
             clip=clip,
+            min_rate_bytes_s=self.min_rate_bytes_s,
+            rate_window_s=self.chunk_timeout_s,
         )

@@ -2,7 +2,10 @@
 
 The rules (docs/gossip.md, "Never a stall" and "Malicious partners"), on top of a :class:`BanList`:
 
-- an exchange or a handshake that failed through the partner's fault bans it (exponential backoff),
+- bad data (invalid tensors: NaN, another schema, an implausible norm; a broken protocol) bans its
+  sender at once (:meth:`Reputation.misbehaved`), whoever it is: a peer without a record, or one
+  whose record says ``leaving``, included. Leaving explains a cut stream, never bad data;
+- any other exchange or handshake that failed through the partner's fault bans it (exponential backoff),
   unless the partner was leaving: such a failure is *held* (the partner is not dialled meanwhile)
   until the next read of the members, then becomes a ban if the partner is still listed and not
   ``leaving``, and is dropped otherwise. Leaving a run is not misbehaving;
@@ -135,6 +138,12 @@ class Reputation:
         """An exchange with ``peer`` failed through its fault: hold it toward a ban (see :meth:`review`)."""
         with self._lock:
             self._held.setdefault(peer, (reason, self._clock()))
+
+    def misbehaved(self, peer: str, reason: str) -> None:
+        """``peer`` sent bad data: ban it now, whatever its record says (module docstring)."""
+        with self._lock:
+            self._held.pop(peer, None)
+        self.bans.ban(peer, reason)
 
     def answered(self, peer: str, reply: Reply) -> None:
         """``peer`` did not accept our HELLO: judge the answer (or the failure) and count it."""
