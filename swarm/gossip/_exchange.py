@@ -35,6 +35,7 @@ import torch
 
 from swarm._errors import SwarmError
 from swarm.compression import ErrorFeedback, FrameError, TensorStreamDecoder, encode_tensors
+from swarm.gossip._gate import NOT_COMMITTED_REASON, Turn
 from swarm.gossip._metrics import SyncOutcome
 from swarm.gossip._protocol import Channel, MsgKind, ProtocolError, parse_json
 from swarm.gossip._robust import ClipPolicy, ClipStats, robust_mix
@@ -48,6 +49,11 @@ NamedTensors = list[tuple[str, torch.Tensor]]
 
 class PartnerRejected(SwarmError):
     """The partner answered NACK: it refused our data (or our part of the exchange)."""
+
+
+class NotCommitted(SwarmError):
+    """The exchange went through, but one side's gate refused to commit it (another exchange committed
+    first, :mod:`swarm.gossip._gate`): neither side commits, and neither is to blame."""
 
 
 class SlowPartner(TimeoutError):
@@ -146,14 +152,16 @@ async def run_exchange(
     error_feedback: ErrorFeedback | None,
     norm_reference: float = 0.0,
     companion: Companion | None = None,
+    turn: Turn | None = None,
 ) -> Mixed:
     """Send ours and receive theirs concurrently, validate, mix, then swap ACKs.
 
     ``norm_reference`` (robust mixing only): our recent own norm, for blaming the partner.
     ``companion``: a second part, sent and received after the first on the same stream.
+    ``turn``: reserved before our ACK (:mod:`swarm.gossip._gate`); the caller releases it.
 
     Returns only when both sides have ACKed; raises ValidationError (we rejected their data, NACK
-    already sent), PartnerRejected, ProtocolError, or a connection/timeout error otherwise.
+    already sent), PartnerRejected, NotCommitted, ProtocolError, or a connection/timeout error.
     """
     parts = [_Part.of(local, spec, error_feedback)]
     if companion is not None:
@@ -179,10 +187,18 @@ async def run_exchange(
             _mix, companion.spec, companion.tensors, sent[1], companion.weights, received[1], 0.0
         )
         mixed = dataclasses.replace(mixed, companion=other)
+    refusal = turn.reserve() if turn is not None else None
+    if refusal is not None:
+        with contextlib.suppress(Exception):
+            await channel.send_json(MsgKind.NACK, {"reason": f"{NOT_COMMITTED_REASON} ({refusal})"})
+        raise NotCommitted(refusal)
     await channel.send(MsgKind.ACK)
     kind, payload = await channel.recv_expect(MsgKind.ACK, MsgKind.NACK)
     if kind is MsgKind.NACK:
-        raise PartnerRejected(str(parse_json(payload).get("reason", "no reason given")))
+        reason = str(parse_json(payload).get("reason", "no reason given"))
+        if reason.startswith(NOT_COMMITTED_REASON):
+            raise NotCommitted(f"the partner: {reason}")
+        raise PartnerRejected(reason)
     return mixed
 
 
@@ -209,7 +225,8 @@ async def _rate_floor(
         while not (sender.done() and receiver.done()):
             before = (channel.bytes_sent, channel.bytes_received)
             done, _ = await asyncio.wait(
-                [t for t in tasks if not t.done()], timeout=spec.rate_window_s,
+                [t for t in tasks if not t.done()],
+                timeout=spec.rate_window_s,
                 return_when=asyncio.FIRST_EXCEPTION,
             )
             for task in done:
@@ -271,6 +288,8 @@ async def settle(exchange: Awaitable[Mixed], timeout: float, partner: str) -> Se
         return Settled(
             SyncOutcome.TIMEOUT, f"exchange timed out: {exc}" if str(exc) else "exchange timed out"
         )
+    except NotCommitted as exc:
+        return Settled(SyncOutcome.FAILED, f"not committed: {exc}", blame_partner=False)
     except PartnerRejected as exc:
         return Settled(SyncOutcome.FAILED, f"it rejected our data: {exc}")
     except PEER_FAULTS as exc:

@@ -201,7 +201,9 @@ class Reputation:
                 self._suspicion[peer] = now
                 self._bound_suspicions()
         if banned:
-            self.bans.ban(peer, f"suspicious exchanges: suspicion {before + added:.2f} reached {limit:g}, the last: {reason}")
+            total = before + added
+            why = f"suspicious exchanges: suspicion {total:.2f} reached {limit:g}, the last: {reason}"
+            self.bans.ban(peer, why)
         elif now == 0.0:
             self.bans.forgive(peer)
         elif added > 0.0:

@@ -67,9 +67,10 @@ class ClipStats:
     """What the clip did to one exchange.
 
     ``scale`` is ``s`` (1.0: nothing clipped); ``excess`` is ``||d||`` over the radius our own norms and
-    the stated sample counts make plausible (module docstring); ``hard`` is ``excess > hard_factor``: the partner is suspect. ``own_norm`` is
-    ``||q||``, for the caller's reference. ``judged`` is False when no clip was computed (a joiner's
-    weight, :func:`robust_mix`): then the exchange says nothing about the partner either way.
+    the stated sample counts make plausible (module docstring); ``hard`` is ``excess > hard_factor``:
+    the partner is suspect. ``own_norm`` is ``||q||``, for the caller's reference. ``judged`` is False
+    when no clip was computed (a joiner's weight, :func:`robust_mix`): then the exchange says nothing
+    about the partner either way.
     """
 
     scale: float
