@@ -206,8 +206,9 @@ class Reputation:
             self.bans.ban(peer, why)
         elif now == 0.0:
             self.bans.forgive(peer)
-        elif added > 0.0:
-            logger.warning("suspicious partner %s (suspicion %.2f of %g): %s", peer, now, limit, reason)
+        elif added > 0.0:  # a warning from half the limit on; an honest peer's noise stays below
+            level = logging.WARNING if now >= limit / 2 else logging.DEBUG
+            logger.log(level, "suspicious partner %s (suspicion %.2f of %g): %s", peer, now, limit, reason)
 
     def _bound_suspicions(self) -> None:
         """At most ``MAX_TRACKED`` suspects (called with the lock held): the least suspect go first, so
