@@ -42,7 +42,7 @@ class GossipOptions:
     ban_max_s: float = 600.0
     """Longest ban."""
     robust_clip: bool = False
-    """Mix with the pairwise centred clip (``swarm.gossip._robust``) and count hard clips as strikes."""
+    """Mix with the pairwise centred clip (``swarm.gossip._robust``) and judge partners by it."""
     clip_ratio: float = 2.0
     """Clip radius as a multiple of the smaller of the two norms."""
     clip_floor: float = 1e-8
@@ -50,7 +50,7 @@ class GossipOptions:
     clip_hard_factor: float = 10.0
     """A difference this many times our own clip radius makes the partner suspect."""
     clip_strikes: int = 2
-    """Suspicious exchanges in a row that ban a partner."""
+    """The suspicion that bans a partner (``swarm.gossip._reputation``): a hard clip adds 1."""
     max_attempts: int = 4
     """Partners tried per sync before giving up."""
     busy_patience_s: float = 5.0
