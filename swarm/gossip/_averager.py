@@ -365,8 +365,8 @@ class GossipAverager(StreamService):
                 self._offerer.committed(local.offer, done)
             if ef is not None:
                 ef.commit_all()
-        companion_clip = mixed.companion.clip if mixed.companion is not None else None
-        self._reputation.committed(partner, mixed.clip, companion_clip)
+            companion_clip = mixed.companion.clip if mixed.companion is not None else None
+            self._reputation.committed(partner, mixed.clip, companion_clip)
         self._last_partner = partner
         self._metrics.record_ok(latency)
 

@@ -35,6 +35,7 @@ import torch
 
 from swarm._errors import SwarmError
 from swarm.compression import ErrorFeedback, FrameError, TensorStreamDecoder, encode_tensors
+from swarm.gossip._deadlines import SlowPartner, rate_floor
 from swarm.gossip._gate import NOT_COMMITTED_REASON, Turn
 from swarm.gossip._metrics import SyncOutcome
 from swarm.gossip._protocol import Channel, MsgKind, ProtocolError, parse_json
@@ -54,10 +55,6 @@ class PartnerRejected(SwarmError):
 class NotCommitted(SwarmError):
     """The exchange went through, but one side's gate refused to commit it (another exchange committed
     first, :mod:`swarm.gossip._gate`): neither side commits, and neither is to blame."""
-
-
-class SlowPartner(TimeoutError):
-    """While data was still due, the partner moved less than the rate floor in one window."""
 
 
 @dataclass
@@ -85,7 +82,7 @@ class ExchangeSpec:
     hooks: ExchangeHooks | None = None
     clip: ClipPolicy | None = None
     min_rate_bytes_s: float = 0.0
-    """The rate floor of the data phase, each way (0: none); see :func:`_rate_floor`."""
+    """The rate floor of the data phase, each way (0: none): :func:`swarm.gossip._deadlines.rate_floor`."""
     rate_window_s: float = 10.0
     """The window over which the floor is measured."""
 
@@ -169,7 +166,8 @@ async def run_exchange(
     sender = asyncio.create_task(_send_parts(channel, parts))
     try:
         receiver = asyncio.create_task(_receive_parts(channel, parts))
-        received = await _rate_floor(channel, sender, receiver, spec)
+        floor = (spec.min_rate_bytes_s, spec.rate_window_s)
+        received = await rate_floor(channel, sender, receiver, *floor)
         sent = [await part.sent() for part in parts]
         for part, theirs in zip(parts, received, strict=True):
             await in_thread(validate_received, theirs, part.local, part.spec.policy)
@@ -204,53 +202,6 @@ async def run_exchange(
 
 async def _receive_parts(channel: Channel, parts: Sequence[_Part]) -> list[dict[str, torch.Tensor]]:
     return [await _receive_all(channel, part.schema) for part in parts]
-
-
-async def _rate_floor(
-    channel: Channel,
-    sender: asyncio.Task[None],
-    receiver: asyncio.Task[list[dict[str, torch.Tensor]]],
-    spec: ExchangeSpec,
-) -> list[dict[str, torch.Tensor]]:
-    """Wait for both transfers; raise :class:`SlowPartner` as soon as one that is still running moved
-    less than ``spec.min_rate_bytes_s * spec.rate_window_s`` bytes in a window.
-
-    A partner that trickles (64 KiB every 10 s passes the framing's stall timeout) is dropped within
-    two windows, whatever its deadline: what a transfer costs the other side is bounded by the rate it
-    has to keep up, not by what it claims. Both tasks are cancelled if we end early.
-    """
-    tasks = {sender, receiver}
-    budget = spec.min_rate_bytes_s * spec.rate_window_s
-    try:
-        while not (sender.done() and receiver.done()):
-            before = (channel.bytes_sent, channel.bytes_received)
-            done, _ = await asyncio.wait(
-                [t for t in tasks if not t.done()],
-                timeout=spec.rate_window_s,
-                return_when=asyncio.FIRST_EXCEPTION,
-            )
-            for task in done:
-                if task.exception() is not None:
-                    raise task.exception()  # type: ignore[misc]
-            if budget <= 0:
-                continue
-            if not receiver.done() and channel.bytes_received - before[1] < budget:
-                raise SlowPartner(_too_slow("received", channel.bytes_received - before[1], spec))
-            if not sender.done() and channel.bytes_sent - before[0] < budget:
-                raise SlowPartner(_too_slow("sent", channel.bytes_sent - before[0], spec))
-        await sender
-        return await receiver
-    finally:
-        for task in tasks:
-            if not task.done():
-                await _cancel(task)
-
-
-def _too_slow(what: str, nbytes: int, spec: ExchangeSpec) -> str:
-    return (
-        f"{what} {nbytes} bytes in {spec.rate_window_s:g} s, under the floor of "
-        f"{spec.min_rate_bytes_s:.0f} bytes/s"
-    )
 
 
 @dataclass(frozen=True)
