@@ -331,7 +331,7 @@ class GossipAverager(StreamService):
                 result = self._result(ended.outcome, partner, channel, latency, ended.reason)
                 done = None if local.offer is None else committed_of(ended.mixed, theirs, initiator, result)
                 await in_thread(self._commit, partner, local, ended.mixed, latency, (ef, turn), done)
-                return self._result(ended.outcome, partner, channel, latency, ended.reason)
+                return dataclasses.replace(result, weight=self._weight)  # registered mode: the new one
         finally:  # cancelled (abort() or shutdown), failed, or committed above: nothing more commits
             turn.release(committed=False)
         if ended.bad_data:
