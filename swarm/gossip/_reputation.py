@@ -12,16 +12,12 @@ The rules (docs/gossip.md, "Never a stall" and "Malicious partners"), on top of 
 - BUSY costs nothing; a REJECT saying that it banned *us* does not ban it back: that is no evidence
   against it (perhaps the failure was ours), and banning back would keep the pair apart long after
   its ban on us expired;
-- every committed exchange the robust clip judged adds to, or takes from, the partner's *suspicion*
-  (:func:`suspicion_of`), and a suspicion of ``clip_strikes`` bans it. A hard clip adds
-  :data:`HARD_SUSPICION`; a softer excess (per stated sample, ``swarm.gossip._robust``) above
-  :data:`ALLOWANCE` adds a little, one below takes a little away. So a consistent push that is never
-  hard (a negated update, a bias of twice the update's norm) is banned after a few exchanges, an
-  attacker that alternates hard clips with clean exchanges is banned at its third hard clip, and one
-  clean exchange never wipes the record: it decays slowly. An honest peer's rare large excess (noise,
-  a partner that synced a step ago) is forgotten within a few ordinary exchanges;
-- after a ban the suspicion restarts at half the limit; strikes (the ban backoff) are forgiven only
-  when the suspicion is back to zero, or by an exchange without a clip at all;
+- every committed exchange the robust clip judged (per stated sample, ``swarm.gossip._robust``) is
+  evidence for or against the partner (:mod:`swarm.gossip._suspicion`): hard clips that accumulate
+  and decay slowly, and a median excess over the last few exchanges; either bans it. One clean
+  exchange never wipes the record, and the strikes (the ban backoff) are forgiven only once the
+  evidence is back to ordinary;
+- an exchange without a clip at all forgives the partner;
 - one the clip did not judge (a joiner's weight) changes nothing.
 
 The robust clip blames relative to our own recent norms, so they are kept here too.
@@ -38,36 +34,16 @@ from collections.abc import Callable, Sequence
 from swarm.gossip._handshake import BANNED_REASON, Reply
 from swarm.gossip._metrics import MetricsRecorder
 from swarm.gossip._options import GossipOptions
-from swarm.gossip._partners import MAX_TRACKED, BanList, PartnerInfo
+from swarm.gossip._partners import BanList, PartnerInfo
 from swarm.gossip._protocol import MsgKind
 from swarm.gossip._robust import ClipStats
+from swarm.gossip._suspicion import Suspicions, Verdict
 
 logger = logging.getLogger(__name__)
 
 HOLD_S = 5.0
 """A failure is judged this long after it happened at the earliest: time for a leaving partner's record
 to say so."""
-
-
-HARD_SUSPICION = 1.0
-"""Suspicion a hard clip adds: ``clip_strikes`` (2) of them in a row ban, as they always did."""
-ALLOWANCE = 0.5
-"""An excess (per stated sample) below this lowers the suspicion, above it raises it. Honest excesses:
-median 0.18, p99 0.71 in the 5-peer runs of docs/gossip.md, measured before per-sample judging, which
-only widens an honest partner's radius (a partner stating more samples than us narrows it)."""
-SOFT_CAP = 2.0
-"""An excess counts at most this much below the hard factor: one noisy exchange is not a ban."""
-SOFT_RATE = 0.5
-"""Suspicion per unit of excess above (or below) :data:`ALLOWANCE`: an excess of 1 (a negated
-update, or a push of twice our norm, with equal weights) adds 0.25, so 8 in a row ban; an honest
-exchange at the median takes 0.16 away."""
-
-
-def suspicion_of(excess: float, hard: bool) -> float:
-    """What one judged part of a committed exchange adds to its partner's suspicion (may be negative)."""
-    if hard:
-        return HARD_SUSPICION
-    return SOFT_RATE * (min(excess, SOFT_CAP) - ALLOWANCE)
 
 
 class Reputation:
@@ -90,7 +66,7 @@ class Reputation:
         self._metrics = metrics
         self._own_norms: collections.deque[float] = collections.deque(maxlen=8)
         self._held: dict[str, tuple[str, float]] = {}  # peer: (failure, when), judged by review()
-        self._suspicion: dict[str, float] = {}  # peer: suspicion (> 0), see suspicion_of
+        self._suspicions = Suspicions(float(options.clip_strikes))
         self._clock = clock
         self._lock = threading.Lock()
 
@@ -157,16 +133,15 @@ class Reputation:
         self._metrics.count("failed")
 
     def suspicion(self, peer: str) -> float:
-        """``peer``'s suspicion now (0: none); a ban comes at ``clip_strikes``."""
-        with self._lock:
-            return self._suspicion.get(peer, 0.0)
+        """``peer``'s hard clips' worth now (0: none); a ban comes at ``clip_strikes``."""
+        return self._suspicions.hard_count(peer)
 
     def committed(self, peer: str, clip: ClipStats | None, companion: ClipStats | None = None) -> None:
-        """An exchange with ``peer`` committed: add its judged parts' suspicion (module docstring).
+        """An exchange with ``peer`` committed: judge its parts (module docstring).
 
-        ``companion``: the clip of the exchange's companion part, judged alike (the worse part counts,
-        once); only the first part's norm is remembered as ours. No blame before we know our own
-        usual norm: a first, tiny warm-up update looks like a victim.
+        ``companion``: the clip of the exchange's companion part, judged alike (a hard part counts,
+        once; else the larger excess); only the first part's norm is remembered as ours. No blame
+        before we know our own usual norm: a first, tiny warm-up update looks like a victim.
         """
         knows_own_norm = bool(self._own_norms)
         if clip is not None:
@@ -180,38 +155,14 @@ class Reputation:
         judged = [(what, c) for what, c in clips if c.judged]
         if not judged:
             return
-        if any(c.hard for _, c in judged) and knows_own_norm:
+        what, worst = max(judged, key=lambda part: (part[1].hard, part[1].excess))
+        if worst.hard and knows_own_norm:
             self._metrics.count("suspect")
-        what, worst = max(judged, key=lambda part: suspicion_of(part[1].excess, part[1].hard))
-        added = suspicion_of(worst.excess, worst.hard)
-        if not knows_own_norm:
-            added = min(added, 0.0)
-        reason = f"its {what} was {worst.excess:.3g}x our plausible radius (clipped to {worst.scale:.3g})"
-        self._add_suspicion(peer, added, reason)
-
-    def _add_suspicion(self, peer: str, added: float, reason: str) -> None:
-        limit = float(self._clip_strikes)
-        with self._lock:
-            before = self._suspicion.pop(peer, 0.0)
-            now = max(0.0, before + added)
-            banned = now >= limit
-            if banned:
-                now = limit / 2  # on probation when the ban ends
-            if now > 0.0:
-                self._suspicion[peer] = now
-                self._bound_suspicions()
-        if banned:
-            total = before + added
-            why = f"suspicious exchanges: suspicion {total:.2f} reached {limit:g}, the last: {reason}"
-            self.bans.ban(peer, why)
-        elif now == 0.0:
+            excess = worst.excess
+            logger.warning("suspicious partner %s: its %s was %.3gx our plausible radius", peer, what, excess)
+        verdict, why = self._suspicions.judge(peer, worst.excess, worst.hard, blame=knows_own_norm)
+        if verdict is Verdict.BAN:
+            last = f"its {what} was {worst.excess:.3g}x our plausible radius (clipped to {worst.scale:.3g})"
+            self.bans.ban(peer, f"suspicious exchanges: {why}; the last: {last}")
+        elif verdict is Verdict.FORGIVE:
             self.bans.forgive(peer)
-        elif added > 0.0:  # a warning from half the limit on; an honest peer's noise stays below
-            level = logging.WARNING if now >= limit / 2 else logging.DEBUG
-            logger.log(level, "suspicious partner %s (suspicion %.2f of %g): %s", peer, now, limit, reason)
-
-    def _bound_suspicions(self) -> None:
-        """At most ``MAX_TRACKED`` suspects (called with the lock held): the least suspect go first, so
-        throwaway identities cannot flush a real suspect's record."""
-        while len(self._suspicion) > MAX_TRACKED:
-            del self._suspicion[min(self._suspicion, key=self._suspicion.__getitem__)]
