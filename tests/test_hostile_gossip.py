@@ -108,6 +108,24 @@ def test_a_consistent_attack_under_the_hard_factor_is_banned_and_honest_noise_is
     assert _exchanges(_honest, 400) is None, "an honest partner was banned"
 
 
+def test_runs_of_large_honest_excesses_are_not_banned_a_steady_one_is() -> None:
+    """Honest pairs that attackers pulled apart show runs of excesses of 1.4-2.2 (the 5-peer malicious
+    test), amid ordinary ones: never banned. A steady 0.9 (a negated update) is, within 8 exchanges."""
+
+    def stats(excess: float) -> ClipStats:
+        return ClipStats(scale=min(1.0, 1.0 / excess), excess=excess, hard=False, own_norm=1.0)
+
+    reputation = Reputation(GossipOptions(clip_strikes=2), MetricsRecorder())
+    reputation.committed("warmup", stats(0.2))
+    for _ in range(30):
+        for excess in [0.2] * 5 + [2.2, 1.4, 2.0]:
+            reputation.committed("honest", stats(excess))
+    assert not reputation.is_banned("honest")
+    for _ in range(8):
+        reputation.committed("steady", stats(0.9))
+    assert reputation.is_banned("steady") and "median excess" in reputation.reasons()["steady"]
+
+
 def test_alternating_hard_clips_and_clean_exchanges_are_banned_and_not_forgiven() -> None:
     """The attacker echoes our own update (a clean exchange) between hard clips: it is banned at its
     third hard clip, and the clean exchange after the ban does not forgive its strike."""

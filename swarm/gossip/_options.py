@@ -50,7 +50,8 @@ class GossipOptions:
     clip_hard_factor: float = 10.0
     """A difference this many times our own clip radius makes the partner suspect."""
     clip_strikes: int = 2
-    """The suspicion that bans a partner (``swarm.gossip._reputation``): a hard clip adds 1."""
+    """Hard clips' worth that bans a partner (``swarm.gossip._suspicion``): each adds 1, ordinary
+    exchanges wear them down."""
     max_attempts: int = 4
     """Partners tried per sync before giving up."""
     busy_patience_s: float = 5.0
