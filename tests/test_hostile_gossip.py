@@ -196,6 +196,42 @@ def test_a_trickling_partner_is_dropped_by_the_rate_floor() -> None:
     assert len(trickled) < len(frames) // 2, (len(trickled), len(frames))
 
 
+def test_a_partner_reading_slowly_is_dropped_by_the_rate_floor() -> None:
+    """The other direction: the partner sends its part at once but reads ours at 4 KiB a second."""
+    codec = get_codec("fp32")
+    spec = ExchangeSpec(
+        codec=codec, chunk_bytes=65536, policy=NormPolicy(), min_rate_bytes_s=64 * 1024, rate_window_s=0.5
+    )
+    numel = 1 << 21  # 8 MiB: far more than the socket and transport buffers hold
+    ours = {"x": torch.randn(numel)}
+    frames = list(encode_tensors([("x", torch.randn(numel))], codec, chunk_bytes=65536))
+    taken: list[int] = []
+
+    async def scenario() -> exchange_module.Settled:
+        a, b = await _channel_pair()
+
+        async def slow_reader() -> None:
+            for frame in frames:
+                await b.send(MsgKind.DATA, frame)
+            await b.send_json(MsgKind.END, {"frames": len(frames)})
+            while chunk := await b._reader.read(4096):
+                taken.append(len(chunk))
+                await asyncio.sleep(1.0)  # the attacker's pace
+
+        attacker = asyncio.create_task(slow_reader())
+        try:
+            return await settle(run_exchange(a, ours, (1.0, 1.0), spec, None), 60.0, "slow reader")
+        finally:
+            attacker.cancel()
+            await asyncio.gather(attacker, return_exceptions=True)
+            a.close()
+            b.close()
+
+    ended = asyncio.run(scenario())
+    assert ended.outcome is SyncOutcome.TIMEOUT and "slow partner" in ended.reason, ended
+    assert "sent" in ended.reason and sum(taken) < numel * 4 // 2, (ended.reason, sum(taken))
+
+
 def test_overlapping_exchanges_commit_at_most_once() -> None:
     gate = ExchangeGate()
     first, second = Turn(gate, gate.generation()), Turn(gate, gate.generation())

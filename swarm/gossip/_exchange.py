@@ -35,7 +35,7 @@ import torch
 
 from swarm._errors import SwarmError
 from swarm.compression import ErrorFeedback, FrameError, TensorStreamDecoder, encode_tensors
-from swarm.gossip._deadlines import SlowPartner, rate_floor
+from swarm.gossip._deadlines import Sending, SlowPartner, rate_floor
 from swarm.gossip._gate import NOT_COMMITTED_REASON, Turn
 from swarm.gossip._metrics import SyncOutcome
 from swarm.gossip._protocol import Channel, MsgKind, ProtocolError, parse_json
@@ -163,11 +163,12 @@ async def run_exchange(
     parts = [_Part.of(local, spec, error_feedback)]
     if companion is not None:
         parts.append(_Part.of(companion.tensors, companion.spec, None))
-    sender = asyncio.create_task(_send_parts(channel, parts))
+    sending = Sending()
+    sender = asyncio.create_task(_send_parts(channel, parts, sending))
     try:
         receiver = asyncio.create_task(_receive_parts(channel, parts))
         floor = (spec.min_rate_bytes_s, spec.rate_window_s)
-        received = await rate_floor(channel, sender, receiver, *floor)
+        received = await rate_floor(channel, sender, receiver, *floor, sending)
         sent = [await part.sent() for part in parts]
         for part, theirs in zip(parts, received, strict=True):
             await in_thread(validate_received, theirs, part.local, part.spec.policy)
@@ -277,10 +278,10 @@ def _next_frame(frames: Iterator[bytes], own: TensorStreamDecoder | None) -> byt
     return frame
 
 
-async def _send_parts(channel: Channel, parts: Sequence[_Part]) -> None:
+async def _send_parts(channel: Channel, parts: Sequence[_Part], sending: Sending) -> None:
     """Each part's frames and END, one part after the other."""
     for part in parts:
-        await _send_all(channel, list(part.local.items()), part.spec, part.error_feedback, part.own)
+        await _send_all(channel, list(part.local.items()), part.spec, part.error_feedback, part.own, sending)
 
 
 async def _send_all(
@@ -289,6 +290,7 @@ async def _send_all(
     spec: ExchangeSpec,
     error_feedback: ErrorFeedback | None,
     own: TensorStreamDecoder | None,
+    sending: Sending,
 ) -> None:
     hooks, codec = spec.hooks, _codec(spec)
     if hooks is not None and hooks.tamper is not None:
@@ -296,7 +298,11 @@ async def _send_all(
     frames = encode_tensors(named, codec, chunk_bytes=spec.chunk_bytes, error_feedback=error_feedback)
     count = 0
     while (frame := await in_thread(_next_frame, frames, own)) is not None:
-        await channel.send(MsgKind.DATA, frame)
+        sending.writing = True
+        try:
+            await channel.send(MsgKind.DATA, frame)
+        finally:
+            sending.writing = False
         count += 1
         if hooks is not None and hooks.stall_after_frames == count:
             await _stall(hooks.on_stall)
