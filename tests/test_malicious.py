@@ -103,7 +103,7 @@ def _bans_while_all_trained(reports: list[dict[str, Any]], index: int) -> list[t
     return [(peer, reason) for at, peer, reason in reports[index]["bans"] if at < first_done]
 
 
-VERDICTS = ("rejected its data", "it rejected our data", "suspicious exchanges in a row")
+VERDICTS = ("rejected its data", "it rejected our data", "suspicious exchanges")
 """How the reasons of bans for data start (swarm/gossip/_exchange.py, _partners.py); the rest are for
 streams that broke or stalled."""
 

@@ -46,6 +46,15 @@ class ErrorFeedback:
             self._pending[name] = x
         return encoded
 
+    def fork(self) -> ErrorFeedback:
+        """A view for one of several exchanges in flight at once: it encodes from the committed
+        residuals shared with this object, keeps pending residuals of its own, and its ``commit_all``
+        makes them the shared committed ones. (The caller lets at most one of overlapping exchanges
+        commit, so the residuals stay one chain.)"""
+        view = ErrorFeedback(self.codec)
+        view._residuals = self._residuals
+        return view
+
     def commit(self, name: str) -> None:
         """Make the pending residual of `name` current; KeyError if nothing is pending."""
         try:

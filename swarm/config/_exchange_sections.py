@@ -84,7 +84,7 @@ class AveragingSection(Section):
         description="A difference over this many clip radii (from our own norm) counts against the partner.",
     )
     clip_strikes: int = Field(
-        2, ge=1, description="Hard-clipped exchanges in a row that ban a partner (with backoff)."
+        2, ge=1, description="Hard clips that ban a partner (with backoff); ordinary exchanges wear them off."
     )
     ban_base_s: float = Field(
         10.0, gt=0, description="First ban of a misbehaving partner, in seconds (per peer)."

@@ -1,9 +1,10 @@
 """GossipAverager: quantized pairwise averaging with random live partners over hivemind P2P.
 
 Threads: the caller's thread (``sync``, ``start_background``'s worker) and one private event-loop
-thread that owns the P2P client, serves incoming exchanges, and runs outgoing ones. One lock makes
-exchanges exclusive: whoever holds it (a ``sync`` call, a served exchange, or ``paused()``) is the
-only one touching the registered tensors; a partner that finds it taken gets BUSY.
+thread that owns the P2P client, serves incoming exchanges, and runs outgoing ones. The exchange lock
+(:class:`~swarm.gossip._gate.ExchangeGate`) is held only for local, short work: taking an offer,
+committing, and ``paused()``; never while a partner's data is awaited, so a slow partner cannot make
+our own sync wait. The gate's generation lets only one of overlapping exchanges commit.
 """
 
 from __future__ import annotations
@@ -30,10 +31,11 @@ from swarm.gossip._exchange import (
     run_exchange,
     settle,
 )
+from swarm.gossip._gate import ExchangeGate, Turn
 from swarm.gossip._handshake import BANNED_REASON, Handshake
 from swarm.gossip._local import Local, committed_of, companion_of, with_companion
 from swarm.gossip._metrics import GossipMetrics, MetricsRecorder, SyncOutcome, SyncResult, log_failure
-from swarm.gossip._offer import Offerer
+from swarm.gossip._offer import Committed, Offerer
 from swarm.gossip._options import GossipOptions
 from swarm.gossip._partners import PartnerInfo, PartnerSource, eligible_partners, pick_order
 from swarm.gossip._protocol import PROTOCOL_VERSION, Channel, Hello, MsgKind, handler_name, parse_json
@@ -123,15 +125,17 @@ class GossipAverager(StreamService):
             opts.exchange_timeout_s, max(opts.exchange_timeout_s, opts.max_exchange_timeout_s)
         )
         self._rng = random.Random(seed)
-        # one exchange at a time, across averagers that share the lock (their buffers never add up)
-        self._lock: threading.Lock = exclusive_with._lock if exclusive_with is not None else threading.Lock()
+        # averagers that share the gate take turns: at most one own sync and one served exchange in
+        # flight across them, and only one of overlapping exchanges commits
+        self._gate: ExchangeGate = exclusive_with._gate if exclusive_with is not None else ExchangeGate()
+        self._lock: threading.Lock = self._gate.lock
         self._local: Local | None = None
         self._last_partner: str | None = None
         self._weight = float(initial_weight)
         self._background: Background | None = None
         self._aborted = False
         self._inflight: asyncio.Task[SyncResult] | None = None  # only touched on the loop thread
-        self._serving: asyncio.Task[None] | None = None  # the served exchange holding the lock, if any
+        self._serving: asyncio.Task[None] | None = None  # the served exchange in flight, if any
         self._start(f"gossip-{run_id}")
 
     # ------------------------------------------------------------------ public API
@@ -146,24 +150,34 @@ class GossipAverager(StreamService):
         ``tensors=None`` syncs the tensors registered earlier, or in offer mode a fresh offer (SKIPPED
         when the offerer has nothing to offer).
 
-        If every partner tried is BUSY, the call backs off (randomized, exponential) *without* holding
-        the exchange lock, so partners can exchange with us meanwhile, and tries again for up to
-        ``busy_patience_s``; only then does it return BUSY.
+        If every partner tried is BUSY, the call backs off (randomized, exponential) without counting
+        as an exchange, so partners can exchange with us meanwhile, and tries again for up to
+        ``busy_patience_s``; only then does it return BUSY. A served exchange in flight is waited for
+        at most that long too; then both run, and the first to commit wins (the other commits nothing).
         """
         if self._closed:
             raise RuntimeError("the averager is closed")
+        with self._gate.sync_lock:
+            return self._sync(tensors, weight)
+
+    def _sync(self, tensors: Tensors | None, weight: float | None) -> SyncResult:
         give_up_busy = time.monotonic() + self.options.busy_patience_s
         backoff, sent, received = 0.01, 0, 0
         while True:
-            with self._lock:
-                offerer = self._offerer
-                local = self._offered(offerer) if offerer is not None else self._register(tensors, weight)
+            candidates = list(self._partner_source())
+            self._reputation.review(candidates)
+            self._gate.begin_sync(max(0.0, give_up_busy - time.monotonic()))
+            try:
+                with self._lock:
+                    offerer = self._offerer
+                    local = self._offered(offerer) if offerer is not None else self._register(tensors, weight)
+                    turn = Turn(self._gate, self._gate.generation())
                 tensors = weight = None
                 if local is None:
                     return self._result(SyncOutcome.SKIPPED, None, None, 0.0, "nothing to offer")
-                candidates = list(self._partner_source())
-                self._reputation.review(candidates)
-                result = self._loop.run(self._initiate_abortable(local, candidates))
+                result = self._loop.run(self._initiate_abortable(local, candidates, turn))
+            finally:
+                self._gate.end_sync()
             sent, received = sent + result.bytes_sent, received + result.bytes_received
             pause = self._rng.uniform(backoff / 2, backoff)
             if (
@@ -186,9 +200,13 @@ class GossipAverager(StreamService):
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
-        """Hold off exchanges (partners get BUSY) while the caller reads or mutates the tensors."""
+        """Hold off exchanges while the caller reads or mutates the tensors: partners get BUSY, and an
+        exchange already in flight does not commit (the tensors it began with may have changed)."""
         with self._lock:
-            yield
+            try:
+                yield
+            finally:
+                self._gate.changed()
 
     @property
     def weight(self) -> float:
@@ -262,8 +280,11 @@ class GossipAverager(StreamService):
         if tensors is None:
             if self._local is None:
                 raise ValueError("no tensors registered yet: pass tensors to sync() or set_tensors()")
+            if self._local.weight != self._weight:
+                self._gate.changed()
             self._local.weight = self._weight
             return self._local
+        self._gate.changed()
         self._local = self._local_of(tensors, self._weight)
         return self._local
 
@@ -288,53 +309,64 @@ class GossipAverager(StreamService):
     # ------------------------------------------------------------------ both roles
 
     async def _exchange(
-        self, partner: str, channel: Channel, local: Local, theirs: Hello, *, initiator: bool
+        self, partner: str, channel: Channel, local: Local, theirs: Hello, turn: Turn, *, initiator: bool
     ) -> SyncResult:
-        """Run the data phase under the exchange deadline; commit, or leave everything untouched."""
+        """Run the data phase under the exchange deadline, without the exchange lock; commit (under
+        it) if ``turn`` got the reservation and both sides ACKed, or leave everything untouched."""
         started, before = time.monotonic(), (channel.bytes_sent, channel.bytes_received)
         norm_reference = self._reputation.norm_reference()
         weights = (local.weight, theirs.weight)
         companion = companion_of(local, theirs, self._companion_spec)
+        ef = self._ef.fork() if self._ef is not None else None  # its pending residuals are its own
         exchange = run_exchange(
-            channel, local.tensors, weights, self._spec, self._ef, norm_reference, companion
+            channel, local.tensors, weights, self._spec, ef, norm_reference, companion, turn
         )
         try:
             deadline = self._deadlines.exchange_s(partner, local.total_nbytes)
             ended = await settle(exchange, deadline, partner)
-        except asyncio.CancelledError:  # abort() or shutdown: nothing is committed
-            if self._ef is not None:
-                self._ef.discard_pending()
-            raise
-        latency = time.monotonic() - started
-        moved = max(channel.bytes_sent - before[0], channel.bytes_received - before[1])
-        self._deadlines.observe(partner, moved, latency)  # a deadline too short still measured the link
-        if ended.mixed is not None:
-            self._commit(partner, local, ended.mixed, latency)
-            result = self._result(ended.outcome, partner, channel, latency, ended.reason)
-            if local.offer is not None and self._offerer is not None:  # offer mode
-                done = committed_of(ended.mixed, theirs, initiator, result)
-                await in_thread(self._offerer.committed, local.offer, done)
-            return result
-        else:
-            if self._ef is not None:
-                self._ef.discard_pending()
-            if ended.blame_partner:
-                self._reputation.failed(partner, ended.reason)
-            self._metrics.count("rejected" if ended.outcome is SyncOutcome.REJECTED else "failed")
-            role = "initiator" if initiator else "responder"
-            log_failure(role, partner, "data", ended.outcome, ended.reason)
+            latency = time.monotonic() - started
+            moved = max(channel.bytes_sent - before[0], channel.bytes_received - before[1])
+            self._deadlines.observe(partner, moved, latency)  # a deadline too short still measured the link
+            if ended.mixed is not None:
+                result = self._result(ended.outcome, partner, channel, latency, ended.reason)
+                done = None if local.offer is None else committed_of(ended.mixed, theirs, initiator, result)
+                await in_thread(self._commit, partner, local, ended.mixed, latency, (ef, turn), done)
+                return dataclasses.replace(result, weight=self._weight)  # registered mode: the new one
+        finally:  # cancelled (abort() or shutdown), failed, or committed above: nothing more commits
+            turn.release(committed=False)
+        if ended.bad_data:
+            self._reputation.misbehaved(partner, ended.reason)
+        elif ended.blame_partner:
+            self._reputation.failed(partner, ended.reason)
+        self._metrics.count("rejected" if ended.outcome is SyncOutcome.REJECTED else "failed")
+        role = "initiator" if initiator else "responder"
+        log_failure(role, partner, "data", ended.outcome, ended.reason)
         return self._result(ended.outcome, partner, channel, latency, ended.reason)
 
-    def _commit(self, partner: str, local: Local, mixed: Mixed, latency: float) -> None:
-        """Apply a fully ACKed exchange: tensors in place, weight, error-feedback residuals; then judge
-        the partner (a hard clip is a strike toward a ban, anything else forgives it)."""
-        if local.offer is None:
-            commit(local.tensors, mixed)
-            local.weight = self._weight = mixed.weight
-        if self._ef is not None:
-            self._ef.commit_all()
-        companion_clip = mixed.companion.clip if mixed.companion is not None else None
-        self._reputation.committed(partner, mixed.clip, companion_clip)
+    def _commit(
+        self,
+        partner: str,
+        local: Local,
+        mixed: Mixed,
+        latency: float,
+        claim: tuple[ErrorFeedback | None, Turn],
+        done: Committed | None,
+    ) -> None:
+        """Apply a fully ACKed exchange under the exchange lock (a worker thread): tensors in place and
+        weight, or the offerer's ``committed`` with ``done``; error-feedback residuals; the turn's
+        reservation ends committed. Then judge the partner (:meth:`Reputation.committed`)."""
+        ef, turn = claim
+        with self._lock:
+            turn.release(committed=True)
+            if local.offer is None:
+                commit(local.tensors, mixed)
+                local.weight = self._weight = mixed.weight
+            elif self._offerer is not None and done is not None:
+                self._offerer.committed(local.offer, done)
+            if ef is not None:
+                ef.commit_all()
+            companion_clip = mixed.companion.clip if mixed.companion is not None else None
+            self._reputation.committed(partner, mixed.clip, companion_clip)
         self._last_partner = partner
         self._metrics.record_ok(latency)
 
@@ -363,35 +395,49 @@ class GossipAverager(StreamService):
         if self._aborted:
             await channel.send_json(MsgKind.BUSY, {"reason": "leaving"})
             return
-        if not self._lock.acquire(blocking=False):
+        if not self._gate.try_serve():
             await channel.send_json(MsgKind.BUSY, {"reason": "in another exchange"})
             return
         self._serving = asyncio.current_task()
         try:
-            local = self._local if self._offerer is None else await in_thread(self._offered, self._offerer)
-            if local is None:
+            taken = await self._serving_offer()
+            if taken is None:
                 await channel.send_json(MsgKind.BUSY, {"reason": "nothing to offer yet"})
                 return
+            local, turn = taken
             ours = self._handshake.hello(*local.stated())
             mismatch = ours.mismatch(theirs)
             if mismatch is not None:
                 await channel.send_json(MsgKind.REJECT, {"reason": mismatch})
                 return
             await channel.send_json(MsgKind.ACCEPT, ours.to_json())
-            result = await self._exchange(peer, channel, local, theirs, initiator=False)
+            result = await self._exchange(peer, channel, local, theirs, turn, initiator=False)
             logger.debug("served exchange with %s: %s %s", peer, result.outcome.value, result.reason)
         finally:
             self._serving = None
+            self._gate.served()
+
+    async def _serving_offer(self) -> tuple[Local, Turn] | None:
+        """What we serve and its turn, taken under the exchange lock; None if there is nothing to
+        offer or the lock is held (``paused()``, or a commit: the partner gets BUSY)."""
+        if not self._lock.acquire(blocking=False):
+            return None
+        try:
+            local = self._local if self._offerer is None else await in_thread(self._offered, self._offerer)
+            return None if local is None else (local, Turn(self._gate, self._gate.generation()))
+        finally:
             self._lock.release()
 
     # ------------------------------------------------------------------ initiating side
 
-    async def _initiate_abortable(self, local: Local, candidates: Sequence[PartnerInfo]) -> SyncResult:
+    async def _initiate_abortable(
+        self, local: Local, candidates: Sequence[PartnerInfo], turn: Turn
+    ) -> SyncResult:
         """:meth:`_initiate` as a task that :meth:`abort` can cancel; a cancelled one returns CANCELLED."""
         cancelled = self._result(SyncOutcome.CANCELLED, None, None, 0.0, "aborted: shutting down")
         if self._aborted:
             return cancelled
-        self._inflight = asyncio.ensure_future(self._initiate(local, candidates))
+        self._inflight = asyncio.ensure_future(self._initiate(local, candidates, turn))
         try:
             return await self._inflight
         except asyncio.CancelledError:
@@ -402,7 +448,7 @@ class GossipAverager(StreamService):
         finally:
             self._inflight = None
 
-    async def _initiate(self, local: Local, candidates: Sequence[PartnerInfo]) -> SyncResult:
+    async def _initiate(self, local: Local, candidates: Sequence[PartnerInfo], turn: Turn) -> SyncResult:
         """Try random eligible partners until one accepts; that exchange's outcome is the result."""
         eligible = eligible_partners(
             candidates,
@@ -418,7 +464,7 @@ class GossipAverager(StreamService):
         channels: list[Channel] = []
         try:
             order = pick_order(eligible, self._rng, self.options.max_attempts)
-            result = await self._try_partners(order, local, channels)
+            result = await self._try_partners(order, local, channels, turn)
         finally:
             for channel in channels:
                 channel.close()
@@ -428,7 +474,7 @@ class GossipAverager(StreamService):
         return dataclasses.replace(result, bytes_sent=sent, bytes_received=received)
 
     async def _try_partners(
-        self, order: Sequence[PartnerInfo], local: Local, channels: list[Channel]
+        self, order: Sequence[PartnerInfo], local: Local, channels: list[Channel], turn: Turn
     ) -> SyncResult:
         deadline = time.monotonic() + self.options.exchange_timeout_s
         busy, reason = 0, ""
@@ -438,7 +484,9 @@ class GossipAverager(StreamService):
             hello = self._handshake.hello(*local.stated())
             reply = await self._handshake.propose(self._p2p, info.peer_id, hello, channels)
             if reply.kind is MsgKind.ACCEPT and reply.channel is not None and reply.hello is not None:
-                return await self._exchange(info.peer_id, reply.channel, local, reply.hello, initiator=True)
+                return await self._exchange(
+                    info.peer_id, reply.channel, local, reply.hello, turn, initiator=True
+                )
             self._reputation.answered(info.peer_id, reply)
             busy += reply.kind is MsgKind.BUSY
             if reply.kind is not MsgKind.BUSY:

@@ -7,21 +7,28 @@ exchange by ``margin x bytes / rate``, where ``rate`` is what the last exchanges
 achieved, within ``[floor_s, cap_s]``. A partner never measured is given the median rate measured to
 the others (this peer's own link is often the bottleneck; one slow-dripping partner cannot stretch
 everyone's deadline), or :data:`PRIOR_RATE_BYTES_S` before any measurement. A partner that stalls
-is not this module's business: the framing drops a stream on which nothing moves for
-``chunk_timeout_s`` (:class:`swarm.p2p.StalledError`), whatever the deadline.
+is dropped by the framing when nothing moves for ``chunk_timeout_s`` (:class:`swarm.p2p.StalledError`),
+and one that trickles (a piece every few seconds) by the rate floor (:func:`rate_floor`), whatever
+the deadline.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import statistics
 from collections import OrderedDict
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeVar
 
 if TYPE_CHECKING:
     import torch
 
     from swarm.compression import Codec
+    from swarm.gossip._protocol import Channel
+
+T = TypeVar("T")
 
 PRIOR_RATE_BYTES_S = 125_000.0
 """The rate assumed before any exchange was measured: 1 Mbit/s, a slow home uplink."""
@@ -80,6 +87,69 @@ class Deadlines:
         """The deadline of an exchange that moves ``nbytes`` each way with ``partner``."""
         expected = nbytes / self.rate(partner)
         return min(self.cap_s, max(self.floor_s, self.margin * expected))
+
+
+class SlowPartner(TimeoutError):
+    """While data was still due, the partner moved less than the rate floor in one window."""
+
+
+@dataclass
+class Sending:
+    """Set by our sender while it waits inside a write, i.e. on the partner to take our bytes: a
+    sender that is slow for reasons of its own (encoding under load, a test's stall) is not the
+    partner's fault."""
+
+    writing: bool = False
+
+
+async def rate_floor(
+    channel: Channel,
+    sender: asyncio.Task[None],
+    receiver: asyncio.Task[T],
+    floor_bytes_s: float,
+    window_s: float,
+    sending: Sending,
+) -> T:
+    """Wait for both transfers; raise :class:`SlowPartner` as soon as one that is still running moved
+    less than ``floor_bytes_s * window_s`` bytes in a window (a floor of 0: no check); our sending
+    counts only while ``sending.writing`` (we wait on the partner).
+
+    A partner that trickles (64 KiB every 10 s passes the framing's stall timeout) is dropped within
+    two windows, whatever its deadline: what a transfer costs the other side is bounded by the rate it
+    has to keep up, not by what it claims. Both tasks are cancelled if we end early.
+    """
+    tasks: set[asyncio.Task[Any]] = {sender, receiver}
+    budget = floor_bytes_s * window_s
+    try:
+        while not (sender.done() and receiver.done()):
+            before = (channel.bytes_sent, channel.bytes_received)
+            done, _ = await asyncio.wait(
+                [t for t in tasks if not t.done()],
+                timeout=window_s,
+                return_when=asyncio.FIRST_EXCEPTION,
+            )
+            for task in done:
+                if task.exception() is not None:
+                    raise task.exception()  # type: ignore[misc]
+            if budget <= 0:
+                continue
+            received, sent = channel.bytes_received - before[1], channel.bytes_sent - before[0]
+            if not receiver.done() and received < budget:
+                raise SlowPartner(_too_slow("received", received, floor_bytes_s, window_s))
+            if not sender.done() and sending.writing and sent < budget:
+                raise SlowPartner(_too_slow("sent", sent, floor_bytes_s, window_s))
+        await sender
+        return await receiver
+    finally:
+        for task in tasks:
+            if not task.done():
+                task.cancel()
+                with contextlib.suppress(BaseException):
+                    await task
+
+
+def _too_slow(what: str, nbytes: int, floor_bytes_s: float, window_s: float) -> str:
+    return f"{what} {nbytes} bytes in {window_s:g} s, under the floor of {floor_bytes_s:.0f} bytes/s"
 
 
 def payload_nbytes(tensors: Mapping[str, torch.Tensor], codec: Codec) -> int:

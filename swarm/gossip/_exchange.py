@@ -35,6 +35,8 @@ import torch
 
 from swarm._errors import SwarmError
 from swarm.compression import ErrorFeedback, FrameError, TensorStreamDecoder, encode_tensors
+from swarm.gossip._deadlines import Sending, SlowPartner, rate_floor
+from swarm.gossip._gate import NOT_COMMITTED_REASON, Turn
 from swarm.gossip._metrics import SyncOutcome
 from swarm.gossip._protocol import Channel, MsgKind, ProtocolError, parse_json
 from swarm.gossip._robust import ClipPolicy, ClipStats, robust_mix
@@ -48,6 +50,11 @@ NamedTensors = list[tuple[str, torch.Tensor]]
 
 class PartnerRejected(SwarmError):
     """The partner answered NACK: it refused our data (or our part of the exchange)."""
+
+
+class NotCommitted(SwarmError):
+    """The exchange went through, but one side's gate refused to commit it (another exchange committed
+    first, :mod:`swarm.gossip._gate`): neither side commits, and neither is to blame."""
 
 
 @dataclass
@@ -74,6 +81,10 @@ class ExchangeSpec:
     policy: NormPolicy
     hooks: ExchangeHooks | None = None
     clip: ClipPolicy | None = None
+    min_rate_bytes_s: float = 0.0
+    """The rate floor of the data phase, each way (0: none): :func:`swarm.gossip._deadlines.rate_floor`."""
+    rate_window_s: float = 10.0
+    """The window over which the floor is measured."""
 
 
 @dataclass(frozen=True)
@@ -138,22 +149,26 @@ async def run_exchange(
     error_feedback: ErrorFeedback | None,
     norm_reference: float = 0.0,
     companion: Companion | None = None,
+    turn: Turn | None = None,
 ) -> Mixed:
     """Send ours and receive theirs concurrently, validate, mix, then swap ACKs.
 
     ``norm_reference`` (robust mixing only): our recent own norm, for blaming the partner.
     ``companion``: a second part, sent and received after the first on the same stream.
+    ``turn``: reserved before our ACK (:mod:`swarm.gossip._gate`); the caller releases it.
 
     Returns only when both sides have ACKed; raises ValidationError (we rejected their data, NACK
-    already sent), PartnerRejected, ProtocolError, or a connection/timeout error otherwise.
+    already sent), PartnerRejected, NotCommitted, ProtocolError, or a connection/timeout error.
     """
     parts = [_Part.of(local, spec, error_feedback)]
     if companion is not None:
         parts.append(_Part.of(companion.tensors, companion.spec, None))
-    sender = asyncio.create_task(_send_parts(channel, parts))
+    sending = Sending()
+    sender = asyncio.create_task(_send_parts(channel, parts, sending))
     try:
-        received = [await _receive_all(channel, part.schema) for part in parts]
-        await sender
+        receiver = asyncio.create_task(_receive_parts(channel, parts))
+        floor = (spec.min_rate_bytes_s, spec.rate_window_s)
+        received = await rate_floor(channel, sender, receiver, *floor, sending)
         sent = [await part.sent() for part in parts]
         for part, theirs in zip(parts, received, strict=True):
             await in_thread(validate_received, theirs, part.local, part.spec.policy)
@@ -171,22 +186,40 @@ async def run_exchange(
             _mix, companion.spec, companion.tensors, sent[1], companion.weights, received[1], 0.0
         )
         mixed = dataclasses.replace(mixed, companion=other)
+    refusal = turn.reserve() if turn is not None else None
+    if refusal is not None:
+        with contextlib.suppress(Exception):
+            await channel.send_json(MsgKind.NACK, {"reason": f"{NOT_COMMITTED_REASON} ({refusal})"})
+        raise NotCommitted(refusal)
     await channel.send(MsgKind.ACK)
     kind, payload = await channel.recv_expect(MsgKind.ACK, MsgKind.NACK)
     if kind is MsgKind.NACK:
-        raise PartnerRejected(str(parse_json(payload).get("reason", "no reason given")))
+        reason = str(parse_json(payload).get("reason", "no reason given"))
+        if reason.startswith(NOT_COMMITTED_REASON):
+            raise NotCommitted(f"the partner: {reason}")
+        raise PartnerRejected(reason)
     return mixed
+
+
+async def _receive_parts(channel: Channel, parts: Sequence[_Part]) -> list[dict[str, torch.Tensor]]:
+    return [await _receive_all(channel, part.schema) for part in parts]
 
 
 @dataclass(frozen=True)
 class Settled:
     """How an exchange ended: OK with its ``mixed`` result, or the outcome, the reason, and whether the
-    partner is to blame (it is not for a failure on our side, e.g. NaN in our own tensors)."""
+    partner is to blame (it is not for a failure on our side, e.g. NaN in our own tensors).
+
+    ``bad_data``: the partner sent something no honest peer sends (invalid tensors, a broken protocol):
+    banned at once, whether or not it has a record or says it is leaving. Other failures (a stream
+    cut, a deadline, the rate floor) may be a partner leaving, and wait for its record.
+    """
 
     outcome: SyncOutcome
     reason: str = ""
     mixed: Mixed | None = None
     blame_partner: bool = True
+    bad_data: bool = False
 
 
 async def settle(exchange: Awaitable[Mixed], timeout: float, partner: str) -> Settled:
@@ -198,11 +231,17 @@ async def settle(exchange: Awaitable[Mixed], timeout: float, partner: str) -> Se
         async with asyncio.timeout(timeout):
             return Settled(SyncOutcome.OK, mixed=await exchange)
     except ValidationError as exc:
-        return Settled(SyncOutcome.REJECTED, f"rejected its data: {exc}")
+        return Settled(SyncOutcome.REJECTED, f"rejected its data: {exc}", bad_data=True)
+    except SlowPartner as exc:
+        return Settled(SyncOutcome.TIMEOUT, f"dropped a slow partner: {exc}")
+    except ProtocolError as exc:
+        return Settled(SyncOutcome.FAILED, f"broke the protocol: {exc}", bad_data=True)
     except TimeoutError as exc:  # the exchange's deadline, or a stall (swarm.p2p.StalledError)
         return Settled(
             SyncOutcome.TIMEOUT, f"exchange timed out: {exc}" if str(exc) else "exchange timed out"
         )
+    except NotCommitted as exc:
+        return Settled(SyncOutcome.FAILED, f"not committed: {exc}", blame_partner=False)
     except PartnerRejected as exc:
         return Settled(SyncOutcome.FAILED, f"it rejected our data: {exc}")
     except PEER_FAULTS as exc:
@@ -239,10 +278,10 @@ def _next_frame(frames: Iterator[bytes], own: TensorStreamDecoder | None) -> byt
     return frame
 
 
-async def _send_parts(channel: Channel, parts: Sequence[_Part]) -> None:
+async def _send_parts(channel: Channel, parts: Sequence[_Part], sending: Sending) -> None:
     """Each part's frames and END, one part after the other."""
     for part in parts:
-        await _send_all(channel, list(part.local.items()), part.spec, part.error_feedback, part.own)
+        await _send_all(channel, list(part.local.items()), part.spec, part.error_feedback, part.own, sending)
 
 
 async def _send_all(
@@ -251,6 +290,7 @@ async def _send_all(
     spec: ExchangeSpec,
     error_feedback: ErrorFeedback | None,
     own: TensorStreamDecoder | None,
+    sending: Sending,
 ) -> None:
     hooks, codec = spec.hooks, _codec(spec)
     if hooks is not None and hooks.tamper is not None:
@@ -258,7 +298,11 @@ async def _send_all(
     frames = encode_tensors(named, codec, chunk_bytes=spec.chunk_bytes, error_feedback=error_feedback)
     count = 0
     while (frame := await in_thread(_next_frame, frames, own)) is not None:
-        await channel.send(MsgKind.DATA, frame)
+        sending.writing = True
+        try:
+            await channel.send(MsgKind.DATA, frame)
+        finally:
+            sending.writing = False
         count += 1
         if hooks is not None and hooks.stall_after_frames == count:
             await _stall(hooks.on_stall)
@@ -314,14 +358,15 @@ def mix(
     remote: Mapping[str, torch.Tensor],
     remote_weight: float,
 ) -> Mixed:
-    """``x' = (w * (2x - q) + v * p) / (w + v)`` in float64, rounded once to the local dtype."""
+    """``x' = (w * (2x - q) + v * p) / (w + v)`` in float32 (no float64: MPS has none), rounded once to
+    the local dtype."""
     total = local_weight + remote_weight
     out = {}
     for name, mine in local.items():
-        x = mine.detach().double()
+        x = mine.detach().to(torch.float32, copy=True)
         if sent[name] is not mine:  # lossy codec: x + (x - q) keeps the pair's mass exact
-            x = 2.0 * x - sent[name].to(device=mine.device, dtype=torch.float64)
-        p = remote[name].to(device=mine.device, dtype=torch.float64)
+            x.mul_(2.0).sub_(sent[name].to(device=mine.device, dtype=torch.float32))
+        p = remote[name].to(device=mine.device, dtype=torch.float32)
         mixed = x.mul_(local_weight / total).add_(p, alpha=remote_weight / total)
         out[name] = mixed.to(mine.dtype)
     return Mixed(tensors=out, weight=total / 2)

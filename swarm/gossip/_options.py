@@ -30,6 +30,9 @@ class GossipOptions:
     """Longest bound on one whole exchange; a value below exchange_timeout_s counts as that."""
     chunk_timeout_s: float = 10.0
     """Bound on dialling, the handshake, and on any pause in a transfer (nothing sent or received)."""
+    min_rate_bytes_s: float = 32 * 1024
+    """Rate floor of a transfer, each way: a partner that sends or reads less than this many bytes per
+    second, over any window of ``chunk_timeout_s`` while data is still due, is dropped (0: no floor)."""
     max_norm_ratio: float = 100.0
     """A received tensor may be at most this many times the norm of ours (docs/gossip.md)."""
     norm_floor: float = 1.0
@@ -39,7 +42,7 @@ class GossipOptions:
     ban_max_s: float = 600.0
     """Longest ban."""
     robust_clip: bool = False
-    """Mix with the pairwise centred clip (``swarm.gossip._robust``) and count hard clips as strikes."""
+    """Mix with the pairwise centred clip (``swarm.gossip._robust``) and judge partners by it."""
     clip_ratio: float = 2.0
     """Clip radius as a multiple of the smaller of the two norms."""
     clip_floor: float = 1e-8
@@ -47,7 +50,8 @@ class GossipOptions:
     clip_hard_factor: float = 10.0
     """A difference this many times our own clip radius makes the partner suspect."""
     clip_strikes: int = 2
-    """Suspicious exchanges in a row that ban a partner."""
+    """Hard clips' worth that bans a partner (``swarm.gossip._suspicion``): each adds 1, ordinary
+    exchanges wear them down."""
     max_attempts: int = 4
     """Partners tried per sync before giving up."""
     busy_patience_s: float = 5.0
@@ -63,6 +67,8 @@ class GossipOptions:
             raise ValueError(f"chunk_bytes must be at least 4096, got {self.chunk_bytes}")
         if self.exchange_timeout_s <= 0 or self.chunk_timeout_s <= 0:
             raise ValueError("timeouts must be positive")
+        if not self.min_rate_bytes_s >= 0:
+            raise ValueError(f"min_rate_bytes_s must be at least 0, got {self.min_rate_bytes_s}")
         if self.max_attempts < 1:
             raise ValueError(f"max_attempts must be at least 1, got {self.max_attempts}")
         if self.clip_strikes < 1:
@@ -93,4 +99,6 @@ class GossipOptions:
             policy=NormPolicy(max_norm_ratio=self.max_norm_ratio, norm_floor=self.norm_floor),
             hooks=hooks,
             clip=clip,
+            min_rate_bytes_s=self.min_rate_bytes_s,
+            rate_window_s=self.chunk_timeout_s,
         )

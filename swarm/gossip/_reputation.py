@@ -2,18 +2,23 @@
 
 The rules (docs/gossip.md, "Never a stall" and "Malicious partners"), on top of a :class:`BanList`:
 
-- an exchange or a handshake that failed through the partner's fault bans it (exponential backoff),
+- bad data (invalid tensors: NaN, another schema, an implausible norm; a broken protocol) bans its
+  sender at once (:meth:`Reputation.misbehaved`), whoever it is: a peer without a record, or one
+  whose record says ``leaving``, included. Leaving explains a cut stream, never bad data;
+- any other exchange or handshake that failed through the partner's fault bans it (exponential backoff),
   unless the partner was leaving: such a failure is *held* (the partner is not dialled meanwhile)
   until the next read of the members, then becomes a ban if the partner is still listed and not
   ``leaving``, and is dropped otherwise. Leaving a run is not misbehaving;
 - BUSY costs nothing; a REJECT saying that it banned *us* does not ban it back: that is no evidence
   against it (perhaps the failure was ours), and banning back would keep the pair apart long after
   its ban on us expired;
-- a committed exchange whose partner difference the robust clip cut hard makes the partner
-  *suspect*; ``clip_strikes`` suspicions in a row ban it;
-- one the clip cut, but not hard, or did not judge (a joiner's weight) neither blames nor forgives:
-  a scaling attacker whose update is small early in its round must not wipe its suspicions;
-- any other committed exchange forgives the partner (its strikes and suspicions are cleared).
+- every committed exchange the robust clip judged (per stated sample, ``swarm.gossip._robust``) is
+  evidence for or against the partner (:mod:`swarm.gossip._suspicion`): hard clips that accumulate
+  and decay slowly, and a median excess over the last few exchanges; either bans it. One clean
+  exchange never wipes the record, and the strikes (the ban backoff) are forgiven only once the
+  evidence is back to ordinary;
+- an exchange without a clip at all forgives the partner;
+- one the clip did not judge (a joiner's weight) changes nothing.
 
 The robust clip blames relative to our own recent norms, so they are kept here too.
 """
@@ -32,6 +37,7 @@ from swarm.gossip._options import GossipOptions
 from swarm.gossip._partners import BanList, PartnerInfo
 from swarm.gossip._protocol import MsgKind
 from swarm.gossip._robust import ClipStats
+from swarm.gossip._suspicion import Suspicions, Verdict
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +66,7 @@ class Reputation:
         self._metrics = metrics
         self._own_norms: collections.deque[float] = collections.deque(maxlen=8)
         self._held: dict[str, tuple[str, float]] = {}  # peer: (failure, when), judged by review()
+        self._suspicions = Suspicions(float(options.clip_strikes))
         self._clock = clock
         self._lock = threading.Lock()
 
@@ -108,6 +115,12 @@ class Reputation:
         with self._lock:
             self._held.setdefault(peer, (reason, self._clock()))
 
+    def misbehaved(self, peer: str, reason: str) -> None:
+        """``peer`` sent bad data: ban it now, whatever its record says (module docstring)."""
+        with self._lock:
+            self._held.pop(peer, None)
+        self.bans.ban(peer, reason)
+
     def answered(self, peer: str, reply: Reply) -> None:
         """``peer`` did not accept our HELLO: judge the answer (or the failure) and count it."""
         if reply.kind is MsgKind.BUSY:
@@ -119,12 +132,16 @@ class Reputation:
             self.failed(peer, f"refused the handshake: {reply.reason}")
         self._metrics.count("failed")
 
-    def committed(self, peer: str, clip: ClipStats | None, companion: ClipStats | None = None) -> None:
-        """An exchange with ``peer`` committed: suspect it if clipped hard, forgive it if not clipped.
+    def suspicion(self, peer: str) -> float:
+        """``peer``'s hard clips' worth now (0: none); a ban comes at ``clip_strikes``."""
+        return self._suspicions.hard_count(peer)
 
-        ``companion``: the clip of the exchange's companion part, judged alike (a hard clip of either
-        part makes the partner suspect, once); only the first part's norm is remembered as ours.
-        No blame before we know our own usual norm: a first, tiny warm-up update looks like a victim.
+    def committed(self, peer: str, clip: ClipStats | None, companion: ClipStats | None = None) -> None:
+        """An exchange with ``peer`` committed: judge its parts (module docstring).
+
+        ``companion``: the clip of the exchange's companion part, judged alike (a hard part counts,
+        once; else the larger excess); only the first part's norm is remembered as ours. No blame
+        before we know our own usual norm: a first, tiny warm-up update looks like a victim.
         """
         knows_own_norm = bool(self._own_norms)
         if clip is not None:
@@ -135,13 +152,17 @@ class Reputation:
             return
         if any(c.clipped for _, c in clips):
             self._metrics.count("clipped")
-        hard = [(what, c) for what, c in clips if c.hard]
-        if hard and knows_own_norm:
-            what, worst = hard[0]
+        judged = [(what, c) for what, c in clips if c.judged]
+        if not judged:
+            return
+        what, worst = max(judged, key=lambda part: (part[1].hard, part[1].excess))
+        if worst.hard and knows_own_norm:
             self._metrics.count("suspect")
-            reason = f"its {what} was {worst.excess:.3g}x our clip radius (clipped to {worst.scale:.3g})"
-            self.bans.suspect(peer, reason, self._clip_strikes)
-            return
-        if any(c.clipped or not c.judged for _, c in clips):
-            return
-        self.bans.forgive(peer)
+            excess = worst.excess
+            logger.warning("suspicious partner %s: its %s was %.3gx our plausible radius", peer, what, excess)
+        verdict, why = self._suspicions.judge(peer, worst.excess, worst.hard, blame=knows_own_norm)
+        if verdict is Verdict.BAN:
+            last = f"its {what} was {worst.excess:.3g}x our plausible radius (clipped to {worst.scale:.3g})"
+            self.bans.ban(peer, f"suspicious exchanges: {why}; the last: {last}")
+        elif verdict is Verdict.FORGIVE:
+            self.bans.forgive(peer)

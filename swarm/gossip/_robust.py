@@ -12,13 +12,20 @@ Both sides know ``q`` and ``p`` bit for bit (the sender decodes its own frames),
 same ``tau`` and ``s`` and clip the same difference with opposite signs: ``w x + v y`` is conserved
 exactly, whether anything was clipped or not. Taking the *smaller* norm keeps the bound relative to
 our own tensor whatever the partner sends (a huge ``p`` makes ``tau`` ours), and the step never
-exceeds ``tau`` whatever weight the partner claims. Norms are L2 over all tensors, in float64.
+exceeds ``tau`` whatever weight the partner claims. Norms are L2 over all tensors, in float32
+accumulated in blocks (:func:`swarm.gossip._validation.tensor_norm`): no float64 (MPS has none).
 
-Blame is local: the partner is *suspect* when ``||d||`` exceeds ``hard_factor`` times the clip radius
-computed from our own norms alone, ``clip_ratio * max(||q||, reference, clip_floor)``. ``reference`` is
-the largest norm we sent in recent exchanges: a trainer serves its pseudo-gradient as it grows during
-a round, so right after its own sync its norm is a fraction of a full round's and an honest partner
-with a full round's update would otherwise look many times too large.
+Blame is local and judged per stated sample: ``excess`` is ``||d||`` over the radius that our own norms
+and the two stated sample counts (weights ``w``, ``v``) make plausible::
+
+    radius = clip_ratio * max(||q||, reference, clip_floor) * sqrt((1 + w / v) / 2)
+
+Both tensors are per-sample means; the noise of a mean over ``n`` samples shrinks as ``1 / sqrt(n)``, so
+with ``||q||^2 >= noise^2 / w`` the difference of two honest means is at most about
+``||q|| sqrt(1 + w / v)``. A partner stating few samples (it synced a step ago) may differ more; one
+stating many must be close to us. The last factor is 1 for equal weights. ``reference`` is the largest
+norm we sent in recent exchanges. The partner is *suspect* when ``excess`` exceeds ``hard_factor``;
+smaller excesses count too, accumulated over exchanges (``swarm.gossip._reputation``).
 
 :func:`centered_clip` is the iterative CenteredClip of Karimireddy, He and Jaggi (2021) for three or
 more contributions (e.g. several donors' state snapshots).
@@ -31,6 +38,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
+
+from swarm.gossip._validation import distance, norm_of, tensor_norm
 
 
 @dataclass(frozen=True)
@@ -57,10 +66,11 @@ class ClipPolicy:
 class ClipStats:
     """What the clip did to one exchange.
 
-    ``scale`` is ``s`` (1.0: nothing clipped); ``excess`` is ``||d||`` over the clip radius from our
-    own norms alone; ``hard`` is ``excess > hard_factor``: the partner is suspect. ``own_norm`` is
-    ``||q||``, for the caller's reference. ``judged`` is False when no clip was computed (a joiner's
-    weight, :func:`robust_mix`): then the exchange says nothing about the partner either way.
+    ``scale`` is ``s`` (1.0: nothing clipped); ``excess`` is ``||d||`` over the radius our own norms and
+    the stated sample counts make plausible (module docstring); ``hard`` is ``excess > hard_factor``:
+    the partner is suspect. ``own_norm`` is ``||q||``, for the caller's reference. ``judged`` is False
+    when no clip was computed (a joiner's weight, :func:`robust_mix`): then the exchange says nothing
+    about the partner either way.
     """
 
     scale: float
@@ -74,8 +84,13 @@ class ClipStats:
         return self.scale < 1.0
 
 
-def _norm(tensors: Mapping[str, torch.Tensor]) -> float:
-    return math.sqrt(sum(float(t.double().pow(2).sum()) for t in tensors.values()))
+def plausible_spread(weights: tuple[float, float]) -> float:
+    """``sqrt((1 + w / v) / 2)`` for weights ``(w, v)`` (ours, the partner's): how much wider than for
+    equal weights the honest difference of two per-sample means can be (module docstring)."""
+    ours, theirs = weights
+    if not (ours > 0 and theirs > 0):
+        return 1.0
+    return math.sqrt((1.0 + ours / theirs) / 2.0)
 
 
 def clip_scale(
@@ -83,13 +98,15 @@ def clip_scale(
     received: Mapping[str, torch.Tensor],
     policy: ClipPolicy,
     reference: float = 0.0,
+    weights: tuple[float, float] = (1.0, 1.0),
 ) -> ClipStats:
-    """The shared clip factor ``s`` of an exchange (identical on both sides) and our local suspicion."""
-    own, theirs = _norm(sent), _norm(received)
-    diff = math.sqrt(sum(float((received[n].double() - sent[n].double()).pow(2).sum()) for n in sent))
+    """The shared clip factor ``s`` of an exchange (identical on both sides) and our local suspicion,
+    judged per stated sample of ``weights`` (ours, the partner's)."""
+    own, theirs = norm_of(sent), norm_of(received)
+    diff = distance(sent, received)
     tau = policy.clip_ratio * max(min(own, theirs), policy.clip_floor)
     scale = 1.0 if diff <= tau else tau / diff
-    own_radius = policy.clip_ratio * max(own, reference, policy.clip_floor)
+    own_radius = policy.clip_ratio * max(own, reference, policy.clip_floor) * plausible_spread(weights)
     excess = diff / own_radius if own_radius > 0 else (math.inf if diff > 0 else 0.0)
     return ClipStats(scale=scale, excess=excess, hard=excess > policy.hard_factor, own_norm=own)
 
@@ -103,16 +120,17 @@ def robust_mix(
     policy: ClipPolicy,
     reference: float = 0.0,
 ) -> tuple[dict[str, torch.Tensor], ClipStats]:
-    """``x' = x + s v/(w+v) (p - q)`` in float64, rounded once to the local dtype; weights unchanged."""
+    """``x' = x + s v/(w+v) (p - q)`` in float32, rounded once to the local dtype; weights unchanged."""
     if min(local_weight, remote_weight) <= policy.join_weight:
-        stats = ClipStats(scale=1.0, excess=0.0, hard=False, own_norm=_norm(sent), judged=False)
+        stats = ClipStats(scale=1.0, excess=0.0, hard=False, own_norm=norm_of(sent), judged=False)
     else:
-        stats = clip_scale(sent, remote, policy, reference)
+        stats = clip_scale(sent, remote, policy, reference, (local_weight, remote_weight))
     factor = stats.scale * remote_weight / (local_weight + remote_weight)
     out = {}
     for name, mine in local.items():
-        step = remote[name].double() - sent[name].double()
-        out[name] = mine.detach().double().add_(step.to(mine.device), alpha=factor).to(mine.dtype)
+        theirs = remote[name].to(device=mine.device, dtype=torch.float32)
+        step = torch.sub(theirs, sent[name].to(device=mine.device, dtype=torch.float32))
+        out[name] = torch.add(mine.detach().float(), step, alpha=factor).to(mine.dtype)
     return out, stats
 
 
@@ -130,32 +148,37 @@ def centered_clip(
     that start, so that at most about half the points are clipped in the first iteration: with
     honest points close together and a minority far away, the far ones move the result by at most
     ``tau`` times their weight share. With two points (no majority) it returns their weighted mean.
-    Returns float64-accumulated values in the points' dtype.
+    Computes in float32 (no float64: MPS has none) and returns values in the points' dtype.
     """
     if not points:
         raise ValueError("centered_clip needs at least one point")
     shape, dtype = points[0].shape, points[0].dtype
     if any(p.shape != shape for p in points):
         raise ValueError("centered_clip: all points must have the same shape")
-    stacked = torch.stack([p.detach().double().reshape(-1) for p in points])
-    w = torch.tensor([1.0] * len(points) if weights is None else list(weights), dtype=torch.float64)
+    stacked = torch.stack([p.detach().float().reshape(-1) for p in points])
+    w = torch.tensor([1.0] * len(points) if weights is None else list(weights), dtype=torch.float32)
     if w.shape != (len(points),) or not bool((w > 0).all()) or not bool(torch.isfinite(w).all()):
         raise ValueError("centered_clip: weights must be one finite positive number per point")
-    w = w / w.sum()
+    w = (w / w.sum()).to(stacked.device)
     if len(points) <= 2:
         return (w @ stacked).reshape(shape).to(dtype)
     center = stacked.median(dim=0).values
     if tau is None:
-        tau = float((stacked - center).norm(dim=1).median())
+        tau = float(_row_norms(stacked - center).median())
     for _ in range(iterations):
         diffs = stacked - center
-        norms = diffs.norm(dim=1)
-        factors = torch.where(norms > tau, tau / norms.clamp_min(1e-300), torch.ones_like(norms))
+        norms = _row_norms(diffs)
+        factors = torch.where(norms > tau, tau / norms.clamp_min(1e-30), torch.ones_like(norms))
         step = (w * factors) @ diffs
         center = center + step
-        if float(step.norm()) <= tol * max(float(center.norm()), 1e-12):
+        if tensor_norm(step) <= tol * max(tensor_norm(center), 1e-12):
             break
     return center.reshape(shape).to(dtype)
+
+
+def _row_norms(rows: torch.Tensor) -> torch.Tensor:
+    """The L2 norm of each row, accumulated in blocks (:func:`tensor_norm`)."""
+    return torch.tensor([tensor_norm(row) for row in rows], dtype=torch.float32, device=rows.device)
 
 
 def centered_clip_named(
