@@ -16,8 +16,8 @@ from pydantic_core import PydanticCustomError
 
 from swarm._tokenizer import Tokenizer, TokenizerError, load_tokenizer
 from swarm.config._exchange_sections import AveragingSection, CompressionSection, PipelineSection
-from swarm.config._section import Section, cross_field
-from swarm.config._view import config_hash, swarm_view
+from swarm.config._section import PER_PEER, Section, cross_field
+from swarm.config._view import config_hash, per_peer_keys, swarm_view
 
 RUN_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
 
@@ -150,6 +150,7 @@ class DataSection(Section):
         default_factory=list,
         validate_default=True,
         description="For source 'files': files or directories of text (per peer).",
+        json_schema_extra=PER_PEER,
     )
     hf_dataset: str | None = Field(
         None,
@@ -188,11 +189,15 @@ class TrainSection(Section):
     """Inner (local) training loop."""
 
     device: str = Field(
-        "auto", description="'auto' (CUDA when present, else CPU), 'cpu', 'cuda', 'cuda:1', ..."
+        "auto",
+        description="'auto' (CUDA when present, else CPU), 'cpu', 'cuda', 'cuda:1', ...",
+        json_schema_extra=PER_PEER,
     )
     batch_size: int = Field(16, ge=1, description="Samples per inner optimizer step.")
     micro_batch_size: Annotated[int, Field(ge=1)] | None = Field(
-        None, description="Samples per forward pass (gradient accumulation); None picks one that fits memory."
+        None,
+        description="Samples per forward pass (gradient accumulation); None picks one that fits memory.",
+        json_schema_extra=PER_PEER,
     )
     lr: float = Field(3e-4, gt=0, description="Peak learning rate of the inner AdamW.")
     weight_decay: float = Field(0.1, ge=0, description="AdamW weight decay.")
@@ -201,9 +206,37 @@ class TrainSection(Section):
         None, description="Stop after this many inner steps."
     )
     grad_clip: float = Field(1.0, gt=0, description="Clip the gradient norm to this value.")
-    slowdown: float = Field(
-        1.0, ge=1, description="Artificial slowdown factor (tests simulate slow peers with it)."
+    checkpoint_dir: str | None = Field(
+        None,
+        description="Directory for local checkpoints; None disables them.",
+        json_schema_extra=PER_PEER,
     )
+    checkpoint_every_s: float = Field(
+        300.0, gt=0, description="Seconds between local checkpoints.", json_schema_extra=PER_PEER
+    )
+    activation_checkpointing: bool = Field(
+        False,
+        description="Recompute activations in the backward pass to save GPU memory (CUDA only).",
+        json_schema_extra=PER_PEER,
+    )
+    eval_every_rounds: int = Field(
+        1, ge=1, description="Evaluate held-out loss every this many syncs.", json_schema_extra=PER_PEER
+    )
+    eval_batches: int = Field(
+        4,
+        ge=1,
+        le=1000,
+        description="Held-out batches (of 32 windows) per evaluation.",
+        json_schema_extra=PER_PEER,
+    )
+
+
+class EmulationSection(Section):
+    """Benchmark aid: an emulated accelerator, so that many peers of known speeds share one machine.
+
+    Per peer (never part of the config hash), and off by default; a real run leaves it out.
+    """
+
     step_time_s: float = Field(
         0.0,
         ge=0,
@@ -213,17 +246,19 @@ class TrainSection(Section):
             "way a process waits on its GPU (benchmarks on one machine; 0 = off)."
         ),
     )
-    checkpoint_dir: str | None = Field(
-        None, description="Directory for local checkpoints; None disables them."
+    slowdown: float = Field(
+        1.0,
+        ge=1,
+        description="Stretch the (emulated) device time by this factor: a slow peer on the same machine "
+        "(1 = off).",
     )
-    checkpoint_every_s: float = Field(300.0, gt=0, description="Seconds between local checkpoints.")
-    activation_checkpointing: bool = Field(
-        False, description="Recompute activations in the backward pass to save GPU memory (CUDA only)."
-    )
-    eval_every_rounds: int = Field(1, ge=1, description="Evaluate held-out loss every this many syncs.")
-    eval_batches: int = Field(
-        4, ge=1, le=1000, description="Held-out batches (of 32 windows) per evaluation."
-    )
+
+
+MOVED_KEYS: dict[str, str] = {
+    "train.step_time_s": "emulation.step_time_s",
+    "train.slowdown": "emulation.slowdown",
+}
+"""Keys that moved, old dotted name to new: a config that still uses an old name is told the new one."""
 
 
 class MonitorSection(Section):
@@ -251,6 +286,7 @@ SECTIONS: tuple[str, ...] = (
     "averaging",
     "compression",
     "pipeline",
+    "emulation",
     "monitor",
 )
 
@@ -262,7 +298,9 @@ class RunConfig(BaseModel):
 
     run: RunSection = Field(default_factory=RunSection, description="Identity of the run.")
     network: NetworkSection = Field(
-        default_factory=NetworkSection, description="Joining the swarm (per peer)."
+        default_factory=NetworkSection,
+        description="Joining the swarm (per peer).",
+        json_schema_extra=PER_PEER,
     )
     model: ModelSection = Field(default_factory=ModelSection, description="The model.")
     data: DataSection = Field(default_factory=DataSection, description="Training data.")
@@ -270,7 +308,14 @@ class RunConfig(BaseModel):
     averaging: AveragingSection = Field(default_factory=AveragingSection, description="Gossip averaging.")
     compression: CompressionSection = Field(default_factory=CompressionSection, description="Wire codecs.")
     pipeline: PipelineSection = Field(default_factory=PipelineSection, description="Pipeline stages.")
-    monitor: MonitorSection = Field(default_factory=MonitorSection, description="Live view (per peer).")
+    emulation: EmulationSection = Field(
+        default_factory=EmulationSection,
+        description="Emulated device speed (benchmark aid; per peer).",
+        json_schema_extra=PER_PEER,
+    )
+    monitor: MonitorSection = Field(
+        default_factory=MonitorSection, description="Live view (per peer).", json_schema_extra=PER_PEER
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -302,29 +347,18 @@ class RunConfig(BaseModel):
     def swarm_view(self) -> dict[str, Any]:
         """The swarm-wide part of the config (everything but :data:`PER_PEER_KEYS`), JSON-ready.
 
-        ``pipeline.num_stages: auto`` is resolved (from this peer's memory budget): peers must agree on
-        the cut itself, so a peer whose budget gives another count has another hash. Without a pipeline
-        (one stage) the section is left out, so the hashes of unpipelined runs did not change with it;
-        ``data.tokenizer`` enters as its content's fingerprint, and not at all when unset;
-        ``averaging.anchor_pull`` only when it is not the default ``separate``.
+        Every key enters as its resolved value: defaults filled in, ``model.vocab_size`` taken from the
+        tokenizer, and ``data.tokenizer`` as a fingerprint of the tokenizer's content (not its name or
+        path, which differ between machines holding the same tokenizer). ``pipeline.num_stages: auto``
+        enters as it stands, with the ``pipeline.memory_budget_gb`` it is resolved from.
         """
-        view = swarm_view(self.model_dump(mode="json"))
-        if view["pipeline"]["num_stages"] == "auto":
-            from swarm.pipeline import resolve_num_stages
-
-            view["pipeline"]["num_stages"] = resolve_num_stages(self)
-        if view["pipeline"]["num_stages"] == 1:
-            del view["pipeline"]
-        if view["averaging"]["anchor_pull"] == "separate":  # runs keep the hashes they had before the key
-            del view["averaging"]["anchor_pull"]
-        if self.data.tokenizer is None:  # byte-level runs keep the hashes they had before tokenizers
-            del view["data"]["tokenizer"]
-        else:  # the tokenizer's content, not its name or path, is what peers must share
+        view = swarm_view(self.model_dump(mode="json"), PER_PEER_KEYS)
+        if self.data.tokenizer is not None:
             view["data"]["tokenizer"] = load_tokenizer(self.data.tokenizer).fingerprint
         return view
 
     def config_hash(self) -> str:
-        """First 16 hex digits of the sha256 of :meth:`swarm_view` as canonical JSON.
+        """First 16 hex digits of the sha256 of :meth:`swarm_view` as canonical JSON (and the rule's version).
 
         Peers with different hashes do not average with each other; per-peer keys never change it.
         """
@@ -333,3 +367,9 @@ class RunConfig(BaseModel):
     def to_yaml(self) -> str:
         """The fully resolved config as YAML; ``load_config`` of it gives an equal config."""
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False, allow_unicode=True)
+
+
+PER_PEER_KEYS: frozenset[str] = per_peer_keys(RunConfig)
+"""Dotted keys (or whole sections) that each peer may set differently; excluded from the hash.
+
+Derived from the fields marked :data:`~swarm.config._section.PER_PEER`, never kept by hand."""
