@@ -106,7 +106,7 @@ def _regime(training: dict[str, Any], scaling: dict[str, Any]) -> list[str]:
 
 
 def _targets(report: dict[str, Any]) -> list[str]:
-    lines = ["### Targets (issue 13)", ""]
+    lines = ["### Targets", ""]
     if "skipped" in report.get("training", {}):
         return [*lines, f"Not measured: the testbed was skipped ({report['training']['skipped']}).", ""]
     lines += ["| target | measured | | why |", "| --- | --- | --- | --- |"]
@@ -273,7 +273,7 @@ def plot_loss(training: dict[str, Any], path: Path) -> bool:
     return True
 
 
-# ---------------------------------------------------------------------- the targets of issue 13
+# ---------------------------------------------------------------------- the targets
 
 WHY_PARTS = {
     "dht": "in DHT calls after each round (storing its membership record, reading the member list)",
@@ -286,7 +286,7 @@ WHY_PARTS = {
 
 
 def target_checks(report: dict[str, Any]) -> list[dict[str, Any]]:
-    """Issue 13's targets: each with the measured value, met / not met / not measured, and why."""
+    """The report's targets: each with the measured value, met / not met / not measured, and why."""
     rows = rows_by_backend(report.get("training", {}))
     scaling = report.get("scaling", {})
     points = scaling.get("points", [])

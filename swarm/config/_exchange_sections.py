@@ -187,7 +187,8 @@ class PipelineSection(Section):
     memory_budget_gb: Annotated[float, Field(gt=0, le=1e6)] | None = Field(
         None,
         validate_default=True,
-        description="This peer's device memory for one stage, in GiB; needed by num_stages 'auto'.",
+        description="Device memory for one stage, in GiB, that num_stages 'auto' sizes the cut for (so "
+        "shared); `swarm config check` also says whether each stage fits it.",
     )
     microbatch_size: int = Field(
         4, ge=1, le=4096, description="Samples per micro-batch sent through the stages."
