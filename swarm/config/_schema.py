@@ -16,7 +16,7 @@ from pydantic_core import PydanticCustomError
 
 from swarm._tokenizer import Tokenizer, TokenizerError, load_tokenizer
 from swarm.config._exchange_sections import AveragingSection, CompressionSection, PipelineSection
-from swarm.config._section import PER_PEER, Section, cross_field
+from swarm.config._section import Section, cross_field, per_peer_field
 from swarm.config._view import config_hash, per_peer_keys, swarm_view
 
 RUN_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
@@ -146,11 +146,10 @@ class DataSection(Section):
         description="'stdlib': the Python standard library's source (no download); "
         "'files': local text files in paths; 'hf': a streamed datasets dataset.",
     )
-    paths: list[str] = Field(
+    paths: list[str] = per_peer_field(
         default_factory=list,
         validate_default=True,
         description="For source 'files': files or directories of text (per peer).",
-        json_schema_extra=PER_PEER,
     )
     hf_dataset: str | None = Field(
         None,
@@ -188,16 +187,12 @@ class DataSection(Section):
 class TrainSection(Section):
     """Inner (local) training loop."""
 
-    device: str = Field(
-        "auto",
-        description="'auto' (CUDA when present, else CPU), 'cpu', 'cuda', 'cuda:1', ...",
-        json_schema_extra=PER_PEER,
+    device: str = per_peer_field(
+        "auto", description="'auto' (CUDA when present, else CPU), 'cpu', 'cuda', 'cuda:1', ..."
     )
     batch_size: int = Field(16, ge=1, description="Samples per inner optimizer step.")
-    micro_batch_size: Annotated[int, Field(ge=1)] | None = Field(
-        None,
-        description="Samples per forward pass (gradient accumulation); None picks one that fits memory.",
-        json_schema_extra=PER_PEER,
+    micro_batch_size: Annotated[int, Field(ge=1)] | None = per_peer_field(
+        None, description="Samples per forward pass (gradient accumulation); None picks one that fits memory."
     )
     lr: float = Field(3e-4, gt=0, description="Peak learning rate of the inner AdamW.")
     weight_decay: float = Field(0.1, ge=0, description="AdamW weight decay.")
@@ -206,28 +201,18 @@ class TrainSection(Section):
         None, description="Stop after this many inner steps."
     )
     grad_clip: float = Field(1.0, gt=0, description="Clip the gradient norm to this value.")
-    checkpoint_dir: str | None = Field(
-        None,
-        description="Directory for local checkpoints; None disables them.",
-        json_schema_extra=PER_PEER,
+    checkpoint_dir: str | None = per_peer_field(
+        None, description="Directory for local checkpoints; None disables them."
     )
-    checkpoint_every_s: float = Field(
-        300.0, gt=0, description="Seconds between local checkpoints.", json_schema_extra=PER_PEER
+    checkpoint_every_s: float = per_peer_field(300.0, gt=0, description="Seconds between local checkpoints.")
+    activation_checkpointing: bool = per_peer_field(
+        False, description="Recompute activations in the backward pass to save GPU memory (CUDA only)."
     )
-    activation_checkpointing: bool = Field(
-        False,
-        description="Recompute activations in the backward pass to save GPU memory (CUDA only).",
-        json_schema_extra=PER_PEER,
+    eval_every_rounds: int = per_peer_field(
+        1, ge=1, description="Evaluate held-out loss every this many syncs."
     )
-    eval_every_rounds: int = Field(
-        1, ge=1, description="Evaluate held-out loss every this many syncs.", json_schema_extra=PER_PEER
-    )
-    eval_batches: int = Field(
-        4,
-        ge=1,
-        le=1000,
-        description="Held-out batches (of 32 windows) per evaluation.",
-        json_schema_extra=PER_PEER,
+    eval_batches: int = per_peer_field(
+        4, ge=1, le=1000, description="Held-out batches (of 32 windows) per evaluation."
     )
 
 
@@ -297,10 +282,8 @@ class RunConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
     run: RunSection = Field(default_factory=RunSection, description="Identity of the run.")
-    network: NetworkSection = Field(
-        default_factory=NetworkSection,
-        description="Joining the swarm (per peer).",
-        json_schema_extra=PER_PEER,
+    network: NetworkSection = per_peer_field(
+        default_factory=NetworkSection, description="Joining the swarm (per peer)."
     )
     model: ModelSection = Field(default_factory=ModelSection, description="The model.")
     data: DataSection = Field(default_factory=DataSection, description="Training data.")
@@ -308,13 +291,11 @@ class RunConfig(BaseModel):
     averaging: AveragingSection = Field(default_factory=AveragingSection, description="Gossip averaging.")
     compression: CompressionSection = Field(default_factory=CompressionSection, description="Wire codecs.")
     pipeline: PipelineSection = Field(default_factory=PipelineSection, description="Pipeline stages.")
-    emulation: EmulationSection = Field(
-        default_factory=EmulationSection,
-        description="Emulated device speed (benchmark aid; per peer).",
-        json_schema_extra=PER_PEER,
+    emulation: EmulationSection = per_peer_field(
+        default_factory=EmulationSection, description="Emulated device speed (benchmark aid; per peer)."
     )
-    monitor: MonitorSection = Field(
-        default_factory=MonitorSection, description="Live view (per peer).", json_schema_extra=PER_PEER
+    monitor: MonitorSection = per_peer_field(
+        default_factory=MonitorSection, description="Live view (per peer)."
     )
 
     @model_validator(mode="before")

@@ -4,14 +4,19 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 from pydantic.fields import FieldInfo
 from pydantic.json_schema import JsonDict
-from pydantic_core import PydanticCustomError
+from pydantic_core import PydanticCustomError, PydanticUndefined
 
 PER_PEER: JsonDict = {"per_peer": True}
 """``json_schema_extra`` of a field (or of a whole section in ``RunConfig``) that each peer may set
-for its own machine or link: it is left out of the config hash. ``Field(..., json_schema_extra=PER_PEER)``."""
+for its own machine or link: it is left out of the config hash. :func:`per_peer_field` sets it."""
+
+
+def per_peer_field(default: Any = PydanticUndefined, **kwargs: Any) -> Any:
+    """``Field(default, **kwargs)`` marked :data:`PER_PEER`."""
+    return Field(default, json_schema_extra=PER_PEER, **kwargs)
 
 
 def is_per_peer(field: FieldInfo) -> bool:
