@@ -24,12 +24,18 @@ def format_sync_line(report: SyncReport) -> str:
 
     Its words keep their positions (tests and benchmarks split the line on spaces): ``round R step S
     loss L eval E UNIT RATE samples/s lr=LR sync OUTCOME with PARTNER sent ... drift D``. A tokenized
-    run (UNIT ``bits/token``) adds its held-out loss per byte, ``eval B bits/byte``, before ``drift``.
+    run (UNIT ``bits/token``) adds its held-out loss per byte, ``eval B bits/byte``, before ``drift``;
+    so does a trainer's throughput, ``T tok/s mfu M mem X GiB`` (``-`` where unknown: MFU off the
+    table of known GPUs, peak memory off CUDA).
     """
     partner = report.partner[-8:] if report.partner else "-"
     per_byte = ""
     if report.loss_unit != "bits/byte":
         per_byte = f"eval {_number(report.eval_bits_per_byte, '.3f')} bits/byte "
+    if report.tokens_per_s is not None:
+        mfu = "-" if report.mfu is None else f"{100 * report.mfu:.1f}%"
+        memory = "-" if report.peak_memory_bytes is None else f"{report.peak_memory_bytes / 2**30:.2f}"
+        per_byte += f"{report.tokens_per_s:.0f} tok/s mfu {mfu} mem {memory} GiB "
     return (
         f"round {report.round:4d} step {report.step:6d} loss {_number(report.loss, '.3f')} "
         f"eval {_number(report.eval_loss, '.3f')} {report.loss_unit} {report.samples_per_s:7.1f} samples/s "

@@ -1,4 +1,4 @@
-"""The ``swarm`` command: config tools, the peer programs (bootstrap, join, local, monitor), export."""
+"""The ``swarm`` command: config tools, the peer programs (bootstrap, join, local, monitor), data, export."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import typer
 from peers import _common as common
 from peers._signals import shutdown_on_signals
 from peers.config_cmd import config_app, load_peer_config
+from peers.data_cmd import data_app
 from peers.export_cmd import export, generate
 from peers.monitor import monitor_app
 
@@ -21,6 +22,7 @@ app = typer.Typer(
 )
 app.add_typer(config_app, name="config")
 app.add_typer(monitor_app, name="monitor")
+app.add_typer(data_app, name="data")
 
 
 def peer_command(command: Callable[..., None]) -> Callable[..., None]:

@@ -37,11 +37,12 @@ def export(
     ),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace a non-empty --out directory."),
 ) -> None:
-    """Write the trained model to a directory: model.safetensors + config.json.
+    """Write the trained model to a directory as a transformers model, with its tokenizer.
 
     The model comes from a checkpoint (--checkpoint) or from the live swarm's state (--initial-peers);
     the run's config (--config, --set) rebuilds it, and a checkpoint of another config hash is refused.
-    hf models (model.kind hf) are written with save_pretrained, loadable by transformers.
+    The built-in GPT is written as the GPT-2 it is, hf models (model.kind hf) with save_pretrained:
+    AutoModelForCausalLM.from_pretrained(DIR) loads either.
     """
     if (checkpoint is None) == (not initial_peers):
         common.fail("give exactly one of --checkpoint PATH and --initial-peers MADDR")

@@ -169,6 +169,8 @@ def summary_of(peer) -> dict:
         "rounds": peer.progress.round,
         "samples": peer.progress.samples_total,
         "tokens_per_second": peer.progress.samples_per_s * peer.config.model.block_size,
+        # what the inner trainer chose (precision, optimizer, micro-batch) and measured (MFU, peak memory)
+        **(peer.inner.summary() if hasattr(peer, "inner") else {}),
         # everything this peer sent for averaging (both roles, every exchange kind), per round and parameter
         "wire_bytes_per_param_per_sync": metrics.bytes_sent / max(peer.progress.round, 1) / peer.n_params,
         # what one pseudo-gradient exchange costs on the wire, per parameter and direction

@@ -10,13 +10,26 @@ import torch
 
 
 def describe_device(device: str = "auto") -> tuple[str, float]:
-    """Return ``(name, memory_gb)`` of the device this peer computes on (memory 0 for CPU)."""
+    """Return ``(name, memory_gb)`` of the device this peer computes on (memory 0 for CPU).
+
+    Apple's MPS reports the memory Metal recommends for one process (unified memory, shared with the
+    CPU)."""
     wants_cuda = device == "auto" or device.startswith("cuda")
+    if device.startswith("mps"):
+        return "Apple MPS", round(_mps_memory() / 2**30, 2)
     if not (wants_cuda and torch.cuda.is_available()):
         return "cpu", 0.0
     index = torch.device(device).index if device.startswith("cuda:") else None
     props = torch.cuda.get_device_properties(index or 0)
     return props.name[:128], round(props.total_memory / 2**30, 2)
+
+
+def _mps_memory() -> int:
+    mps = getattr(torch, "mps", None)
+    try:
+        return int(mps.recommended_max_memory()) if mps is not None else 0
+    except (AttributeError, RuntimeError):  # torch before 2.3, or no Metal device
+        return 0
 
 
 def release_free_host_memory() -> None:

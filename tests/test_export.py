@@ -68,9 +68,12 @@ def test_export_loads_back_with_the_same_tensors_and_eval_loss(trained, tmp_path
     result = runner.invoke(app, export_args(directory, out, *cli_sets(TINY)))
     assert result.exit_code == 0, result.output
     assert f"wrote {out}" in result.output and "step 3" in result.output
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", MODEL_FILE]
+    written = sorted(p.name for p in out.iterdir())
+    assert written == ["config.json", MODEL_FILE, SWARM_FILE, "tokenizer.json", "tokenizer_config.json"]
     assert not list(tmp_path.glob(".*"))  # no temporary directory left behind
-    meta = json.loads((out / "config.json").read_text())
+    assert json.loads((out / "config.json").read_text())["model_type"] == "gpt2"
+    meta = json.loads((out / SWARM_FILE).read_text())
+    assert meta["format"] == "swarm-export/2"
     assert meta["model"] == config.model.model_dump(mode="json")
     assert (meta["run_id"], meta["config_hash"]) == ("local-tiny", config.config_hash())
     assert meta["progress"] == {"round": 1, "step": 3, "samples": 24}

@@ -421,19 +421,19 @@ def test_without_the_key_no_state_is_downloaded(caplog: pytest.LogCaptureFixture
         snapshot = make_snapshot({"w": torch.randn(64, 64)}, {"step": 7}, chunk_bytes=4096)
         with StateServer(a.dht, RUN) as server:  # takes the key from the node's DHT
             server.publish(snapshot)
-            donors = [(server.peer_id, snapshot.digest)]
+            donors, trusted = [(server.peer_id, snapshot.digest)], {server.peer_id}
             # without a key the client only sees the donor hang up; the donor logs why
             with (
                 caplog.at_level(logging.WARNING, logger="swarm.state"),
                 pytest.raises(StateTransferError, match=f"donor {server.peer_id}"),
             ):
-                download_state(outsider, donors, run_id=RUN, timeout_s=20)
+                download_state(outsider, donors, run_id=RUN, trusted=trusted, timeout_s=20)
             refusal = f"refused state request from {outsider.peer_id.to_base58()}: swarm key handshake"
             assert refusal in caplog.text
             with pytest.raises(StateTransferError, match=f"donor {server.peer_id}.*wrong swarm key proof"):
-                download_state(outsider, donors, run_id=RUN, timeout_s=20, swarm_key=_key())
+                download_state(outsider, donors, run_id=RUN, trusted=trusted, timeout_s=20, swarm_key=_key())
             assert server.stats().requests == 0  # nothing was read from them past the handshake
-            got = download_state(b.dht, donors, run_id=RUN, timeout_s=20)
+            got = download_state(b.dht, donors, run_id=RUN, trusted=trusted, timeout_s=20)
             assert got.digest == snapshot.digest and torch.equal(got.tensors["w"], snapshot.tensors["w"])
             assert server.stats().requests == 1
 

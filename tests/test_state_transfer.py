@@ -1,5 +1,6 @@
 """State transfer (swarm.state: _server, _download, _merge): snapshot digests, parallel verified
-downloads, the mean of donors, corrupt and wrong donors, and publish during a download."""
+downloads of a trusted donor's state, the median of distinct donors, corrupt and wrong donors, and
+publish during a download. Hostile donors and readers: tests/test_hostile_state.py."""
 
 from __future__ import annotations
 
@@ -142,9 +143,9 @@ def test_publish_during_download_never_mixes_states(client_dht: Callable[[list[s
         server.publish(old)
         assert server.digest == old.digest
         client = client_dht([str(m) for m in server_dht.get_visible_maddrs()])
-        donors = [(server.peer_id, old.digest)]
+        donors, trusted = [(server.peer_id, old.digest)], {server.peer_id}
         with ThreadPoolExecutor(1) as pool:
-            pending = pool.submit(download_state, client, donors, run_id=RUN, timeout_s=30)
+            pending = pool.submit(download_state, client, donors, run_id=RUN, trusted=trusted, timeout_s=30)
             assert reached.wait(30)
             server.publish(new)  # mid-stream: the stream in flight keeps serving the old snapshot
             release.set()
@@ -152,8 +153,10 @@ def test_publish_during_download_never_mixes_states(client_dht: Callable[[list[s
         assert result.digest == old.digest
         assert_same_state(result, old.tensors, old.meta)
         with pytest.raises(StateTransferError, match=f"{server.peer_id}.*digest mismatch"):
-            download_state(client, donors, run_id=RUN, timeout_s=30)
-        fresh = download_state(client, [(server.peer_id, new.digest)], run_id=RUN, timeout_s=30)
+            download_state(client, donors, run_id=RUN, trusted=trusted, timeout_s=30)
+        fresh = download_state(
+            client, [(server.peer_id, new.digest)], run_id=RUN, trusted=trusted, timeout_s=30
+        )
         assert fresh.digest == new.digest
         assert server.stats().refused == 1
 
@@ -177,9 +180,8 @@ def test_parallel_download_from_three_donors(start_donors, client_p2p) -> None:
     expected = make_snapshot(tensors, meta, chunk_bytes=16384)
     assert {digest for *_, digest in donors} == {expected.digest}
     client = client_p2p([maddr for _, _, maddr, _ in donors])
-    result = download_state(
-        client, [(peer, digest) for _, peer, _, digest in donors], run_id=RUN, timeout_s=60
-    )
+    announced = [(peer, digest) for _, peer, _, digest in donors]
+    result = download_state(client, announced, run_id=RUN, trusted={donors[0][1]}, timeout_s=60)
     assert result.digest == expected.digest
     assert_same_state(result, tensors, meta)
     served = [frames_served(process) for process, *_ in donors]
@@ -192,51 +194,53 @@ def test_corrupt_donor_part_is_reassigned_and_wrong_digest_is_named(start_donors
     bad, good = start_donors(["--seed", "1", "--corrupt"], ["--seed", "1"])
     tensors, meta = make_state(1)
     client = client_p2p([bad[2], good[2]])
-    donors = [(bad[1], bad[3]), (good[1], good[3])]
-    result = download_state(client, donors, run_id=RUN, timeout_s=60)
+    donors, trusted = [(bad[1], bad[3]), (good[1], good[3])], {bad[1], good[1]}
+    result = download_state(client, donors, run_id=RUN, trusted=trusted, timeout_s=60)
     assert_same_state(result, tensors, meta)
     assert frames_served(good[0], parts=2) == len(result.frames)  # its own part, then the corrupt donor's
     with pytest.raises(StateTransferError, match=f"{bad[1]}.*does not match its announced hash"):
-        download_state(client, [(bad[1], bad[3])], run_id=RUN, timeout_s=60)
+        download_state(client, [(bad[1], bad[3])], run_id=RUN, trusted=trusted, timeout_s=60)
     wrong = make_snapshot(*make_state(7), chunk_bytes=16384).digest
     with pytest.raises(StateTransferError, match=f"{good[1]}.*digest mismatch"):
-        download_state(client, [(good[1], wrong)], run_id=RUN, timeout_s=60)
+        download_state(client, [(good[1], wrong)], run_id=RUN, trusted=trusted, timeout_s=60)
 
 
 @pytest.mark.multipeer
-def test_different_donors_give_their_verified_mean(start_donors, client_p2p) -> None:
-    donors = start_donors(["--seed", "1", "--step", "10"], ["--seed", "2", "--step", "30"])
-    states = [make_state(1, 10), make_state(2, 30)]
-    assert donors[0][3] != donors[1][3]
-    client = client_p2p([maddr for _, _, maddr, _ in donors])
-    result = download_state(
-        client, [(peer, digest) for _, peer, _, digest in donors], run_id=RUN, timeout_s=60
+def test_different_donors_give_their_verified_median(start_donors, client_p2p) -> None:
+    steps = (10, 30, 20)
+    donors = start_donors(
+        *(["--seed", str(seed), "--step", str(step)] for seed, step in zip((1, 2, 3), steps, strict=True))
     )
-    # the mean and the merged progress, computed here from the donors' seeds, not from the result
-    mean = {name: (states[0][0][name] + states[1][0][name]) / 2 for name in states[0][0]}
-    expected = make_snapshot(mean, {"round": 3, "step": 30, "samples_total": 960}, chunk_bytes=16384)
+    states = [make_state(seed, step) for seed, step in zip((1, 2, 3), steps, strict=True)]
+    assert len({digest for *_, digest in donors}) == 3
+    client = client_p2p([maddr for _, _, maddr, _ in donors])
+    announced = [(peer, digest) for _, peer, _, digest in donors]
+    with pytest.raises(StateTransferError, match=r"2 distinct state.*needs 3 distinct donors"):
+        download_state(client, announced[:2], run_id=RUN, timeout_s=60)
+    result = download_state(client, announced, run_id=RUN, timeout_s=60)
+    # the median and the merged progress, computed here from the donors' seeds, not from the result
+    median = {name: torch.stack([t[name] for t, _ in states]).median(0).values for name in states[0][0]}
+    expected = make_snapshot(median, {"round": 2, "step": 20, "samples_total": 640}, chunk_bytes=16384)
     assert_same_state(result, expected.tensors, expected.meta)
-    # the digest a joiner logs names exactly that merged state, neither donor's
+    # the digest a joiner logs names exactly that merged state, no donor's
     assert result.digest == expected.digest
-    assert result.digest not in {donors[0][3], donors[1][3]}
+    assert result.digest not in {digest for *_, digest in donors}
+    assert sorted(result.sources) == sorted(peer for peer, _ in announced)
     assert all(frames_served(process) == len(result.frames) for process, *_ in donors)
 
 
-def test_mean_of_three_donors_resists_one_hostile_state() -> None:
-    """With 3+ donors a hostile (but correctly announced) state moves the result by little; with 2 it is
-    the plain mean."""
-    from swarm.state import make_snapshot
-    from swarm.state._merge import mean_snapshot as _mean_snapshot
+def test_median_of_three_donors_resists_one_hostile_state() -> None:
+    """With 3+ distinct donors a hostile (but correctly announced) state cannot move any coordinate
+    outside the honest ones; fewer than 3 distinct states (equal digests count once) are refused."""
+    from swarm.state._merge import median_snapshot
 
     generator = torch.Generator().manual_seed(0)
     base = torch.randn(4096, generator=generator)
     honest = [base + 0.01 * torch.randn(4096, generator=generator) for _ in range(2)]
     hostile = base + 1000.0
     snapshots = [make_snapshot({"w": t}, {"step": i}) for i, t in enumerate([*honest, hostile])]
-    honest_mean = (honest[0] + honest[1]) / 2
-    plain_mean = (honest[0] + honest[1] + hostile) / 3
-    result = _mean_snapshot(snapshots).tensors["w"]
-    plain_error = float((plain_mean - honest_mean).norm())
-    assert float((result - honest_mean).norm()) < 0.01 * plain_error
-    pair = _mean_snapshot(snapshots[:2]).tensors["w"]
-    assert torch.allclose(pair, honest_mean, atol=1e-6)
+    result = median_snapshot(snapshots, 3).tensors["w"]
+    low, high = torch.minimum(*honest), torch.maximum(*honest)
+    assert bool(((result >= low) & (result <= high)).all())
+    with pytest.raises(StateTransferError, match="only 2 distinct donor state"):
+        median_snapshot([*snapshots[:2], snapshots[1]], 3)

@@ -141,20 +141,29 @@ class ModelSection(Section):
 class DataSection(Section):
     """Where training text comes from."""
 
-    source: Literal["stdlib", "files", "hf"] = Field(
+    source: Literal["stdlib", "files", "hf", "tokens"] = Field(
         "stdlib",
         description="'stdlib': the Python standard library's source (no download); "
-        "'files': local text files in paths; 'hf': a streamed datasets dataset.",
+        "'files': local text files in paths; 'hf': a streamed datasets dataset; "
+        "'tokens': the directory in paths that `swarm data prepare` wrote.",
     )
     paths: list[str] = per_peer_field(
         default_factory=list,
         validate_default=True,
-        description="For source 'files': files or directories of text (per peer).",
+        description="For source 'files': files or directories of text; for 'tokens': the one prepared "
+        "directory (per peer).",
     )
     hf_dataset: str | None = Field(
         None,
         validate_default=True,
         description="For source 'hf': the dataset name, e.g. 'roneneldan/TinyStories'.",
+    )
+    hf_config: Annotated[str, Field(min_length=1)] | None = Field(
+        None, description="For source 'hf': the dataset's configuration (subset), e.g. 'sample-10BT'."
+    )
+    split: str = Field("train", min_length=1, description="For source 'hf': the split to stream.")
+    text_field: str = Field(
+        "text", min_length=1, description="For source 'hf': the field of a record that holds its text."
     )
     eval_fraction: float = Field(0.01, gt=0, lt=0.5, description="Share of the data held out for evaluation.")
     tokenizer: str | None = Field(
@@ -172,8 +181,14 @@ class DataSection(Section):
     @field_validator("paths")
     @classmethod
     def _files_need_paths(cls, value: list[str], info: ValidationInfo) -> list[str]:
-        if info.data.get("source") == "files" and not value:
+        source = info.data.get("source")
+        if source == "files" and not value:
             raise cross_field("source", "must name at least one file or directory when source is 'files'")
+        if source == "tokens" and len(value) != 1:
+            raise cross_field(
+                "source",
+                "must name exactly one directory (written by swarm data prepare) when source is 'tokens'",
+            )
         return value
 
     @field_validator("hf_dataset")
@@ -188,7 +203,9 @@ class TrainSection(Section):
     """Inner (local) training loop."""
 
     device: str = per_peer_field(
-        "auto", description="'auto' (CUDA when present, else CPU), 'cpu', 'cuda', 'cuda:1', ..."
+        "auto",
+        description="'auto' (CUDA when present, else Apple's MPS, else CPU), 'cpu', 'cuda', 'cuda:1', "
+        "'mps', ...",
     )
     batch_size: int = Field(16, ge=1, description="Samples per inner optimizer step.")
     micro_batch_size: Annotated[int, Field(ge=1)] | None = per_peer_field(
@@ -207,6 +224,15 @@ class TrainSection(Section):
     checkpoint_every_s: float = per_peer_field(300.0, gt=0, description="Seconds between local checkpoints.")
     activation_checkpointing: bool = per_peer_field(
         False, description="Recompute activations in the backward pass to save GPU memory (CUDA only)."
+    )
+    precision: Literal["auto", "bf16", "fp16", "fp32"] = per_peer_field(
+        "auto",
+        description="Autocast type of forward and backward (per peer): 'auto' is bf16 on a GPU that has it, "
+        "fp16 with loss scaling on one that does not (T4, V100, RTX 20xx), fp32 on the CPU.",
+    )
+    compile: bool = per_peer_field(
+        False,
+        description="Run the forward pass through torch.compile (per peer; slower start, faster steps).",
     )
     eval_every_rounds: int = per_peer_field(
         1, ge=1, description="Evaluate held-out loss every this many syncs."

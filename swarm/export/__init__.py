@@ -1,11 +1,12 @@
-"""Getting the model out of a run: export to ``safetensors`` + config, load it back, sample text.
+"""Getting the model out of a run: export it as a ``transformers`` model, load it back, sample text.
 
 * :func:`model_from_checkpoint` rebuilds a trainer's model from one of its verified checkpoints
   (refusing a checkpoint of another config hash);
 * :func:`download_model` takes the live swarm's state over the verified state download, as a joiner;
-* :func:`export_model` writes ``model.safetensors`` + ``config.json`` (the built-in GPT) or a
-  ``transformers`` ``save_pretrained`` directory (``model.kind: hf``), atomically;
-* :func:`load_exported` loads an exported directory back;
+* :func:`export_model` writes a ``transformers`` model directory, atomically: the built-in GPT as the
+  GPT-2 it is (same architecture, exact weights), an hf model with ``save_pretrained``, each with its
+  tokenizer, so ``AutoModelForCausalLM.from_pretrained`` and ``pipeline("text-generation")`` load it;
+* :func:`load_exported` loads an exported directory back (also the older private layout);
 * :func:`generate` samples bytes from the byte-level GPT.
 
 See docs/export.md.

@@ -1,19 +1,26 @@
 """The exported directory: write it atomically, read it back; and a model rebuilt from a checkpoint.
 
-Layout for the built-in GPT (``model.kind: gpt``)::
+Every export is a ``transformers`` model directory, so ``AutoModelForCausalLM.from_pretrained(DIR)``
+loads it and ``pipeline("text-generation", model=DIR)`` samples from it::
 
-    DIR/model.safetensors   the weights (the head is tied to the token embedding: stored once)
-    DIR/config.json         {"format", "kind", "model": <the run's model section>, "run_id",
+    DIR/config.json          the transformers config: GPT-2 for the built-in GPT (swarm/export/_gpt2.py),
+                             the model's own for model.kind hf
+    DIR/model.safetensors    the weights, under the transformers names (a tied head stored once)
+    DIR/tokenizer.json, tokenizer_config.json
+                             the run's data.tokenizer; for byte-level runs (vocab_size 256) a byte
+                             tokenizer (swarm/export/_byte_tokenizer.py); none otherwise
+    DIR/swarm.json           {"format", "kind", "model": <the run's model section>, "run_id",
                              "config_hash", "progress": {"round", "step", "samples"}}
 
-For ``model.kind: hf`` the directory is the ``transformers`` model's ``save_pretrained`` output (its
-own ``config.json`` and ``model.safetensors``), so ``AutoModelForCausalLM.from_pretrained(DIR)``
-loads it; the swarm's metadata goes to ``DIR/swarm.json`` beside it.
+Writing the built-in GPT needs only safetensors (transformers writes the tokenizer when installed).
+Directories of the older layout (``swarm-export/1`` for the built-in GPT: ``model.safetensors`` under
+the swarm model's names with the metadata in ``config.json``) still load with :func:`load_exported`.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 from collections.abc import Mapping
@@ -25,14 +32,20 @@ from pydantic import ValidationError
 from torch import nn
 
 from swarm._errors import SwarmError
+from swarm._tokenizer import load_tokenizer
 from swarm.config import ModelSection, RunConfig
+from swarm.export._byte_tokenizer import BYTE_VOCAB, byte_tokenizer
+from swarm.export._gpt2 import from_gpt2, gpt2_config, to_gpt2
 from swarm.state import CheckpointError, load_latest_checkpoint, read_checkpoint
 from swarm.training import build_model
+
+logger = logging.getLogger(__name__)
 
 MODEL_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
 SWARM_FILE = "swarm.json"
-FORMAT = "swarm-export/1"
+FORMAT = "swarm-export/2"
+OLD_FORMAT = "swarm-export/1"
 
 
 class ExportError(SwarmError):
@@ -49,9 +62,11 @@ class ExportedModel:
     config_hash: str
     progress: dict[str, int]
     """``round``, ``step`` and ``samples`` (samples trained) of the state the weights come from."""
+    tokenizer: Any = None
+    """The run's ``transformers`` tokenizer (``data.tokenizer``), saved beside the model; None for bytes."""
 
     def metadata(self) -> dict[str, Any]:
-        """What goes into ``config.json`` (``swarm.json`` for hf models)."""
+        """What goes into ``swarm.json``."""
         return {
             "format": FORMAT,
             "kind": self.model_config.kind,
@@ -69,6 +84,11 @@ def progress_counters(raw: Mapping[str, Any]) -> dict[str, int]:
         "step": int(raw.get("step", 0)),
         "samples": int(raw.get("samples_total", 0)),
     }
+
+
+def run_tokenizer(config: RunConfig) -> Any:
+    """The ``transformers`` tokenizer of ``config``'s ``data.tokenizer``, or None for byte-level runs."""
+    return load_tokenizer(config.data.tokenizer).hf if config.data.tokenizer is not None else None
 
 
 def model_from_checkpoint(path: str | os.PathLike[str], config: RunConfig) -> ExportedModel:
@@ -111,6 +131,7 @@ def model_from_checkpoint(path: str | os.PathLike[str], config: RunConfig) -> Ex
         config.run.run_id,
         expected,
         progress_counters(progress if isinstance(progress, Mapping) else {}),
+        run_tokenizer(config),
     )
 
 
@@ -133,17 +154,31 @@ def export_model(exported: ExportedModel, out: str | os.PathLike[str], *, overwr
     try:
         if exported.model_config.kind == "hf":
             exported.model.inner.save_pretrained(temporary)  # an HFCausalLM
-            _write_json(temporary / SWARM_FILE, exported.metadata())
         else:
-            from safetensors.torch import save_model
+            from safetensors.torch import save_file
 
-            save_model(exported.model, str(temporary / MODEL_FILE), metadata={"format": "pt"})
-            _write_json(temporary / CONFIG_FILE, exported.metadata())
+            save_file(to_gpt2(exported.model.state_dict()), str(temporary / MODEL_FILE), {"format": "pt"})
+            _write_json(temporary / CONFIG_FILE, gpt2_config(exported.model_config))
+        _save_tokenizer(exported, temporary)
+        _write_json(temporary / SWARM_FILE, exported.metadata())
         _replace_directory(temporary, target)
     except BaseException:
         shutil.rmtree(temporary, ignore_errors=True)
         raise
     return target
+
+
+def _save_tokenizer(exported: ExportedModel, directory: Path) -> None:
+    """The run's tokenizer, or the byte tokenizer for a byte-level model; none without transformers."""
+    tokenizer = exported.tokenizer
+    if tokenizer is None and exported.model_config.vocab_size == BYTE_VOCAB:
+        try:
+            tokenizer = byte_tokenizer(exported.model_config.block_size)
+        except ImportError:
+            logger.warning("transformers is not installed: the export has no tokenizer (ids are bytes)")
+            return
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(directory))
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:
@@ -172,15 +207,19 @@ def _replace_directory(new: Path, target: Path) -> None:
 
 
 def load_exported(directory: str | os.PathLike[str]) -> ExportedModel:
-    """Load what :func:`export_model` wrote (in eval mode, on the CPU); raises :class:`ExportError`."""
+    """Load what :func:`export_model` wrote (in eval mode, on the CPU); raises :class:`ExportError`.
+
+    The built-in GPT comes back as :class:`~swarm.training.GPT` (for ``swarm generate``), from either
+    layout; an hf model as :class:`~swarm.training.model.HFCausalLM` (needs transformers).
+    """
     root = Path(directory)
     meta_path = root / SWARM_FILE if (root / SWARM_FILE).is_file() else root / CONFIG_FILE
     try:
         meta = json.loads(meta_path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as error:
         raise ExportError(f"{root} is not an exported model: {meta_path.name}: {error}") from error
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        raise ExportError(f"{meta_path}: not a swarm export (format {FORMAT!r} expected)")
+    if not isinstance(meta, dict) or meta.get("format") not in (FORMAT, OLD_FORMAT):
+        raise ExportError(f"{meta_path}: not a swarm export (format {FORMAT!r} or {OLD_FORMAT!r} expected)")
     try:
         section = ModelSection.model_validate(meta.get("model"))
     except ValidationError as error:
@@ -193,13 +232,7 @@ def load_exported(directory: str | os.PathLike[str]) -> ExportedModel:
 
         model = HFCausalLM(AutoModelForCausalLM.from_pretrained(root))
     else:
-        from safetensors.torch import load_model
-
-        model = build_model(section, seed=0)
-        try:
-            load_model(model, str(root / MODEL_FILE))
-        except (OSError, RuntimeError, ValueError) as error:
-            raise ExportError(f"{root / MODEL_FILE}: {error}") from error
+        model = _load_gpt(root, section, gpt2_layout=meta_path.name == SWARM_FILE)
     progress = meta.get("progress")
     return ExportedModel(
         model.eval(),
@@ -208,3 +241,20 @@ def load_exported(directory: str | os.PathLike[str]) -> ExportedModel:
         str(meta.get("config_hash", "")),
         {k: int(v) for k, v in progress.items()} if isinstance(progress, dict) else {},
     )
+
+
+def _load_gpt(root: Path, section: ModelSection, *, gpt2_layout: bool) -> nn.Module:
+    """The built-in GPT of ``section`` with the weights of ``root/model.safetensors``."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file, load_model
+
+    model = build_model(section, seed=0)
+    path = root / MODEL_FILE
+    try:
+        if gpt2_layout:
+            model.load_state_dict(from_gpt2(load_file(str(path))))
+        else:
+            load_model(model, str(path))
+    except (OSError, RuntimeError, ValueError, SafetensorError) as error:
+        raise ExportError(f"{path}: {error}") from error
+    return model

@@ -10,8 +10,8 @@ import torch
 
 from swarm.compression import DecodeLimits
 from swarm.config import RunConfig
-from swarm.export._files import ExportedModel, ExportError, progress_counters
-from swarm.state import StateTransferError, choose_donors, download_state, progress_of
+from swarm.export._files import ExportedModel, ExportError, progress_counters, run_tokenizer
+from swarm.state import StateTransferError, choose_donors, download_state, initial_peer_ids, progress_of
 from swarm.training import build_model
 
 if TYPE_CHECKING:
@@ -32,16 +32,18 @@ def download_model(
 
     ``node`` is an open, non-announcing :class:`~swarm.SwarmNode` of the run; donors are the members
     of ``config``'s hash that announce a state, waited for up to ``wait_s``. The state is downloaded
-    and verified by :func:`swarm.state.download_state` (the mean when donors differ); its anchor
-    ``param/<name>`` tensors are the parameters. Raises :class:`ExportError`.
+    and verified by :func:`swarm.state.download_state` (an initial peer's state, or the median of
+    three or more donors'); its anchor ``param/<name>`` tensors are the parameters. Raises
+    :class:`ExportError`.
     """
     if config.pipeline.num_stages != 1:
         raise ExportError("a pipelined run's state is per stage: export from a checkpoint instead")
     stop = stop or threading.Event()
     deadline = time.monotonic() + wait_s
+    trusted = initial_peer_ids(node.network.initial_peers)  # their state, or the median of 3 donors'
     while True:
         members = [m for m in node.members() if m.record.config_hash == config.config_hash()]
-        donors = choose_donors(members, node.peer_id)
+        donors = choose_donors(members, node.peer_id, trusted=trusted)
         if donors or time.monotonic() >= deadline or stop.wait(0.5):
             break
     if not donors:
@@ -57,7 +59,7 @@ def download_model(
     )
     try:
         snapshot = download_state(
-            node.dht, donors, run_id=config.run.run_id, limits=limits, timeout_s=timeout_s
+            node.dht, donors, run_id=config.run.run_id, trusted=trusted, limits=limits, timeout_s=timeout_s
         )
         progress = progress_of(snapshot.meta)
     except StateTransferError as error:
@@ -76,5 +78,10 @@ def download_model(
                 )
             param.copy_(received[name])
     return ExportedModel(
-        model.eval(), config.model, config.run.run_id, config.config_hash(), progress_counters(progress)
+        model.eval(),
+        config.model,
+        config.run.run_id,
+        config.config_hash(),
+        progress_counters(progress),
+        run_tokenizer(config),
     )

@@ -1,14 +1,15 @@
 """Peer state beyond one process: atomic, verified local checkpoints, and verified transfers between peers.
 
 State transfer (docs/state-sync.md): a donor serves snapshots on a :class:`StateServer`
-(``_server.py``), a joiner fetches one from several donors with :func:`download_state`
-(``_download.py``; the donors' states merged by ``_merge.py`` when they differ), both over the wire
-protocol of ``_transfer_protocol.py``. A bootstrap keeps and serves a copy with :class:`StateMirror`
-(``_mirror.py``).
+(``_server.py``), a joiner fetches a trusted donor's state or the median of several donors' with
+:func:`download_state` (``_download.py``; the median and the checked progress in ``_merge.py``), both
+over the wire protocol of ``_transfer_protocol.py``. A bootstrap keeps and serves a copy with
+:class:`StateMirror` (``_mirror.py``).
 """
 
-from swarm.state._download import download_state
-from swarm.state._mirror import StateMirror, choose_donors, progress_of
+from swarm.state._download import MIN_DONORS, download_state, fetch_state
+from swarm.state._merge import MAX_PROGRESS, progress_of
+from swarm.state._mirror import StateMirror, choose_donors, initial_peer_ids
 from swarm.state._server import ServeStats, StateServer
 from swarm.state._transfer_protocol import StateSnapshot, StateTransferError, make_snapshot
 from swarm.state.checkpoint import (
@@ -22,6 +23,8 @@ from swarm.state.checkpoint import (
 
 __all__ = [
     "FORMAT_VERSION",
+    "MAX_PROGRESS",
+    "MIN_DONORS",
     "CheckpointError",
     "ServeStats",
     "StateMirror",
@@ -30,6 +33,8 @@ __all__ = [
     "StateTransferError",
     "choose_donors",
     "download_state",
+    "fetch_state",
+    "initial_peer_ids",
     "list_checkpoints",
     "load_latest_checkpoint",
     "make_snapshot",

@@ -1,23 +1,27 @@
-"""download_state: a joiner fetches a verified state from several donors at once.
+"""download_state: a joiner takes a verified state from the organizer's word or from many donors.
 
-If two or more donors announce the same digest, that state is fetched in disjoint parts, one donor
-per part; otherwise each donor sends its full state and the joiner merges them
-(:mod:`swarm.state._merge`). Every frame is checked against the announced digest before it is used
-(:mod:`swarm.state._transfer_protocol`). See docs/state-sync.md.
+A donor's record proves only that it sent what it announced, and records cost one key each, so no
+one or two donors are ever copied. The state is either the one a *trusted* donor announces (an
+initial peer the user named: the organizer's bootstrap, whose signed record carries the digest of
+what it serves), fetched in disjoint parts from every donor that announces that digest; or the
+coordinate-wise median (:mod:`swarm.state._merge`) of at least ``min_donors`` distinct states, each
+fetched in full from one of its donors. Every frame is checked against the announced digest before
+it is used (:mod:`swarm.state._transfer_protocol`). See docs/state-sync.md.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
-from collections import Counter
-from collections.abc import Callable, Coroutine, Iterable, Mapping, Sequence
+import random
+from collections.abc import Callable, Collection, Coroutine, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from swarm.compression import DecodeLimits
 from swarm.p2p import StreamKey, check_run_id, run_with_replica, swarm_key_of
-from swarm.state._merge import mean_snapshot
+from swarm.state._merge import median_snapshot, progress_of
 from swarm.state._transfer_protocol import (
     IO_TIMEOUT_S,
     Assembly,
@@ -36,12 +40,18 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+MIN_DONORS = 3
+"""Distinct donor states a merged state needs: with 3, one hostile donor cannot move the median
+outside the honest values; with 2 it could set it (their mean), with 1 it is the donor's state."""
+
 
 def download_state(
     source: DHT | P2P,
     donors: Sequence[tuple[str, str]],
     *,
     run_id: str,
+    trusted: Collection[str] = (),
+    min_donors: int = MIN_DONORS,
     limits: DecodeLimits = DecodeLimits(),
     timeout_s: float = 60.0,
     parallel: int = 4,
@@ -50,25 +60,72 @@ def download_state(
     """Download a verified state from ``donors`` = (peer id, announced digest) pairs; blocking.
 
     ``source`` is a running ``hivemind.DHT`` or ``hivemind.p2p.P2P``: we open our own client to its
-    daemon for the download. If two or more donors announce the same digest, the most common one is
-    fetched in ``k = min(parallel, donors with it)`` disjoint parts, part i from donor i, a failed
-    part going to another donor of the group. Otherwise (every peer's state differs, the usual case
-    in a gossip swarm) up to ``parallel`` donors each send their full state, each verified against
-    its own digest, and the element-wise mean is returned. In a private swarm (``swarm_key``, by
-    default the key a DHT ``source`` was started with) each stream starts with the swarm key handshake.
+    daemon for the download. If a donor in ``trusted`` (peer ids) announces a state, that state is
+    returned as is, fetched in ``k = min(parallel, donors with it)`` disjoint parts, part i from donor
+    i, a failed part going to another donor of the group. Otherwise (or if that fails) the donors'
+    distinct digests count: with fewer than ``min_donors`` nothing is dialled and StateTransferError
+    says so (wait for more donors, or take a partner's anchor); else ``max(min(parallel, distinct),
+    min_donors)`` distinct states, chosen at random, are each fetched in full (a failed one replaced by
+    another) and their coordinate-wise median is returned. A donor whose state does not decode or
+    whose progress counters are out of range is dropped like one that does not answer. The result's
+    ``sources`` name the donors it came from. In a private swarm (``swarm_key``, by default the key a
+    DHT ``source`` was started with) each stream starts with the swarm key handshake.
     Raises StateTransferError.
     """
-    check_run_id(run_id)
-    if parallel < 1 or timeout_s <= 0:
-        raise ValueError("parallel must be >= 1 and timeout_s > 0")
-    valid = _valid_donors(donors)
+    _check_donors(donors, run_id, trusted, min_donors, timeout_s, parallel)  # before opening anything
     key = swarm_key if swarm_key is not None else swarm_key_of(source)
 
     async def download(p2p: P2P) -> StateSnapshot:
-        ctx = _Context(p2p, handler_name(run_id), limits, key)
-        return await _download(ctx, valid, timeout_s, parallel)
+        return await fetch_state(
+            p2p,
+            donors,
+            run_id=run_id,
+            trusted=trusted,
+            min_donors=min_donors,
+            limits=limits,
+            timeout_s=timeout_s,
+            parallel=parallel,
+            swarm_key=key,
+        )
 
     return run_with_replica(source, download, name=f"state-download-{run_id}", open_timeout_s=IO_TIMEOUT_S)
+
+
+async def fetch_state(
+    p2p: P2P,
+    donors: Sequence[tuple[str, str]],
+    *,
+    run_id: str,
+    trusted: Collection[str] = (),
+    min_donors: int = MIN_DONORS,
+    limits: DecodeLimits = DecodeLimits(),
+    timeout_s: float = 60.0,
+    parallel: int = 4,
+    swarm_key: StreamKey | None = None,
+) -> StateSnapshot:
+    """:func:`download_state` on a running loop, through ``p2p`` (dialled as is; ``swarm_key``: the
+    handshake's key, None for none)."""
+    valid = _check_donors(donors, run_id, trusted, min_donors, timeout_s, parallel)
+    ctx = _Context(p2p, handler_name(run_id), limits, swarm_key)
+    return await _download(ctx, valid, timeout_s, parallel, trusted=trusted, min_donors=min_donors)
+
+
+def _check_donors(
+    donors: Iterable[tuple[str, str]],
+    run_id: str,
+    trusted: Collection[str],
+    min_donors: int,
+    timeout_s: float,
+    parallel: int,
+) -> list[tuple[str, str]]:
+    """The donors with a valid digest, one per peer; StateTransferError when they cannot give a state."""
+    check_run_id(run_id)
+    if parallel < 1 or timeout_s <= 0 or min_donors < 1:
+        raise ValueError("parallel and min_donors must be >= 1 and timeout_s > 0")
+    valid = _valid_donors(donors)
+    if not any(peer in trusted for peer, _ in valid) and len({d for _, d in valid}) < min_donors:
+        raise _too_few(valid, min_donors)
+    return valid
 
 
 def _valid_donors(donors: Iterable[tuple[str, str]]) -> list[tuple[str, str]]:
@@ -83,32 +140,67 @@ def _valid_donors(donors: Iterable[tuple[str, str]]) -> list[tuple[str, str]]:
     return list(unique.items())
 
 
+def _too_few(donors: list[tuple[str, str]], min_donors: int, trusted_failed: str = "") -> StateTransferError:
+    """Why no state is taken: too few distinct donors, and no trusted one (or it failed, and why)."""
+    distinct = len({d for _, d in donors})
+    trust = f"the trusted state failed ({trusted_failed})" if trusted_failed else "none is trusted"
+    return StateTransferError(
+        f"{len(donors)} donor(s) announce {distinct} distinct state(s) and {trust}: a state needs "
+        f"{min_donors} distinct donors or a trusted one (an initial peer); not copying fewer"
+    )
+
+
 @dataclass(frozen=True)
 class _Context:
     p2p: P2P
     handler: str
     limits: DecodeLimits
     swarm_key: StreamKey | None
+    on_frame: Callable[[], None] | None = None  # a verified frame arrived: the deadline moves on
+
+
+class _DonorFault(Exception):
+    """A donor's announced state is unusable (does not decode, hostile progress): drop that donor."""
 
 
 async def _download(
-    ctx: _Context, donors: list[tuple[str, str]], timeout_s: float, parallel: int
+    ctx: _Context,
+    donors: list[tuple[str, str]],
+    timeout_s: float,
+    parallel: int,
+    *,
+    trusted: Collection[str] = (),
+    min_donors: int = MIN_DONORS,
 ) -> StateSnapshot:
+    groups: dict[str, list[str]] = {}
+    for peer, digest in donors:
+        groups.setdefault(digest, []).append(peer)
+    loop = asyncio.get_running_loop()
     try:
-        async with asyncio.timeout(timeout_s):
-            digest, count = Counter(d for _, d in donors).most_common(1)[0]
-            if count >= 2:
-                group = [peer for peer, d in donors if d == digest]
-                return await _fetch_shared(ctx, digest, group, parallel)
-            return mean_snapshot(await _fetch_each(ctx, donors, parallel))
+        async with asyncio.timeout(timeout_s) as deadline:  # moved on by every verified frame
+            ctx = dataclasses.replace(ctx, on_frame=lambda: deadline.reschedule(loop.time() + timeout_s))
+            failed = []
+            for digest in dict.fromkeys(d for peer, d in donors if peer in trusted):
+                holders = sorted(groups.pop(digest), key=lambda peer: peer not in trusted)
+                try:
+                    return await _fetch_trusted(ctx, digest, holders, parallel)
+                except StateTransferError as exc:
+                    logger.warning("the trusted state %s failed: %s", digest[:12], exc)
+                    failed.append(str(exc))
+            if len(groups) < min_donors:
+                others = [(p, d) for d, peers in groups.items() for p in peers]
+                raise _too_few(others, min_donors, "; ".join(failed))
+            return await _fetch_median(ctx, groups, parallel, min_donors)
     except TimeoutError:
-        raise StateTransferError(f"state download did not finish within {timeout_s}s") from None
+        raise StateTransferError(f"state download made no progress for {timeout_s}s") from None
 
 
-async def _fetch_shared(ctx: _Context, digest: str, group: list[str], parallel: int) -> StateSnapshot:
-    """Parts of one state from several donors; a failed part goes to a donor that has not failed."""
+async def _fetch_trusted(ctx: _Context, digest: str, group: list[str], parallel: int) -> StateSnapshot:
+    """One state in parts from the donors that announce it; a failed part goes to a donor that has not
+    failed."""
     assembly = Assembly(digest, ctx.limits)
     parts = min(parallel, len(group))
+    delivered: list[str] = []
 
     def replacement(part: int, failed: set[str], busy: set[str]) -> str | None:
         healthy = [peer for peer in group if peer not in failed]
@@ -117,29 +209,54 @@ async def _fetch_shared(ctx: _Context, digest: str, group: list[str], parallel: 
         return candidates[0] if candidates else None
 
     async def attempt(part: int, donor: str) -> None:
-        await fetch_part(ctx.p2p, ctx.handler, donor, assembly, part, parts, ctx.swarm_key)
+        await fetch_part(ctx.p2p, ctx.handler, donor, assembly, part, parts, ctx.swarm_key, ctx.on_frame)
+        delivered.append(donor)
 
     await _assign([(part, group[part]) for part in range(parts)], replacement, attempt)
-    return await asyncio.to_thread(assembly.finish)
+    snapshot = await asyncio.to_thread(assembly.finish)
+    progress_of(snapshot.meta)
+    return dataclasses.replace(snapshot, sources=tuple(dict.fromkeys(delivered)))
 
 
-async def _fetch_each(ctx: _Context, donors: list[tuple[str, str]], parallel: int) -> list[StateSnapshot]:
-    """Full states from up to ``parallel`` donors, each verified against its own digest."""
-    announced = dict(donors)
-    queue = [peer for peer, _ in donors]
-    results: list[StateSnapshot] = []
+async def _fetch_median(
+    ctx: _Context, groups: dict[str, list[str]], parallel: int, min_donors: int
+) -> StateSnapshot:
+    """Full states of distinct digests (chosen at random), each verified against its digest, merged by
+    the coordinate-wise median; a failed donor is replaced by another holder of its digest, then by
+    the next digest."""
+    order = random.sample(list(groups), len(groups))
+    untried = order[max(min(parallel, len(order)), min_donors) :]
+    slot_digest = dict(enumerate(order[: len(order) - len(untried)]))
+    unusable: set[str] = set()
+    results: dict[str, tuple[str, StateSnapshot]] = {}
+    announced = {peer: digest for digest, peers in groups.items() for peer in peers}
 
     def replacement(slot: int, failed: set[str], busy: set[str]) -> str | None:
-        return queue.pop(0) if queue else None
+        digest = slot_digest[slot]
+        while True:
+            spare = [p for p in groups[digest] if p not in failed] if digest not in unusable else []
+            if spare:
+                return spare[0]
+            if not untried:
+                return None
+            digest = slot_digest[slot] = untried.pop(0)
 
     async def attempt(slot: int, donor: str) -> None:
-        assembly = Assembly(announced[donor], ctx.limits)
-        await fetch_part(ctx.p2p, ctx.handler, donor, assembly, 0, 1, ctx.swarm_key)
-        results.append(await asyncio.to_thread(assembly.finish))
+        digest = announced[donor]
+        assembly = Assembly(digest, ctx.limits)
+        try:
+            await fetch_part(ctx.p2p, ctx.handler, donor, assembly, 0, 1, ctx.swarm_key, ctx.on_frame)
+            snapshot = await asyncio.to_thread(assembly.finish)
+            progress_of(snapshot.meta)
+        except StateTransferError as exc:
+            unusable.add(digest)
+            raise _DonorFault(str(exc)) from exc
+        results[digest] = (donor, snapshot)
 
-    first = [(slot, queue.pop(0)) for slot in range(min(parallel, len(queue)))]
+    first = [(slot, groups[digest][0]) for slot, digest in slot_digest.items()]
     await _assign(first, replacement, attempt, need_all=False)
-    return results
+    merged = await asyncio.to_thread(median_snapshot, [s for _, s in results.values()], min_donors)
+    return dataclasses.replace(merged, sources=tuple(donor for donor, _ in results.values()))
 
 
 async def _assign(

@@ -1,20 +1,24 @@
 """StateMirror: a bootstrap's copy of the swarm's latest state, and which donors a state comes from.
 
 A bootstrap started with ``--serve-state`` keeps a copy of the latest state the live trainers announce
-and is a donor too, so a joiner finds one even when no trainer is online. :func:`choose_donors` picks
-the members to download from (a joiner uses it as well), :func:`progress_of` checks the progress
-counters a donor put into a state's meta. See docs/state-sync.md.
+and is a donor too, so a joiner finds one even when no trainer is online; a joiner that was given the
+bootstrap as an initial peer trusts that copy (the bootstrap's signed record names its digest). The
+copy is made on the same robust path a joiner without a trusted donor takes: the coordinate-wise
+median of at least three distinct trainer states, never one or two of them.
+:func:`choose_donors` picks the members to download from (a joiner uses it as well). See
+docs/state-sync.md.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Collection, Iterable
+from typing import TYPE_CHECKING
 
 from swarm._periodic import PeriodicTask
-from swarm.state._download import download_state
+from swarm.state._download import MIN_DONORS, download_state
+from swarm.state._merge import progress_of
 from swarm.state._server import StateServer
 from swarm.state._transfer_protocol import StateSnapshot, StateTransferError, make_snapshot
 from swarm.state.checkpoint import CheckpointError, load_latest_checkpoint, save_checkpoint
@@ -25,48 +29,55 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-PROGRESS_KEYS = ("round", "step", "samples_total")
+MAX_REFUSED = 3
+"""Refreshes in a row whose state has less progress than the kept one that the mirror refuses;
+after that it takes the trainers' state: a kept state whose progress was inflated cannot freeze the
+copy for good."""
 
 
-def progress_of(meta: dict[str, Any]) -> dict[str, int]:
-    """The progress counters of a downloaded state's meta, checked: the donor chose them.
-
-    Raises StateTransferError naming the key unless each is a non-negative integer below 2**63.
-    """
-    progress = {}
-    for key in PROGRESS_KEYS:
-        value = meta.get(key, 0)
-        if type(value) is not int or not 0 <= value < 2**63:
-            raise StateTransferError(f"donor state meta {key!r} is not a non-negative integer: {value!r:.40}")
-        progress[key] = value
-    return progress
+def initial_peer_ids(maddrs: Iterable[str]) -> frozenset[str]:
+    """The peer ids the user named in ``network.initial_peers`` (the last ``/p2p/<id>`` of each
+    address, the target of a relayed one): the donors a joiner trusts."""
+    ids = set()
+    for maddr in maddrs:
+        parts = maddr.split("/")
+        found = [parts[i + 1] for i, part in enumerate(parts[:-1]) if part == "p2p"]
+        if found:
+            ids.add(found[-1])
+    return frozenset(ids)
 
 
 def choose_donors(
-    members: Iterable[Member], self_id: str, *, roles: Iterable[str] = ("trainer", "bootstrap")
+    members: Iterable[Member],
+    self_id: str,
+    *,
+    roles: Iterable[str] = ("trainer", "bootstrap"),
+    trusted: Collection[str] = (),
 ) -> list[tuple[str, str]]:
     """(peer id, announced digest) of the members to download state from.
 
-    Only dialable members (not in client mode) that announce a state count. Live trainers come first;
-    when none has a state, the first role in ``roles`` that has one (a bootstrap keeping a copy).
+    Only dialable members (not in client mode) of ``roles`` that announce a state count: the
+    ``trusted`` ones first, then by role in the order of ``roles`` (live trainers before a bootstrap
+    keeping a copy). :func:`~swarm.state.download_state` decides what to take from them.
     """
-    usable = [m for m in members if m.peer_id != self_id and m.record.state_hash and not m.record.client_mode]
-    for role in roles:
-        donors = [(m.peer_id, m.record.state_hash) for m in usable if m.record.role == role]
-        if donors:
-            return donors
-    return []
+    order = list(roles)
+    usable = [m for m in members if m.peer_id != self_id and m.record.role in order and m.record.state_hash]
+    usable = [m for m in usable if not m.record.client_mode]
+    usable.sort(key=lambda m: (m.peer_id not in trusted, order.index(m.record.role)))
+    return [(m.peer_id, m.record.state_hash) for m in usable]
 
 
 class StateMirror:
     """A bootstrap's copy of the swarm's latest state, refreshed from live trainers and served to joiners.
 
-    Every ``interval_s`` it downloads the state the live trainers announce (as a joiner would, verified
-    frame by frame; the mean of their states when they differ), publishes it on its own
-    :class:`StateServer` unchanged (same meta, so same round/step/samples and the same digest as a
-    single donor's) and, with ``state_dir``, writes it there atomically; a restarted bootstrap serves
-    the newest valid file at once. Without trainers the last copy is kept. Call :meth:`start`, then
-    :meth:`close`.
+    Every ``interval_s`` it downloads the state the live trainers announce, as a joiner without a
+    trusted donor would: the coordinate-wise median of at least ``min_donors`` distinct trainer states
+    (those announcing the copy it already serves do not count), each verified frame by frame. With
+    fewer it keeps what it has. It publishes the result on its own :class:`StateServer` (by default one
+    on ``node``'s DHT) and, with ``state_dir``, writes it there atomically; a restarted bootstrap serves
+    the newest valid file at once. A state with less progress than the kept one is refused up to
+    :data:`MAX_REFUSED` refreshes in a row. ``download`` is :func:`download_state` or one with its
+    signature. Call :meth:`start`, then :meth:`close`.
     """
 
     def __init__(
@@ -77,13 +88,17 @@ class StateMirror:
         state_dir: str | None = None,
         config_hash: str = "",
         on_update: Callable[[StateSnapshot], None] | None = None,
+        min_donors: int = MIN_DONORS,
+        server: StateServer | None = None,
+        download: Callable[..., StateSnapshot] = download_state,
     ) -> None:
         self._node, self._state_dir, self._config_hash = node, state_dir, config_hash
-        self._on_update = on_update
+        self._on_update, self._min_donors, self._download = on_update, min_donors, download
         self._lock = threading.Lock()
         self._snapshot: StateSnapshot | None = None
         self._behind: set[str] = set()  # digests of states with less progress than ours: not fetched again
-        self._server = StateServer(node.dht, node.info.run_id)
+        self._refused = 0  # refreshes in a row that were behind the kept state
+        self._server = server if server is not None else StateServer(node.dht, node.info.run_id)
         self._task = PeriodicTask(self._refresh_logged, interval_s, name="state-mirror")
 
     @property
@@ -104,18 +119,28 @@ class StateMirror:
         self._task.start()
 
     def refresh(self) -> bool:
-        """Fetch the trainers' current state if it differs from ours; return whether ours changed."""
-        donors = choose_donors(self._node.members(), self._node.peer_id, roles=("trainer",))
+        """Fetch the median of the trainers' current states if there are enough new ones; return whether
+        ours changed."""
+        own = self.digest
+        members = self._node.members()
+        donors = [d for d in choose_donors(members, self._node.peer_id, roles=("trainer",)) if d[1] != own]
         digests = {digest for _, digest in donors}
-        if not donors or digests == {self.digest} or digests <= self._behind:
+        if len(digests) < self._min_donors or digests <= self._behind:
+            logger.debug("%d new distinct trainer state(s): keeping the copy", len(digests))
             return False
-        snapshot = download_state(self._node.dht, donors, run_id=self._node.info.run_id)
+        snapshot = self._download(
+            self._node.dht, donors, run_id=self._node.info.run_id, min_donors=self._min_donors
+        )
         samples = progress_of(snapshot.meta)["samples_total"]
         kept = self.snapshot
         if kept is not None and samples < progress_of(kept.meta)["samples_total"]:
-            logger.info("not replacing the kept state by one with less progress (%d samples)", samples)
-            self._behind |= digests
-            return False
+            self._refused += 1
+            if self._refused < MAX_REFUSED:
+                logger.info("not replacing the kept state by one with less progress (%d samples)", samples)
+                self._behind |= digests
+                return False
+            logger.warning("the trainers' state was behind the kept one %d times: taking it", self._refused)
+        self._refused = 0
         self._publish(snapshot)
         if self._state_dir is not None:
             state = {"tensors": snapshot.tensors, "meta": snapshot.meta, "config_hash": self._config_hash}
@@ -142,10 +167,17 @@ class StateMirror:
         except CheckpointError as exc:
             logger.warning("ignoring the saved state in %s: %s", state_dir, exc)
             return
-        if found is not None:
-            state, path = found
-            self._publish(make_snapshot(state["tensors"], state["meta"]))
-            logger.info("serving the state saved in %s", path)
+        if found is None:
+            return
+        state, path = found
+        try:
+            progress_of(state["meta"])
+            snapshot = make_snapshot(state["tensors"], state["meta"])
+        except (KeyError, TypeError, ValueError, AttributeError, StateTransferError) as exc:
+            logger.warning("ignoring the saved state %s: %s", path, exc)
+            return
+        self._publish(snapshot)
+        logger.info("serving the state saved in %s", path)
 
     def close(self) -> None:
         """Stop refreshing and serving."""

@@ -22,9 +22,9 @@ import enum
 import hashlib
 import json
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
@@ -44,6 +44,7 @@ from swarm.p2p import ProtocolError, StreamKey, dial, dump_json, parse_json, rea
 if TYPE_CHECKING:
     from hivemind.p2p import P2P
 
+T = TypeVar("T")
 REQUEST_MAX_BYTES = 4096
 HEADER_MAX_BYTES = 16 << 20
 MAX_CHUNK_BYTES = 64 << 20
@@ -52,6 +53,10 @@ MAX_FRAMES = (HEADER_MAX_BYTES - (1 << 20)) // 67  # one hex hash and its JSON p
 _DOMAIN = f"swarm.state.v{PROTOCOL_VERSION}\n".encode()
 IO_TIMEOUT_S = 20.0
 """Bound on dialling, on each message read and on each write drain, both sides."""
+MIN_RECV_BYTES_PER_S = 32 << 10
+"""Progress floor of a part being received: after ``IO_TIMEOUT_S`` of grace the frames must keep up
+with this rate (counted at ``chunk_bytes`` each), or the donor is dropped and its part reassigned. An
+honest donor drops us first below its own floor (``_server.MIN_SEND_BYTES_PER_S``, 4 times this)."""
 _FP32 = get_codec("fp32")
 
 
@@ -184,6 +189,34 @@ class StateTransferError(SwarmError):
     """A state download failed; the message names the donors involved and why."""
 
 
+class SlowPeerError(ProtocolError):
+    """The other side of a stream fell below its :class:`ProgressFloor`."""
+
+
+class ProgressFloor:
+    """A deadline that follows progress: ``grace_s`` plus the time the bytes so far take at
+    ``rate`` (bytes per second). A peer that keeps up never meets it; one that moves a little now and
+    then (enough for each read's or write's own timeout) is dropped with :class:`SlowPeerError`.
+    ``who`` names the other side in the error ("reader", "donor")."""
+
+    def __init__(self, rate: float, grace_s: float, who: str) -> None:
+        self._rate, self._who = rate, who
+        self._started = asyncio.get_running_loop().time() + grace_s
+        self._bytes = 0
+
+    async def within(self, step: Awaitable[T], size: int) -> T:
+        """``step`` (moving ``size`` bytes), finished by the deadline that includes those bytes."""
+        self._bytes += size + 4096  # and an allowance for a message's framing
+        floor = asyncio.timeout_at(self._started + self._bytes / self._rate)
+        try:
+            async with floor:
+                return await step
+        except TimeoutError:
+            if not floor.expired():
+                raise  # the read's or write's own stall timeout
+            raise SlowPeerError(f"{self._who} below the progress floor of {self._rate:.0f} B/s") from None
+
+
 @dataclass(frozen=True)
 class FrameInfo:
     """Where one canonical frame comes from, and its sha256 (what the digest commits to)."""
@@ -205,6 +238,8 @@ class StateSnapshot:
     digest: str
     chunk_bytes: int = 1 << 20
     frames: tuple[FrameInfo, ...] = field(default=(), repr=False, compare=False)
+    sources: tuple[str, ...] = field(default=(), compare=False)
+    """The donors a downloaded snapshot came from (empty for one made here)."""
 
     def frame(self, index: int) -> bytes:
         """Canonical frame ``index`` (re-encoded on demand: fp32 frames are deterministic)."""
@@ -248,11 +283,13 @@ async def fetch_part(
     part: int,
     parts: int,
     swarm_key: StreamKey | None = None,
+    on_frame: Callable[[], None] | None = None,
 ) -> None:
     """One stream: request part ``part`` of ``parts``, verify the header, verify and decode each frame.
 
     With ``swarm_key`` the stream starts with the swarm key handshake; a donor that fails it raises
-    :class:`~swarm.p2p.AuthError`."""
+    :class:`~swarm.p2p.AuthError`. The frames must keep up with :data:`MIN_RECV_BYTES_PER_S` (else
+    :class:`SlowPeerError`); ``on_frame()`` is called after each verified frame."""
     reader, writer = await dial(p2p, donor, handler, swarm_key, IO_TIMEOUT_S)
     try:
         await send(writer, Kind.REQUEST, Request(assembly.digest, part, parts).encode(), IO_TIMEOUT_S)
@@ -268,11 +305,16 @@ async def fetch_part(
             raise ProtocolError(
                 f"header announces {header.sending} frames, part {part}/{parts} has {len(indices)}"
             )
+        floor = ProgressFloor(MIN_RECV_BYTES_PER_S, IO_TIMEOUT_S, f"donor {donor}")
         for index in indices:
-            kind, data = await recv(reader, header.chunk_bytes, IO_TIMEOUT_S)
+            kind, data = await floor.within(
+                recv(reader, header.chunk_bytes, IO_TIMEOUT_S), header.chunk_bytes
+            )
             if kind is not Kind.FRAME:
                 raise ProtocolError(f"expected FRAME, got {kind.name}")
             await asyncio.to_thread(assembly.add, index, data, donor)
+            if on_frame is not None:
+                on_frame()
     finally:
         writer.close()
 

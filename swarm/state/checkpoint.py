@@ -38,8 +38,11 @@ MAGIC = b"SWARMCKP"
 FORMAT_VERSION = 1
 _HEADER = struct.Struct("<8sIQ32s")
 HEADER_SIZE = _HEADER.size
-_NAME = re.compile(r"^ckpt-(\d{12})\.pt$")
-_TEMPORARY = re.compile(r"^\.ckpt-\d{12}\.pt\.(\d+)\.tmp$")
+MAX_STEP = 10**18 - 1
+"""The largest step a checkpoint is named by (18 digits). Names are zero-padded to 12 digits and
+listed with up to 18, so every file the writer can produce is listed, and so pruned."""
+_NAME = re.compile(r"^ckpt-(\d{12,18})\.pt$")
+_TEMPORARY = re.compile(r"^\.ckpt-\d{12,18}\.pt\.(\d+)\.tmp$")
 
 
 class CheckpointError(SwarmError):
@@ -47,6 +50,9 @@ class CheckpointError(SwarmError):
 
 
 def checkpoint_path(directory: str | os.PathLike[str], step: int) -> Path:
+    """Where the checkpoint of ``step`` goes; ValueError unless ``0 <= step <= MAX_STEP``."""
+    if type(step) is not int or not 0 <= step <= MAX_STEP:
+        raise ValueError(f"a checkpoint step must be an integer in [0, {MAX_STEP}], got {step!r:.40}")
     return Path(directory) / f"ckpt-{step:012d}.pt"
 
 
@@ -103,13 +109,16 @@ def _fsync_directory(directory: Path) -> None:
 def save_checkpoint(
     directory: str | os.PathLike[str], state: dict[str, Any], step: int, keep: int = 3
 ) -> Path:
-    """Write ``state`` atomically as the checkpoint of ``step``; keep only the newest ``keep`` ones."""
-    if step < 0 or keep < 1:
-        raise ValueError(f"need step >= 0 and keep >= 1, got step={step}, keep={keep}")
+    """Write ``state`` atomically as the checkpoint of ``step``; keep only the newest ``keep`` ones.
+
+    ``step`` must be an integer in ``[0, MAX_STEP]`` (ValueError): every name written is one that
+    :func:`list_checkpoints` lists, so none escapes pruning."""
+    if keep < 1:
+        raise ValueError(f"need keep >= 1, got keep={keep}")
     root = Path(directory)
+    final = checkpoint_path(root, step)
     root.mkdir(parents=True, exist_ok=True)
     remove_stale_temporaries(root)
-    final = checkpoint_path(root, step)
     temporary = root / f".{final.name}.{os.getpid()}.tmp"
     fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:

@@ -26,7 +26,7 @@ import torch
 
 from swarm._device import map_large_allocations
 from swarm.gossip import GossipAverager, GossipMetrics, PartnerInfo, SyncOutcome
-from swarm.state import StateServer, StateTransferError, download_state
+from swarm.state import StateServer, StateTransferError, download_state, initial_peer_ids
 from swarm.trainer._backend import (
     BackendContext,
     JoinResult,
@@ -181,21 +181,19 @@ class GossipBackend:
         ]
 
     def _download_state(self, attempts: int = 3) -> JoinResult | None:
-        """Download the donors' announced state; retry with fresh records when a donor moved on meanwhile.
-
-        Donors are live trainers; a bootstrap that keeps the state (``--serve-state``) when no trainer
-        announces one, and for the retries (a trainer that just left is still listed until its record
-        expires; the bootstrap's copy is a stable fallback).
-        """
+        """Download the state of a trusted donor (an initial peer, e.g. a ``--serve-state`` bootstrap) or
+        the median of at least three distinct donors' (:func:`swarm.state.download_state`); retry with
+        fresh records when a donor moved on meanwhile. None when neither is there: the caller takes a
+        partner's anchor instead."""
         model = self._context.model
+        trusted = initial_peer_ids(self._node.network.initial_peers)
         for attempt in range(1, attempts + 1):
-            roles = ("trainer", "bootstrap") if attempt == 1 else ("bootstrap", "trainer")
-            donors = choose_donors(self._members(), self._node.peer_id, roles=roles)
+            donors = choose_donors(self._members(), self._node.peer_id, trusted=trusted)
             if not donors:
                 return None
             try:
                 snapshot = download_state(
-                    self._node.dht, donors, run_id=self._run_id, limits=state_limits(model)
+                    self._node.dht, donors, run_id=self._run_id, trusted=trusted, limits=state_limits(model)
                 )
                 progress = progress_of(snapshot.meta)
                 with self.live.lock:
@@ -204,8 +202,9 @@ class GossipBackend:
                 logger.warning("state download attempt %d/%d failed: %s", attempt, attempts, exc)
                 continue
             self.live.reset()
-            logger.info("took over the state of %d donor(s), digest %s", len(donors), snapshot.digest[:12])
-            return JoinResult(tuple(peer for peer, _ in donors), progress, snapshot.digest)
+            sources = snapshot.sources
+            logger.info("took over the state of %d donor(s), digest %s", len(sources), snapshot.digest[:12])
+            return JoinResult(sources, progress, snapshot.digest)
         return None
 
     def _publish_state(self, wait: bool = True) -> None:

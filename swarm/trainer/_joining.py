@@ -2,8 +2,9 @@
 
 Every trainer publishes, after each outer step, a snapshot of what a newcomer needs: the anchor
 parameters, the outer momentum and its progress counters; the snapshot's digest goes into its
-membership record (``state_hash``). A joiner downloads from several donors at once and verifies every
-frame against the announced digests (:func:`swarm.state.download_state`; see docs/state-sync.md).
+membership record (``state_hash``). A joiner takes the state a trusted initial peer announces, or the
+coordinate-wise median of at least three distinct donors' states, and verifies every frame against
+the announced digests (:func:`swarm.state.download_state`; see docs/state-sync.md).
 
 Which members to download from (:func:`~swarm.state.choose_donors`) and the check of a donor's
 progress counters (:func:`~swarm.state.progress_of`) live in :mod:`swarm.state` with the bootstrap's

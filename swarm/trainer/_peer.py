@@ -16,6 +16,7 @@ What a round is (a gossip exchange, a hivemind epoch, a solo outer step) is the 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import threading
@@ -48,6 +49,7 @@ from swarm.trainer._progress import Progress
 from swarm.training import (
     InnerTrainer,
     Interrupted,
+    Prefetcher,
     TrainBatches,
     all_finite,
     build_model,
@@ -83,6 +85,11 @@ class SyncReport:
     loss_unit: str = "bits/byte"
     """The unit of ``loss`` and ``eval_loss``: bits per token, or per byte for byte-level data."""
     eval_bits_per_byte: float | None = None
+    tokens_per_s: float | None = None
+    """Tokens per second of compute (smoothed); with ``mfu`` (None: unknown peak) and the device's
+    ``peak_memory_bytes`` (None off CUDA)."""
+    mfu: float | None = None
+    peak_memory_bytes: int | None = None
 
     @classmethod
     def of(cls, progress: Progress, result: RoundResult, lr: float) -> SyncReport:
@@ -160,14 +167,25 @@ class TrainingPeer:
                 block_size=config.model.block_size,
                 activation_checkpointing=config.train.activation_checkpointing,
                 emulation=config.emulation,
+                reserve_bytes=self._exchange_reserve(),
             )
             self.resumed_from = self._resume() if resume else None
         except BaseException:
             self.close()
             raise
-        self.batches = TrainBatches.of_peer(
+        self.batches: TrainBatches | Prefetcher = TrainBatches.of_peer(
             self.source, config, self.node.peer_id, self.progress.samples_drawn
         )
+        if self.device.type == "cuda":  # draw the next batch into pinned memory while the GPU computes
+            self.batches = Prefetcher(self.batches, pin_memory=True)
+
+    def _exchange_reserve(self) -> int:
+        """What the exchanges will allocate on the device, for a micro-batch sized automatically."""
+        if self.config.train.micro_batch_size is not None or self.device.type != "cuda":
+            return 0
+        from swarm.training.estimate import exchange_reserve_bytes
+
+        return exchange_reserve_bytes(self.config, self.device)
 
     @property
     def backend(self) -> AveragingBackend:
@@ -319,7 +337,15 @@ class TrainingPeer:
 
         A set ``stop`` abandons it (:class:`~swarm.training.Interrupted`), booking nothing."""
         batches = self.config.train.eval_batches
-        self.progress.eval_loss = evaluate(self.model, self.eval_set, batches, stop=stop)
+        self.inner.free_gradients()  # the evaluation's activations and logits take their place
+        self.progress.eval_loss = evaluate(
+            self.model,
+            self.eval_set,
+            batches,
+            stop=stop,
+            micro_batch_size=self.inner.micro_batch_size,
+            precision=self.inner.precision,
+        )
         self.progress.eval_bits_per_byte = self.eval_set.bits_per_byte(self.progress.eval_loss, batches)
         return self.progress.eval_loss
 
@@ -369,7 +395,16 @@ class TrainingPeer:
 
     def _report(self, result: RoundResult) -> None:
         if self._on_sync is not None:
-            self._on_sync(SyncReport.of(self.progress, result, self.inner.optimizer.param_groups[0]["lr"]))
+            report = SyncReport.of(self.progress, result, self.inner.optimizer.param_groups[0]["lr"])
+            figures = self.inner.summary()
+            self._on_sync(
+                dataclasses.replace(
+                    report,
+                    tokens_per_s=figures["compute_tokens_per_second"],
+                    mfu=figures["mfu"],
+                    peak_memory_bytes=figures["peak_memory_bytes"],
+                )
+            )
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -426,6 +461,9 @@ class TrainingPeer:
 
     def close(self) -> None:
         """Stop exchanging, leave the swarm (the record expires), stop the DHT and its daemon."""
+        batches = getattr(self, "batches", None)
+        if isinstance(batches, Prefetcher):
+            batches.close()
         if self._backend is not None:
             self._backend.close()
         self.node.close()

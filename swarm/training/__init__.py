@@ -1,9 +1,30 @@
 """Training components: model, data, the inner loop and the outer (DiLoCo) step. See docs/training.md."""
 
-from swarm.training.data import Corpus, HFStreamSource, TrainBatches, open_source, stdlib_files
+from swarm.training._micro_batch import auto_micro_batch_size, is_oom
+from swarm.training._optimizer import (
+    adamw8bit_works,
+    bitsandbytes_installed,
+    make_inner_optimizer,
+    optimizer_name,
+    optimizer_state_bytes,
+)
+from swarm.training._precision import Precision, resolve_precision
+from swarm.training._prefetch import Prefetcher
+from swarm.training._prepare import prepare_tokens
+from swarm.training._throughput import PEAK_TFLOPS, Throughput, flops_per_token, peak_flops, peak_memory_bytes
+from swarm.training.data import (
+    Corpus,
+    HFStreamSource,
+    TokenFile,
+    TokenFileError,
+    TrainBatches,
+    open_source,
+    stdlib_files,
+)
 from swarm.training.evaluation import (
     EvalSet,
     Interrupted,
+    chunked_cross_entropy,
     evaluate,
     make_eval_set,
     nats_to_bits,
@@ -12,9 +33,7 @@ from swarm.training.evaluation import (
 from swarm.training.inner import (
     InnerTrainer,
     StepStats,
-    auto_micro_batch_size,
     lr_at,
-    make_inner_optimizer,
     resolve_device,
     total_samples_of,
 )
@@ -23,27 +42,44 @@ from swarm.training.outer import OuterOptimizer, all_finite, drift
 
 __all__ = [
     "GPT",
+    "PEAK_TFLOPS",
     "Corpus",
     "EvalSet",
     "HFStreamSource",
     "InnerTrainer",
     "Interrupted",
     "OuterOptimizer",
+    "Precision",
+    "Prefetcher",
     "StepStats",
+    "Throughput",
+    "TokenFile",
+    "TokenFileError",
     "TrainBatches",
+    "adamw8bit_works",
     "all_finite",
     "auto_micro_batch_size",
+    "bitsandbytes_installed",
     "build_model",
+    "chunked_cross_entropy",
     "count_parameters",
     "drift",
     "evaluate",
+    "flops_per_token",
+    "is_oom",
     "lm_loss",
     "lr_at",
     "make_eval_set",
     "make_inner_optimizer",
     "nats_to_bits",
     "open_source",
+    "optimizer_name",
+    "optimizer_state_bytes",
+    "peak_flops",
+    "peak_memory_bytes",
+    "prepare_tokens",
     "resolve_device",
+    "resolve_precision",
     "stdlib_files",
     "total_samples_of",
     "unigram_bits",

@@ -4,7 +4,9 @@ Sources (``data.source``):
 
 * ``stdlib``: the ``.py`` files of this Python's standard library (about 11 MB, no download);
 * ``files``: local text files, directories (read recursively) or glob patterns (``data.paths``);
-* ``hf``: a Hugging Face ``datasets`` dataset, streamed (needs the optional ``datasets`` package).
+* ``hf``: a Hugging Face ``datasets`` dataset, streamed (needs the optional ``datasets`` package);
+* ``tokens``: a directory of tokens that ``swarm data prepare`` wrote from one of the above, which every
+  peer memory-maps (:mod:`swarm.training._token_file`).
 
 Text is tokenized as raw bytes (token = byte value, 256 tokens, losses in bits per byte), or with the
 ``transformers`` tokenizer ``data.tokenizer`` names (losses in bits per token; the evaluation also
@@ -14,7 +16,7 @@ Held-out split: text is cut into pieces (a whole file, or 64 KiB of a longer one
 for streams) and a piece is held out when a hash of its *content* falls below ``eval_fraction``. The
 split is therefore the same on every machine, whatever the file names, and never depends on the seed.
 
-Peer shards: the training bytes are cut into windows of ``block_size + 1`` tokens, and the windows
+Peer shards: the training tokens are cut into windows of ``block_size + 1`` tokens, and the windows
 into ``S`` interleaved shards (window ``w`` is in shard ``w mod S``, so every shard spans the whole
 corpus). A peer walks the shards in order, starting from one chosen by a hash of its peer key and the
 run seed, and shuffles the windows inside each shard with the same key. Two peers that start on
@@ -27,65 +29,46 @@ from __future__ import annotations
 import codecs
 import functools
 import glob
-import hashlib
 import logging
 import math
 import os
 import sysconfig
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
-import numpy as np
 import torch
 
 from swarm._tokenizer import Tokenizer, load_tokenizer
 from swarm.config import DataSection, RunConfig
+from swarm.training._hf_stream import HFStreamSource
+from swarm.training._token_file import TokenFile, TokenFileError, open_token_file
+from swarm.training._windows import BYTE_VOCAB, MAX_SHARDS, TokenSource, encode, is_held_out, window_starts
+
+__all__ = [
+    "BYTE_VOCAB",
+    "MAX_SHARDS",
+    "SPLIT_PIECE_BYTES",
+    "Corpus",
+    "HFStreamSource",
+    "TokenFile",
+    "TokenFileError",
+    "TokenSource",
+    "TrainBatches",
+    "corpus_from_files",
+    "encode",
+    "expand_paths",
+    "is_held_out",
+    "open_source",
+    "split_file",
+    "stdlib_files",
+]
 
 logger = logging.getLogger(__name__)
 
 SPLIT_PIECE_BYTES = 64 * 1024
-MAX_SHARDS = 1024
 _STDLIB_SKIPPED_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "__pycache__"})
-
-
-def _hash64(*parts: object) -> int:
-    text = "\x00".join(str(part) for part in parts).encode()
-    return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little")
-
-
-def is_held_out(piece: bytes, eval_fraction: float) -> bool:
-    """Whether a piece of text belongs to the evaluation split (decided by its content alone)."""
-    digest = hashlib.blake2b(piece, digest_size=8, person=b"swarm-eval").digest()
-    return int.from_bytes(digest, "little") < eval_fraction * 2**64
-
-
-def encode(texts: Sequence[bytes | str], tokenizer: Tokenizer | None) -> torch.Tensor:
-    """Texts as one token tensor: their UTF-8 bytes (uint8), or the tokenizer's ids of each (int32)."""
-    if tokenizer is None:
-        joined = bytearray(b"".join(t if isinstance(t, bytes) else t.encode("utf-8") for t in texts))
-        return torch.frombuffer(joined, dtype=torch.uint8) if joined else torch.zeros(0, dtype=torch.uint8)
-    decoded = [t if isinstance(t, str) else t.decode("utf-8", errors="replace") for t in texts]
-    ids = [np.asarray(row, dtype=np.int32) for row in tokenizer.encode(decoded)]
-    return torch.from_numpy(np.concatenate(ids) if ids else np.zeros(0, dtype=np.int32))
-
-
-class TokenSource(Protocol):
-    """What :class:`TrainBatches` and :func:`make_eval_set` need from a source of tokens."""
-
-    @property
-    def unit(self) -> str: ...
-
-    @property
-    def tokenizer(self) -> Tokenizer | None: ...
-
-    @property
-    def eval(self) -> torch.Tensor: ...
-
-    def iter_windows(
-        self, block_size: int, peer_key: str, seed: int, skip: int = 0
-    ) -> Iterator[torch.Tensor]: ...
 
 
 @dataclass(frozen=True, eq=False)
@@ -110,116 +93,9 @@ class Corpus:
         ``skip`` windows are passed over first without reading them (to resume after a restart).
         """
         span = block_size + 1
-        peer = _hash64("peer", seed, peer_key)
-        epoch = 0
-        while True:
-            # All peers share the epoch's phase, so their windows line up and shards are disjoint.
-            phase = _hash64("phase", seed, epoch) % span
-            count = (len(self.train) - phase) // span
-            if count < 1:
-                raise ValueError(f"{self.name}: {len(self.train)} training bytes, fewer than one window")
-            shards = min(MAX_SHARDS, count)
-            for i in range(shards):
-                shard = (peer + i) % shards
-                size = len(range(shard, count, shards))
-                if skip >= size:
-                    skip -= size
-                    continue
-                windows = np.arange(shard, count, shards)
-                np.random.default_rng([peer, epoch, shard]).shuffle(windows)
-                starts = torch.from_numpy(phase + windows[skip:] * span)
-                skip = 0
-                yield self.train[starts[:, None] + torch.arange(span)]
-            epoch += 1
-
-
-class HFStreamSource:
-    """A streamed Hugging Face dataset of text documents, as tokens (bytes, or ``tokenizer``'s ids).
-
-    Each peer streams the documents in its own order (``shuffle`` with a seed from its peer key, over
-    a buffer of ``shuffle_buffer`` documents), skips held-out documents, and cuts the rest, joined
-    by newlines, into windows. The evaluation split is the held-out documents up to ``eval_bytes`` of
-    text (cut there when tokens are bytes).
-    """
-
-    def __init__(
-        self,
-        dataset: Any,
-        eval_fraction: float,
-        *,
-        name: str = "hf",
-        text_field: str = "text",
-        eval_bytes: int = 1 << 20,
-        shuffle_buffer: int = 10_000,
-        tokenizer: Tokenizer | None = None,
-    ) -> None:
-        self.name = name
-        self.tokenizer = tokenizer
-        self.unit = "byte" if tokenizer is None else "token"
-        self._dataset = dataset
-        self._eval_fraction = eval_fraction
-        self._text_field = text_field
-        self._eval_bytes = eval_bytes
-        self._shuffle_buffer = shuffle_buffer
-
-    @classmethod
-    def from_name(cls, dataset_name: str, eval_fraction: float, **options: Any) -> HFStreamSource:
-        """Open ``dataset_name``'s train split for streaming (downloads as it is read)."""
-        try:
-            import datasets
-        except ImportError as error:
-            raise ImportError(
-                "data.source 'hf' needs the 'datasets' package: pip install datasets"
-            ) from error
-        stream = datasets.load_dataset(dataset_name, split="train", streaming=True)
-        return cls(stream, eval_fraction, name=dataset_name, **options)
-
-    def _documents(self, stream: Iterable[dict[str, Any]], held_out: bool) -> Iterator[bytes]:
-        for record in stream:
-            text = record[self._text_field].encode("utf-8") + b"\n"
-            if is_held_out(text, self._eval_fraction) == held_out:
-                yield text
-
-    @functools.cached_property
-    def eval(self) -> torch.Tensor:
-        held_out: list[bytes] = []
-        size = 0
-        for text in self._documents(self._dataset, held_out=True):
-            held_out.append(text)
-            size += len(text)
-            if size >= self._eval_bytes:
-                break
-        if not held_out:
-            raise ValueError(f"{self.name}: no held-out documents; raise data.eval_fraction")
-        if self.tokenizer is None:
-            held_out = [b"".join(held_out)[: self._eval_bytes]]
-        return encode(held_out, self.tokenizer)
-
-    def iter_windows(
-        self, block_size: int, peer_key: str, seed: int, skip: int = 0
-    ) -> Iterator[torch.Tensor]:
-        """Endless training windows ``(1, block_size + 1)`` in this peer's order."""
-        span = block_size + 1
-        stream = self._dataset.shuffle(
-            seed=_hash64("peer", seed, peer_key) % 2**32, buffer_size=self._shuffle_buffer
-        )
-        epoch = 0
-        while True:
-            stream.set_epoch(epoch)
-            pending = encode([], self.tokenizer)
-            produced = False
-            for text in self._documents(stream, held_out=False):
-                pending = torch.cat([pending, encode([text], self.tokenizer)])
-                while len(pending) >= span:
-                    window, pending = pending[:span], pending[span:]
-                    produced = True
-                    if skip:
-                        skip -= 1
-                        continue
-                    yield window.clone()[None]
-            if not produced:
-                raise ValueError(f"{self.name}: no training window of {span} tokens in the whole stream")
-            epoch += 1
+        offsets = torch.arange(span)
+        for starts in window_starts(len(self.train), span, peer_key, seed, skip, name=self.name):
+            yield self.train[torch.from_numpy(starts)[:, None] + offsets]
 
 
 def stdlib_files() -> list[Path]:
@@ -259,22 +135,31 @@ def expand_paths(paths: Sequence[str]) -> list[Path]:
     return found
 
 
-def _split_pieces(files: Sequence[Path], eval_fraction: float, as_text: bool) -> tuple[list, list]:
-    """Each file's pieces, sorted into training and held-out ones by content (module docstring).
+def split_file(path: Path, eval_fraction: float, as_text: bool) -> tuple[list, list]:
+    """A file's pieces, sorted into training and held-out ones by content (module docstring).
 
-    ``as_text``: pieces are decoded, with one incremental decoder per file so that a character cut by a
-    piece boundary is kept whole (in the later piece); the split itself is the same as for bytes.
+    ``as_text``: pieces are decoded, with one incremental decoder for the file so that a character cut
+    by a piece boundary is kept whole (in the later piece); the split itself is the same as for bytes.
     """
     train: list[bytes | str] = []
     held_out: list[bytes | str] = []
+    data = path.read_bytes()
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    for start in range(0, len(data), SPLIT_PIECE_BYTES):
+        piece = data[start : start + SPLIT_PIECE_BYTES]
+        last = start + SPLIT_PIECE_BYTES >= len(data)
+        side = held_out if is_held_out(piece, eval_fraction) else train
+        side.append(decoder.decode(piece, final=last) if as_text else piece)
+    return train, held_out
+
+
+def _split_pieces(files: Sequence[Path], eval_fraction: float, as_text: bool) -> tuple[list, list]:
+    train: list[bytes | str] = []
+    held_out: list[bytes | str] = []
     for path in files:
-        data = path.read_bytes()
-        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        for start in range(0, len(data), SPLIT_PIECE_BYTES):
-            piece = data[start : start + SPLIT_PIECE_BYTES]
-            last = start + SPLIT_PIECE_BYTES >= len(data)
-            side = held_out if is_held_out(piece, eval_fraction) else train
-            side.append(decoder.decode(piece, final=last) if as_text else piece)
+        file_train, file_held_out = split_file(path, eval_fraction, as_text)
+        train += file_train
+        held_out += file_held_out
     return train, held_out
 
 
@@ -316,12 +201,21 @@ def _cached_corpus(
     return corpus_from_files(files, eval_fraction, name=source, tokenizer=tokenizer)
 
 
-def open_source(data: DataSection) -> Corpus | HFStreamSource:
-    """The token source ``data`` describes; an in-memory corpus is read once per process."""
+def open_source(data: DataSection) -> Corpus | HFStreamSource | TokenFile:
+    """The token source ``data`` describes; an in-memory corpus or a token file is opened once per process."""
     tokenizer = load_tokenizer(data.tokenizer) if data.tokenizer is not None else None
     if data.source == "hf":
         assert data.hf_dataset is not None  # the config validator guarantees it
-        return HFStreamSource.from_name(data.hf_dataset, data.eval_fraction, tokenizer=tokenizer)
+        return HFStreamSource.from_name(
+            data.hf_dataset,
+            data.eval_fraction,
+            hf_config=data.hf_config,
+            split=data.split,
+            text_field=data.text_field,
+            tokenizer=tokenizer,
+        )
+    if data.source == "tokens":
+        return open_token_file(data.paths[0], tokenizer=tokenizer, eval_fraction=data.eval_fraction)
     return _cached_corpus(data.source, tuple(data.paths), data.eval_fraction, tokenizer)
 
 

@@ -3,10 +3,15 @@
 The model is built on the ``meta`` device, so counting the parameters of a 1B-parameter model costs
 no memory and about a second. Memory is the sum of
 
-* weights and gradients: float32, ``4 P`` each (bf16 autocast computes in bf16, stores in float32);
+* weights and gradients: float32, ``4 P`` each; the gradients are alive from the first micro-batch's
+  backward to the update (and freed after it), and adding a later micro-batch's gradient to them
+  holds one more gradient of the largest tensor (``4 n`` plus its 16-bit copy under autocast);
+* the 16-bit copies of the weights that autocast makes (``train.precision`` bf16 or fp16, ``auto``
+  on CUDA) and keeps for the backward pass, ``2 P``;
 * inner AdamW state: on CUDA bitsandbytes' 8-bit AdamW, 2 bytes per element plus a float32 scale
-  per 256-element block and state, for tensors of at least 4096 elements (smaller ones: ``8 n``);
-  on the CPU torch's AdamW, ``8 P``;
+  per 256-element block and state, for tensors of at least 4096 elements (smaller ones: ``8 n``),
+  when bitsandbytes is installed (otherwise the trainer falls back to torch's AdamW); torch's
+  AdamW ``8 P``;
 * outer optimizer: float32 anchor and momentum, ``4 P`` each; the pseudo-gradient exchange's
   error-feedback residual ``4 P`` (lossy codecs); the sync path's buffers at their peak, an exchange
   plus what the training thread holds meanwhile (:func:`gossip_peak_buffer_bytes`: ``28 P`` with
@@ -17,14 +22,18 @@ no memory and about a second. Memory is the sum of
   and norms (flash attention: no ``s^2`` term) plus ``2 h + 4 i`` for a GELU MLP of width ``i`` or
   ``2 h + 8 i`` for a gated one; plus ``10 V`` per token for the logits (bf16, float32 copy, its
   gradient). With activation checkpointing only each block's float32 input (``4 h`` per token) is
-  kept, and one block's activations are rebuilt at a time.
+  kept, and one block's activations are rebuilt at a time;
+* the evaluation's peak, at the training micro-batch with no gradients alive: one block's
+  activations, the 16-bit logits and a float32 slice of them :data:`VOCAB_CHUNK` wide (the loss is
+  computed in chunks over the vocabulary). It replaces the training step's gradients and
+  activations, so it counts only where it is larger;
+* the checkpoint's copy of anchor and momentum, ``8 P`` of host memory while one is written.
 
 It is an estimate: allocator slack, the CUDA context (~0.5 GiB) and temporary buffers come on top.
 """
 
 from __future__ import annotations
 
-import math
 import warnings
 from dataclasses import dataclass
 
@@ -33,10 +42,10 @@ from torch import nn
 
 from swarm.compression import HEADER_SIZE, get_codec
 from swarm.config import RunConfig
+from swarm.training._optimizer import adamw8bit_works, bitsandbytes_installed, optimizer_state_bytes
+from swarm.training.evaluation import VOCAB_CHUNK
 from swarm.training.model import build_model, count_parameters
 
-BNB_MIN_8BIT_SIZE = 4096
-BNB_BLOCK = 256
 GIB = 1 << 30
 
 
@@ -76,6 +85,12 @@ class PeerEstimate:
     wire_params: int
     param_sync_every: int
     anchor_pull: str = "separate"
+    autocast_weights: int = 0
+    accumulation: int = 0
+    evaluation: int = 0
+    checkpoint_copy: int = 0
+    optimizer: str = "adamw"
+    precision: str = "fp32"
 
     @property
     def outer(self) -> int:
@@ -84,14 +99,15 @@ class PeerEstimate:
 
     def device_memory(self, checkpointing: bool, *, host_state: bool = False) -> int:
         """Bytes on the training device, with the outer state there or (``host_state``) in host memory."""
-        model = self.weights + self.gradients + self.inner_optimizer
+        model = self.weights + self.inner_optimizer + self.autocast_weights
         activations = self.activations_checkpointed if checkpointing else self.activations
-        return model + activations + (0 if host_state else self.outer)
+        step = self.gradients + self.accumulation + activations
+        return model + max(step, self.evaluation) + (0 if host_state else self.outer)
 
     def host_memory(self, *, host_state: bool = False) -> int:
-        """Bytes in host memory besides the program itself: the state served to joiners, and the outer
-        state when it lives there."""
-        return self.served_state + (self.outer if host_state else 0)
+        """Bytes in host memory besides the program itself: the state served to joiners, the copy a
+        checkpoint makes, and the outer state when it lives there."""
+        return self.served_state + self.checkpoint_copy + (self.outer if host_state else 0)
 
     def memory(self, checkpointing: bool) -> int:
         """Total bytes with or without activation checkpointing, on a machine whose device is its host
@@ -185,14 +201,17 @@ def activation_bytes(shape: Shape, micro_batch: int = 1) -> tuple[int, int]:
 
 def adamw_state_bytes(model: nn.Module, cuda: bool) -> int:
     """Inner AdamW state: 8-bit blockwise on CUDA (as bitsandbytes stores it), float32 on the CPU."""
-    total = 0
-    for param in model.parameters():
-        n = param.numel()
-        if cuda and n >= BNB_MIN_8BIT_SIZE:
-            total += 2 * (n + 4 * math.ceil(n / BNB_BLOCK))
-        else:
-            total += 8 * n
-    return total
+    return optimizer_state_bytes(model, eight_bit=cuda)
+
+
+def evaluation_bytes(shape: Shape, half: int, micro_batch: int = 1) -> int:
+    """Peak of an evaluation at ``micro_batch`` beyond the weights: one block's activations, the logits
+    (``half`` bytes per element, 4 without autocast) and a float32 slice of them per vocabulary chunk."""
+    tokens = micro_batch * shape.block_size
+    mlp = 2 * shape.hidden + (8 if shape.gated_mlp else 4) * shape.intermediate
+    block = tokens * (17 * shape.hidden + mlp)
+    logits = tokens * ((half or 4) * shape.vocab + 4 * min(shape.vocab, VOCAB_CHUNK))
+    return block + logits
 
 
 def wire_bytes(model: nn.Module, codec_name: str, block_size: int) -> int:
@@ -201,13 +220,25 @@ def wire_bytes(model: nn.Module, codec_name: str, block_size: int) -> int:
     return sum(HEADER_SIZE + codec.payload_nbytes(p.numel()) for p in model.parameters())
 
 
-def estimate_peer(config: RunConfig, device: str = "cuda") -> PeerEstimate:
-    """Memory and traffic of one peer of ``config`` on ``device`` ('cuda' or 'cpu')."""
+def estimate_peer(config: RunConfig, device: str = "cuda", *, eight_bit: bool | None = None) -> PeerEstimate:
+    """Memory and traffic of one peer of ``config`` on ``device`` ('cuda' or 'cpu').
+
+    ``eight_bit``: whether the inner optimizer is bitsandbytes' 8-bit AdamW; by default on CUDA when
+    bitsandbytes is installed (the trainer also checks that it runs). ``train.precision: auto`` is
+    counted as 16-bit autocast on CUDA and float32 on the CPU."""
+    if eight_bit is None:
+        eight_bit = device == "cuda" and bitsandbytes_installed()
+    precision = config.train.precision
+    if precision == "auto":
+        precision = "bf16" if device == "cuda" else "fp32"
+    half = 0 if precision == "fp32" else 2
     with torch.device("meta"), warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # transformers' renamed checkpointing methods
         model = build_model(config.model, config.run.seed)
     params = count_parameters(model)
-    activations, checkpointed = activation_bytes(model_shape(config, model))
+    shape = model_shape(config, model)
+    activations, checkpointed = activation_bytes(shape)
+    largest = max(p.numel() for p in model.parameters())
     comp, avg = config.compression, config.averaging
     delta_lossy, anchor_lossy = comp.codec != "fp32", avg.param_codec != "fp32"
     folded = avg.anchor_pull == "folded"
@@ -217,7 +248,7 @@ def estimate_peer(config: RunConfig, device: str = "cuda") -> PeerEstimate:
         device=device,
         weights=4 * params,
         gradients=4 * params,
-        inner_optimizer=adamw_state_bytes(model, cuda=device == "cuda"),
+        inner_optimizer=optimizer_state_bytes(model, eight_bit),
         outer_state=8 * params,
         residuals=residuals,
         exchange_buffers=gossip_peak_buffer_bytes(
@@ -230,6 +261,12 @@ def estimate_peer(config: RunConfig, device: str = "cuda") -> PeerEstimate:
         wire_params=wire_bytes(model, avg.param_codec, comp.block_size),
         param_sync_every=avg.param_sync_every,
         anchor_pull=avg.anchor_pull,
+        autocast_weights=half * params,
+        accumulation=(4 + half) * largest if config.train.batch_size > 1 else 0,
+        evaluation=evaluation_bytes(shape, half),
+        checkpoint_copy=8 * params,  # OuterOptimizer.state_dict: CPU copies of anchor and momentum
+        optimizer="8-bit AdamW" if eight_bit else "AdamW",
+        precision=precision,
     )
 
 
@@ -242,14 +279,22 @@ def outer_state_on_host(config: RunConfig, device: torch.device) -> bool:
     if choice == "host":
         return True
     total = torch.cuda.get_device_properties(device).total_memory
-    need = estimate_peer(config, "cuda").device_memory(config.train.activation_checkpointing)
+    estimate = estimate_peer(config, "cuda", eight_bit=adamw8bit_works(device))  # the trainer's choice
+    need = estimate.device_memory(config.train.activation_checkpointing)
     return need > 0.9 * total
+
+
+def exchange_reserve_bytes(config: RunConfig, device: torch.device) -> int:
+    """Device memory a micro-batch must leave free for the exchanges to come: their peak buffers when
+    the outer state lives on this CUDA device (:func:`outer_state_on_host`), else nothing."""
+    if device.type != "cuda" or outer_state_on_host(config, device):
+        return 0
+    return estimate_peer(config, "cuda", eight_bit=adamw8bit_works(device)).exchange_buffers
 
 
 def describe_estimate(estimate: PeerEstimate, checkpointing: bool = False) -> list[str]:
     """Lines for ``swarm config check``: both layouts, the breakdown, and the wire per round."""
     e, b = estimate, format_bytes
-    optimizer = "8-bit AdamW" if e.device == "cuda" else "AdamW"
     on_device = (e.device_memory(False), e.device_memory(True))
     split = (e.device_memory(False, host_state=True), e.device_memory(True, host_state=True))
     used = " (this config)" if checkpointing else ""
@@ -259,12 +304,14 @@ def describe_estimate(estimate: PeerEstimate, checkpointing: bool = False) -> li
         f"{b(on_device[1])} with activation checkpointing{used}",
         f"  with the outer state in host memory: {b(split[0])} on the device, {b(split[1])} with "
         f"activation checkpointing, plus {b(e.host_memory(host_state=True))} of host memory",
-        f"  model: weights {b(e.weights)} + gradients {b(e.gradients)}"
-        f" + {optimizer} {b(e.inner_optimizer)}"
-        f" + activations {b(e.activations)} ({b(e.activations_checkpointed)} checkpointed)",
+        f"  model: weights {b(e.weights)} + {e.precision} autocast copies {b(e.autocast_weights)}"
+        f" + {e.optimizer} {b(e.inner_optimizer)} + gradients {b(e.gradients)}"
+        f" + accumulation {b(e.accumulation)} + activations {b(e.activations)}"
+        f" ({b(e.activations_checkpointed)} checkpointed); evaluation peak {b(e.evaluation)}"
+        f" in place of gradients and activations",
         f"  outer state: anchor and momentum {b(e.outer_state)} + error feedback {b(e.residuals)}"
         f" + exchange buffers {b(e.exchange_buffers)}; host memory for the state served to joiners "
-        f"{b(e.served_state)}",
+        f"{b(e.served_state)} + a checkpoint's copy {b(e.checkpoint_copy)}",
         f"wire per sync per peer, each direction: {b(e.wire_per_sync)} "
         f"(pseudo-gradient {b(e.wire_delta)} per round, initiated or served; {_anchor_wire(e)})",
     ]

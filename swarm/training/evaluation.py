@@ -18,8 +18,8 @@ import torch
 from torch import nn
 
 from swarm._tokenizer import Tokenizer
+from swarm.training._precision import Precision
 from swarm.training.data import TokenSource
-from swarm.training.model import lm_loss
 
 LN2 = math.log(2)
 
@@ -88,26 +88,64 @@ def make_eval_set(source: TokenSource, block_size: int, batch_size: int = 32) ->
     return EvalSet(source.eval, block_size, batch_size, source.unit, source.tokenizer)
 
 
+VOCAB_CHUNK = 8192
+"""Vocabulary entries whose float32 logits :func:`chunked_cross_entropy` holds at once, per token."""
+
+
+def chunked_cross_entropy(
+    logits: torch.Tensor, targets: torch.Tensor, chunk: int = VOCAB_CHUNK
+) -> torch.Tensor:
+    """Summed next-token cross-entropy in nats, computed over the vocabulary ``chunk`` entries at a time.
+
+    Equal to ``F.cross_entropy(logits.float(), targets, reduction="sum")``, but the float32 copy of
+    the logits it makes is ``chunk`` wide instead of the whole vocabulary: with a 32k vocabulary
+    the full copy of a 32-window batch of 2048 tokens alone is 8 GiB.
+    """
+    flat = logits.reshape(-1, logits.size(-1))
+    parts = [torch.logsumexp(flat[:, i : i + chunk].float(), dim=-1) for i in range(0, flat.size(-1), chunk)]
+    log_normalizer = torch.logsumexp(torch.stack(parts, dim=-1), dim=-1)
+    target_logits = flat.gather(1, targets.reshape(-1, 1)).squeeze(1).float()
+    return (log_normalizer - target_logits).sum()
+
+
 @torch.no_grad()
 def evaluate(
-    model: nn.Module, eval_data: EvalSet, batches: int = 8, *, stop: threading.Event | None = None
+    model: nn.Module,
+    eval_data: EvalSet,
+    batches: int = 8,
+    *,
+    stop: threading.Event | None = None,
+    micro_batch_size: int | None = None,
+    precision: Precision | None = None,
+    vocab_chunk: int = VOCAB_CHUNK,
 ) -> float:
     """Mean next-token loss on the held-out split in bits per token (``eval_data.loss_unit``).
 
-    A set ``stop`` raises :class:`Interrupted` before the next batch."""
+    Each batch of windows runs ``micro_batch_size`` windows at a time (the training micro-batch: what
+    fits in training fits here, with no activations kept for a backward pass), in ``precision``
+    (default: bf16 autocast on CUDA, none elsewhere), with the loss over the vocabulary in chunks
+    (:func:`chunked_cross_entropy`). A set ``stop`` raises :class:`Interrupted` before the next
+    micro-batch."""
     device = next(model.parameters()).device
+    if precision is None:
+        precision = Precision("bf16" if device.type == "cuda" else "fp32")
     was_training = model.training
     model.eval()
-    total = 0.0
+    total, tokens = 0.0, 0
     try:
         for x, y in eval_data.batches(batches):
-            if stop is not None and stop.is_set():
-                raise Interrupted("evaluation abandoned: stopping")
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-                total += lm_loss(model, x.to(device), y.to(device)).item()
+            step = micro_batch_size or len(x)
+            for xs, ys in zip(x.split(step), y.split(step), strict=True):
+                if stop is not None and stop.is_set():
+                    raise Interrupted("evaluation abandoned: stopping")
+                with precision.autocast(device):
+                    logits = model(xs.to(device))
+                total += float(chunked_cross_entropy(logits, ys.to(device), vocab_chunk))
+                tokens += ys.numel()
+                del logits
     finally:
         model.train(was_training)
-    return nats_to_bits(total / batches)
+    return nats_to_bits(total / max(tokens, 1))
 
 
 def unigram_bits(train: torch.Tensor, held_out: torch.Tensor, vocab_size: int = 256) -> float:

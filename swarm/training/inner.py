@@ -24,9 +24,25 @@ from typing import Any
 import torch
 from torch import nn
 
+from swarm._device import describe_device
 from swarm.config import EmulationSection, TrainSection
+from swarm.training._micro_batch import auto_micro_batch_size, is_oom
+from swarm.training._optimizer import (
+    make_inner_optimizer,
+    optimizer_name,
+    optimizer_state_bytes,
+    parameter_groups,  # noqa: F401  # re-exported: swarm.trainer._hivemind and tests import it from here
+)
+from swarm.training._precision import resolve_precision
+from swarm.training._throughput import (
+    Throughput,
+    flops_per_token,
+    model_dims,
+    peak_flops,
+    peak_memory_bytes,
+)
 from swarm.training.evaluation import Interrupted, nats_to_bits
-from swarm.training.model import lm_loss
+from swarm.training.model import count_parameters, lm_loss
 
 logger = logging.getLogger(__name__)
 
@@ -35,41 +51,25 @@ MIN_LR_RATIO = 0.1
 
 
 def resolve_device(spec: str = "auto") -> torch.device:
-    """``'auto'`` is CUDA when a GPU is present, else the CPU; anything else is used as given."""
+    """``'auto'`` is CUDA when a GPU is present, else Apple's MPS when present, else the CPU; anything
+    else is used as given."""
     if spec == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        if _mps_available():
+            return torch.device("mps")
+        return torch.device("cpu")
     device = torch.device(spec)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise RuntimeError(f"train.device is {spec!r} but no CUDA device is available")
+    if device.type == "mps" and not _mps_available():
+        raise RuntimeError(f"train.device is {spec!r} but this torch has no MPS device")
     return device
 
 
-def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """Two AdamW groups: matrices decay; biases, norm gains and embeddings do not."""
-    decay: list[nn.Parameter] = []
-    no_decay: list[nn.Parameter] = []
-    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
-    for param in model.parameters():
-        if not param.requires_grad:
-            continue
-        (decay if param.dim() >= 2 and id(param) not in embeddings else no_decay).append(param)
-    return [
-        {"params": decay, "weight_decay": weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
-    ]
-
-
-def make_inner_optimizer(
-    model: nn.Module, train_cfg: TrainSection, device: torch.device
-) -> torch.optim.Optimizer:
-    """AdamW with decoupled weight decay; bitsandbytes' 8-bit AdamW on CUDA (a quarter of the state)."""
-    groups = parameter_groups(model, train_cfg.weight_decay)
-    betas = (0.9, 0.95)
-    if device.type == "cuda":
-        import bitsandbytes as bnb
-
-        return bnb.optim.AdamW8bit(groups, lr=train_cfg.lr, betas=betas)
-    return torch.optim.AdamW(groups, lr=train_cfg.lr, betas=betas)
+def _mps_available() -> bool:
+    mps = getattr(torch.backends, "mps", None)
+    return bool(mps is not None and mps.is_available())
 
 
 def lr_at(progress_samples: int, train_cfg: TrainSection, total_samples: int | None) -> float:
@@ -97,50 +97,6 @@ def total_samples_of(train_cfg: TrainSection, target_samples: int | None) -> int
     if train_cfg.max_steps is not None:
         return train_cfg.max_steps * train_cfg.batch_size
     return None
-
-
-def _is_oom(error: BaseException) -> bool:
-    return isinstance(error, torch.cuda.OutOfMemoryError) or "out of memory" in str(error)
-
-
-def auto_micro_batch_size(
-    model: nn.Module,
-    block_size: int,
-    device: torch.device,
-    batch_size: int = 16,
-    vocab_size: int = 256,
-    memory_fraction: float = 0.85,
-) -> int:
-    """The largest micro-batch (at most ``batch_size``) whose forward and backward fit in memory.
-
-    On CUDA, tries ``batch_size`` and halves on out-of-memory (or when the peak exceeds
-    ``memory_fraction`` of the device, to leave room for optimizer state). On the CPU memory is not
-    probed and the whole batch is one micro-batch.
-    """
-    if device.type != "cuda":
-        return batch_size
-    total = torch.cuda.get_device_properties(device).total_memory
-    candidate = batch_size
-    while candidate >= 1:
-        try:
-            torch.cuda.reset_peak_memory_stats(device)
-            x = torch.randint(vocab_size, (candidate, block_size), device=device)
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                loss = lm_loss(model, x, x)
-            loss.backward()
-            fits = torch.cuda.max_memory_allocated(device) <= memory_fraction * total
-        except RuntimeError as error:
-            if not _is_oom(error):
-                raise
-            fits = False
-        finally:
-            model.zero_grad(set_to_none=True)
-            torch.cuda.empty_cache()
-        if fits:
-            logger.info("micro-batch size %d fits on %s", candidate, device)
-            return candidate
-        candidate //= 2
-    raise RuntimeError(f"not even one sample of {block_size} tokens fits on {device}")
 
 
 @dataclass(frozen=True)
@@ -171,7 +127,14 @@ def _abandon_if(stop: threading.Event | None, optimizer: torch.optim.Optimizer) 
 
 
 class InnerTrainer:
-    """Takes inner optimizer steps on a model, one batch from an iterator of ``(x, y)`` at a time."""
+    """Takes inner optimizer steps on a model, one batch from an iterator of ``(x, y)`` at a time.
+
+    ``train.precision`` picks the autocast type (and a loss scaler for fp16, see
+    :mod:`swarm.training._precision`); ``train.compile`` runs the forward through :func:`torch.compile`.
+    Without ``micro_batch_size`` (nor ``train.micro_batch_size``) the micro-batch is sized from the
+    memory free now, less the inner optimizer's state when it does not exist yet and
+    ``reserve_bytes``: build the trainer after the rest of the persistent state.
+    """
 
     def __init__(
         self,
@@ -184,26 +147,77 @@ class InnerTrainer:
         activation_checkpointing: bool = False,
         block_size: int | None = None,
         emulation: EmulationSection | None = None,
+        reserve_bytes: int = 0,
     ) -> None:
         self.model = model.to(device)
         self.device = device
         self.cfg = train_cfg
         self.emulation = emulation or EmulationSection()
+        self.precision = resolve_precision(train_cfg.precision, device)
+        self.scaler = self.precision.grad_scaler(device)
+        self._owns_optimizer = optimizer is None
         self.optimizer = optimizer or make_inner_optimizer(self.model, train_cfg, device)
-        self.use_autocast = device.type == "cuda"
+        self.optimizer_name = optimizer_name(self.optimizer)
         self.model.activation_checkpointing = activation_checkpointing and device.type == "cuda"
+        self.forward_model: nn.Module = self.model
+        if train_cfg.compile:
+            self.forward_model = torch.compile(self.model)
+        self.block_size = block_size or getattr(model, "block_size", None)
         micro = micro_batch_size or train_cfg.micro_batch_size
         if micro is None:
-            block_size = block_size or getattr(model, "block_size", None)
-            if block_size is None:
+            if self.block_size is None:
                 raise ValueError("pass block_size to size micro-batches automatically")
-            micro = auto_micro_batch_size(self.model, block_size, device, train_cfg.batch_size)
+            eight_bit = self.optimizer_name == "adamw8bit"
+            pending = 0 if self.optimizer.state else optimizer_state_bytes(self.model, eight_bit)
+            micro = auto_micro_batch_size(
+                self.model,
+                self.block_size,
+                device,
+                train_cfg.batch_size,
+                reserve_bytes=pending + reserve_bytes,
+                precision=self.precision,
+            )
         self.micro_batch_size = min(micro, train_cfg.batch_size)
         self.steps = 0
+        self.oom_retries = 0
+        layers, hidden = model_dims(self.model)
+        device_name = describe_device(str(device))[0]
+        self.throughput = Throughput(
+            flops_per_token(count_parameters(self.model), layers, hidden, self.block_size or 0),
+            peak_flops(device_name, self.precision.name) if device.type == "cuda" else None,
+        )
+        logger.info(
+            "training on %s in %s with %s, micro-batch %d%s",
+            device_name,
+            self.precision.name,
+            self.optimizer_name,
+            self.micro_batch_size,
+            ", compiled" if train_cfg.compile else "",
+        )
 
     def set_lr(self, lr: float) -> None:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
+
+    def free_gradients(self) -> None:
+        """Drop the last step's gradients (the next step starts without them anyway), so that an
+        evaluation has their memory; kept when the optimizer is not ours (hivemind's may need them)."""
+        if self._owns_optimizer:
+            self.optimizer.zero_grad(set_to_none=True)
+
+    def summary(self) -> dict[str, Any]:
+        """What this trainer chose and measured: precision, optimizer, micro-batch, tokens/s, MFU and
+        peak memory (None where unknown), for summaries and reports."""
+        return {
+            "precision": self.precision.name,
+            "optimizer": self.optimizer_name,
+            "micro_batch_size": self.micro_batch_size,
+            "compiled": self.cfg.compile,
+            "oom_retries": self.oom_retries,
+            "compute_tokens_per_second": self.throughput.tokens_per_s,
+            "mfu": self.throughput.mfu,
+            "peak_memory_bytes": peak_memory_bytes(self.device),
+        }
 
     def step(
         self,
@@ -218,6 +232,10 @@ class InnerTrainer:
         A set ``stop`` abandons the step before its next micro-batch and before the parameter update
         (:class:`~swarm.training.evaluation.Interrupted`): the gradients are dropped, the parameters
         and the optimizer state are those of the last step, and the drawn batch is not trained on.
+
+        Out of memory in a forward or backward pass is not fatal: the gradients are dropped, the
+        micro-batch is halved (the step still covers the whole batch, in more micro-batches) and the
+        step starts over on the same batch.
 
         ``guard()`` is entered around the optimizer's in-place parameter update only (forward and
         backward only read the parameters), so that another thread may copy them meanwhile. An
@@ -236,22 +254,18 @@ class InnerTrainer:
         samples = len(x)
         compute_started = time.perf_counter()
         self.model.train()
-        self.optimizer.zero_grad(set_to_none=True)
-        total_loss = 0.0
-        for xs, ys in zip(x.split(self.micro_batch_size), y.split(self.micro_batch_size), strict=True):
-            _abandon_if(stop, self.optimizer)
-            xs = xs.to(self.device, non_blocking=True)
-            ys = ys.to(self.device, non_blocking=True)
-            with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.use_autocast):
-                loss = lm_loss(self.model, xs, ys)
-            # Weight each micro-batch by its share of the samples: the sum is the full-batch mean.
-            (loss * (len(xs) / samples)).backward()
-            total_loss += loss.detach() * len(xs)
+        total_loss = self._accumulate_retrying(x, y, stop)
         _abandon_if(stop, self.optimizer)
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
         waited = getattr(self.optimizer, "communication_seconds", 0.0)
         with guard() if guard is not None else contextlib.nullcontext():
-            self.optimizer.step()
+            if self.scaler is not None:
+                self.scaler.step(self.optimizer)  # skipped when the scaled gradients overflowed
+                self.scaler.update()
+            else:
+                self.optimizer.step()
             mean_loss = nats_to_bits(float(total_loss / samples))  # also waits for the device to finish
         waited = getattr(self.optimizer, "communication_seconds", 0.0) - waited
         compute = time.perf_counter() - compute_started - waited
@@ -259,6 +273,7 @@ class InnerTrainer:
         if device > compute:
             time.sleep(device - compute)
         self.steps += 1
+        self.throughput.record(x.numel(), compute)
         return StepStats(
             loss=mean_loss,
             samples=samples,
@@ -268,3 +283,52 @@ class InnerTrainer:
             grad_norm=float(grad_norm),
             device_seconds=device,
         )
+
+    def _accumulate_retrying(
+        self, x: torch.Tensor, y: torch.Tensor, stop: threading.Event | None
+    ) -> torch.Tensor:
+        """:meth:`_accumulate`, halving the micro-batch and starting over on out-of-memory."""
+        while True:
+            self.optimizer.zero_grad(set_to_none=True)
+            try:
+                return self._accumulate(x, y, stop)
+            except RuntimeError as error:
+                if not is_oom(error) or self.micro_batch_size == 1:
+                    raise
+                message = str(error)
+            # outside the handler: the traceback, and the activations its frames hold, are gone
+            self._shrink(message)
+
+    def _shrink(self, message: str) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        old, self.micro_batch_size = self.micro_batch_size, self.micro_batch_size // 2
+        if self.oom_retries == 0:
+            logger.warning(
+                "out of memory at a micro-batch of %d (%s): retrying the step at %d, and halving again "
+                "whenever it recurs (logged once)",
+                old,
+                (message.splitlines() or [""])[0][:200],
+                self.micro_batch_size,
+            )
+        else:
+            logger.debug("out of memory again: micro-batch %d -> %d", old, self.micro_batch_size)
+        self.oom_retries += 1
+
+    def _accumulate(self, x: torch.Tensor, y: torch.Tensor, stop: threading.Event | None) -> torch.Tensor:
+        """Forward and backward of ``(x, y)`` in micro-batches; gradients of the batch mean accumulate
+        in the parameters. Returns the summed (not mean) loss in nats."""
+        samples = len(x)
+        total_loss = torch.zeros((), device=self.device)
+        for xs, ys in zip(x.split(self.micro_batch_size), y.split(self.micro_batch_size), strict=True):
+            _abandon_if(stop, self.optimizer)
+            xs = xs.to(self.device, non_blocking=True)
+            ys = ys.to(self.device, non_blocking=True)
+            with self.precision.autocast(self.device):
+                loss = lm_loss(self.forward_model, xs, ys)
+            # Weight each micro-batch by its share of the samples: the sum is the full-batch mean.
+            weighted = loss * (len(xs) / samples)
+            (self.scaler.scale(weighted) if self.scaler is not None else weighted).backward()
+            total_loss += loss.detach() * len(xs)
+        return total_loss

@@ -1,0 +1,126 @@
+"""How many samples one forward pass takes: chosen from free memory, and halved on out-of-memory.
+
+The micro-batch is sized after the persistent state exists (the model, the outer state and the
+exchange's buffers where they live on the device), against the memory that is *free* then, less what
+is known to come later and is not there yet (the inner optimizer's state, made at its first step).
+Other processes on the GPU, allocator fragmentation and the exchange's temporaries can still exhaust
+it mid-run; :class:`swarm.training.InnerTrainer` then halves the micro-batch and retries the step.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from swarm.training._precision import Precision
+from swarm.training.model import lm_loss
+
+logger = logging.getLogger(__name__)
+
+MEMORY_FRACTION = 0.9
+"""Share of the free memory (less the reserve) a micro-batch's forward and backward may take."""
+
+
+def is_oom(error: BaseException) -> bool:
+    """Whether ``error`` is an allocator out-of-memory (CUDA, ROCm, MPS, or the CPU's allocator)."""
+    oom_types = tuple(
+        t for t in (getattr(torch, "OutOfMemoryError", None), torch.cuda.OutOfMemoryError) if t is not None
+    )
+    if isinstance(error, oom_types):
+        return True
+    return isinstance(error, RuntimeError) and "out of memory" in str(error).lower()
+
+
+def largest_fitting(batch_size: int, fits: Callable[[int], bool]) -> int:
+    """The largest of ``batch_size, batch_size // 2, ...`` that ``fits``; raises when not even 1 does."""
+    candidate = batch_size
+    while candidate >= 1:
+        if fits(candidate):
+            return candidate
+        candidate //= 2
+    raise RuntimeError("not even a micro-batch of one sample fits in memory")
+
+
+def auto_micro_batch_size(
+    model: nn.Module,
+    block_size: int,
+    device: torch.device,
+    batch_size: int = 16,
+    vocab_size: int = 256,
+    *,
+    reserve_bytes: int = 0,
+    precision: Precision | None = None,
+    memory_fraction: float = MEMORY_FRACTION,
+    free_bytes: int | None = None,
+    probe: Callable[[int], int] | None = None,
+) -> int:
+    """The largest micro-batch (at most ``batch_size``, halving) whose forward and backward fit.
+
+    On CUDA, a candidate fits when the memory its forward and backward allocate beyond what is held
+    now (the gradients, made at the first backward, included) is at most ``memory_fraction`` of the
+    free memory less ``reserve_bytes`` (state still to come, such as the inner optimizer's). An
+    out-of-memory during the probe means it does not fit. ``free_bytes`` and ``probe`` (candidate ->
+    bytes allocated) replace the device's answers in tests. Elsewhere memory is not probed and the
+    whole batch is one micro-batch (the step halves it on out-of-memory).
+    """
+    if device.type != "cuda" and probe is None:
+        return batch_size
+    if free_bytes is None:
+        free_bytes = int(torch.cuda.mem_get_info(device)[0])
+    budget = memory_fraction * free_bytes - reserve_bytes
+    run = probe or (lambda n: _probe_cuda(model, n, block_size, device, vocab_size, precision))
+
+    def fits(candidate: int) -> bool:
+        try:
+            return run(candidate) <= budget
+        except RuntimeError as error:
+            if not is_oom(error):
+                raise
+            return False
+
+    if budget <= 0:
+        logger.warning(
+            "%.2f GiB free on %s and %.2f GiB still to come: starting at a micro-batch of 1",
+            free_bytes / 2**30,
+            device,
+            reserve_bytes / 2**30,
+        )
+        return 1
+    try:
+        micro = largest_fitting(batch_size, fits)
+    except RuntimeError:
+        raise RuntimeError(f"not even one sample of {block_size} tokens fits on {device}") from None
+    logger.info(
+        "micro-batch size %d fits on %s (%.2f GiB free, %.2f GiB reserved for state to come)",
+        micro,
+        device,
+        free_bytes / 2**30,
+        reserve_bytes / 2**30,
+    )
+    return micro
+
+
+def _probe_cuda(
+    model: nn.Module,
+    candidate: int,
+    block_size: int,
+    device: torch.device,
+    vocab_size: int,
+    precision: Precision | None,
+) -> int:
+    """Bytes one forward and backward of ``candidate`` samples allocate beyond what is held now."""
+    precision = precision or Precision("bf16")
+    held = torch.cuda.memory_allocated(device)
+    try:
+        torch.cuda.reset_peak_memory_stats(device)
+        x = torch.randint(vocab_size, (candidate, block_size), device=device)
+        with precision.autocast(device):
+            loss = lm_loss(model, x, x)
+        loss.backward()
+        return int(torch.cuda.max_memory_allocated(device)) - held
+    finally:
+        model.zero_grad(set_to_none=True)
+        torch.cuda.empty_cache()

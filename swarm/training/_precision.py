@@ -1,0 +1,83 @@
+"""Which number format a peer computes in: ``train.precision``, resolved for this peer's device.
+
+Mixed precision keeps the weights, gradients and optimizer state in float32 and runs the forward and
+backward passes under :func:`torch.autocast` in a 16-bit type:
+
+* ``bf16`` where the GPU computes it natively (Ampere and newer, :func:`torch.cuda.is_bf16_supported`);
+* ``fp16`` with a :class:`torch.amp.GradScaler` otherwise (T4, V100, RTX 20xx): fp16 has bf16's
+  speed on those cards but a narrow exponent, so the loss is scaled up before the backward pass
+  and the gradients down before the update, and a step whose gradients overflowed is skipped;
+* ``fp32`` on the CPU, where autocast brings no speed for these models.
+
+``train.precision`` is per peer: the parameters every peer exchanges are float32 whatever it computes
+in, so a swarm can mix cards of each kind.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+PrecisionName = Literal["bf16", "fp16", "fp32"]
+PRECISIONS: tuple[str, ...] = ("auto", "bf16", "fp16", "fp32")
+
+
+@dataclass(frozen=True)
+class Precision:
+    """A resolved ``train.precision``: the autocast type (None: plain float32) and whether the loss
+    is scaled."""
+
+    name: PrecisionName
+
+    @property
+    def autocast_dtype(self) -> torch.dtype | None:
+        return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.name)
+
+    @property
+    def uses_scaler(self) -> bool:
+        return self.name == "fp16"
+
+    @property
+    def half_bytes(self) -> int:
+        """Bytes per element of the autocast copies of the weights (0 without autocast)."""
+        return 0 if self.autocast_dtype is None else 2
+
+    def autocast(self, device: torch.device) -> torch.autocast:
+        """The autocast context of this precision on ``device`` (disabled for fp32)."""
+        dtype = self.autocast_dtype
+        return torch.autocast(device.type, dtype=dtype or torch.bfloat16, enabled=dtype is not None)
+
+    def grad_scaler(self, device: torch.device) -> torch.amp.GradScaler | None:
+        """A loss scaler for fp16, None otherwise."""
+        return torch.amp.GradScaler(device.type) if self.uses_scaler else None
+
+
+def _cuda_bf16(device: torch.device) -> bool:
+    try:
+        with torch.cuda.device(device):
+            return bool(torch.cuda.is_bf16_supported(including_emulation=False))
+    except TypeError:  # torch before 2.3 has no including_emulation (and did not emulate)
+        return bool(torch.cuda.is_bf16_supported())
+
+
+def resolve_precision(
+    spec: str, device: torch.device, *, bf16_supported: Callable[[torch.device], bool] = _cuda_bf16
+) -> Precision:
+    """``train.precision`` for ``device``: ``auto`` is bf16 on a GPU that has it natively, fp16 (with a
+    loss scaler) on one that does not, fp32 on the CPU; anything else is used as given.
+
+    ``bf16_supported`` asks the GPU (tests pass a fake). Apple's MPS gets fp16, which every MPS
+    device computes natively (bf16 needs macOS 14 and a recent torch).
+    """
+    if spec not in PRECISIONS:
+        raise ValueError(f"train.precision must be one of {', '.join(PRECISIONS)}, not {spec!r}")
+    if spec != "auto":
+        return Precision(spec)  # type: ignore[arg-type]
+    if device.type == "cuda":
+        return Precision("bf16" if bf16_supported(device) else "fp16")
+    if device.type == "mps":
+        return Precision("fp16")
+    return Precision("fp32")

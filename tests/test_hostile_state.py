@@ -1,0 +1,460 @@
+"""Hostile donors and readers of state transfer (issue 28, findings 2 and 7), in process.
+
+Real :class:`StateServer` handlers serve real snapshots to the real downloader (``fetch_state``) over
+in-memory streams (``MemorySwarm``): what is faked is only the transport. Covered: two Sybil donors
+announcing one digest, one or two donors (never copied), a trusted initial peer (taken as is, or
+passed over when it fails), hostile progress counters (the median, never the maximum), per-peer
+stream caps and the progress floor of the server, checkpoint names of huge steps, and the
+bootstrap's mirror (same robust path, never saves poison, never frozen by an inflated copy).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+import swarm.state._server as server_module
+import swarm.state._transfer_protocol as protocol_module
+from swarm.membership import Member, PeerRecord
+from swarm.state import (
+    MAX_PROGRESS,
+    StateMirror,
+    StateServer,
+    StateSnapshot,
+    StateTransferError,
+    download_state,
+    fetch_state,
+    list_checkpoints,
+    make_snapshot,
+    progress_of,
+    read_checkpoint,
+    save_checkpoint,
+)
+from swarm.state._merge import merge_meta
+from swarm.state._server import ServerHooks
+from swarm.state._transfer_protocol import Kind, handler_name
+from tests.workers.fuzz import FakeP2P, FakeWriter, jmsg, parse_messages, peer_id
+from tests.workers.state_transfer import make_state
+
+RUN = "hostile-state"
+CHUNK = 16384
+HONEST_SAMPLES = (320, 352, 384)
+
+
+# ---------------------------------------------------------------------------- in-memory swarm
+
+
+class PipeWriter:
+    """The writing half of an in-memory stream: what is written is fed to the other side's reader."""
+
+    def __init__(self, other: asyncio.StreamReader, delay: float = 0.0) -> None:
+        self._other, self._delay = other, delay
+        self.closed = False
+
+    def write(self, chunk: bytes | bytearray | memoryview) -> None:
+        if self.closed:
+            raise ConnectionResetError("write to a closed stream")
+        self._other.feed_data(bytes(chunk))
+
+    async def drain(self) -> None:
+        if self.closed:
+            raise ConnectionResetError("drain on a closed stream")
+        await asyncio.sleep(self._delay)  # how long the other side takes to read each piece
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self._other.feed_eof()
+
+    def is_closing(self) -> bool:
+        return self.closed
+
+    async def wait_closed(self) -> None:
+        return None
+
+
+class MemorySwarm:
+    """The surface of ``hivemind.p2p.P2P`` a downloader dials through, joined in memory to the handlers
+    of real StateServers (run on the downloader's loop). Records which donors were dialled; a donor
+    in ``delays`` takes that many seconds to hand on each piece it sends (a slow link)."""
+
+    def __init__(self) -> None:
+        self.peer_id = peer_id("joiner")
+        self.donors: dict[str, FakeP2P] = {}
+        self.delays: dict[str, float] = {}
+        self.dialled: list[str] = []
+        self.serving: list[asyncio.Task[None]] = []
+
+    async def call_binary_stream_handler(self, peer: Any, name: str) -> tuple[Any, Any, PipeWriter]:
+        donor = self.donors.get(peer.to_base58())
+        if donor is None:
+            raise ConnectionRefusedError(f"no donor {peer.to_base58()}")
+        self.dialled.append(peer.to_base58())
+        ours, theirs = asyncio.StreamReader(), asyncio.StreamReader()
+        handler = donor.handlers[name]
+        info = SimpleNamespace(peer_id=self.peer_id)
+        slow = PipeWriter(ours, self.delays.get(peer.to_base58(), 0.0))
+        self.serving.append(asyncio.create_task(handler(info, theirs, slow)))
+        return SimpleNamespace(peer_id=peer), ours, PipeWriter(theirs)
+
+    def fetch(self, donors: list[tuple[str, str]], **options: Any) -> StateSnapshot:
+        """``fetch_state`` over this swarm (blocking); the donors' handlers are ended before returning."""
+        options = {"timeout_s": 30, **options}
+
+        async def run() -> StateSnapshot:
+            try:
+                return await fetch_state(self, donors, run_id=RUN, **options)
+            finally:
+                for task in self.serving:
+                    task.cancel()
+                await asyncio.gather(*self.serving, return_exceptions=True)
+                self.serving.clear()
+
+        return asyncio.run(run())
+
+
+@pytest.fixture
+def swarm() -> Iterator[tuple[MemorySwarm, Callable[..., tuple[str, StateSnapshot]]]]:
+    """A memory swarm and ``donor(label, tensors, meta, announce=None)``: a started StateServer that
+    serves the snapshot of ``tensors`` and ``meta`` (or ``announce``, when it lies about what it
+    serves); returns its peer id and the snapshot. Every server is closed at the end."""
+    memory = MemorySwarm()
+    servers: list[StateServer] = []
+
+    def donor(
+        label: str, tensors: dict, meta: dict, serve: StateSnapshot | None = None
+    ) -> tuple[str, StateSnapshot]:
+        fake = FakeP2P(label)
+        server = StateServer(run_id=RUN, p2p_factory=fake.factory)
+        servers.append(server)
+        snapshot = make_snapshot(tensors, meta, chunk_bytes=CHUNK)
+        server.publish(serve or snapshot)
+        memory.donors[server.peer_id] = fake
+        return server.peer_id, snapshot
+
+    yield memory, donor
+    for server in servers:
+        server.close()
+
+
+def honest_states() -> list[tuple[dict[str, torch.Tensor], dict[str, int]]]:
+    """Three honest donors: one base state, each with its own small drift, and its own progress."""
+    base, _ = make_state(1)
+    states = []
+    for i, samples in enumerate(HONEST_SAMPLES):
+        generator = torch.Generator().manual_seed(100 + i)
+        drifted = {n: t + 0.01 * torch.randn(t.shape, generator=generator) for n, t in base.items()}
+        states.append((drifted, {"round": 3 + i, "step": 10 + i, "samples_total": samples}))
+    return states
+
+
+def poison() -> tuple[dict[str, torch.Tensor], dict[str, int]]:
+    base, _ = make_state(1)
+    return {n: t + 1000.0 for n, t in base.items()}, {
+        "round": 10**12,
+        "step": 10**12,
+        "samples_total": 10**15,
+    }
+
+
+def assert_within_honest(result: StateSnapshot, honest: list[dict[str, torch.Tensor]]) -> None:
+    """Every coordinate between the smallest and the largest honest value of that coordinate."""
+    for name in honest[0]:
+        stacked = torch.stack([h[name] for h in honest])
+        low, high = stacked.min(0).values, stacked.max(0).values
+        assert bool(((result.tensors[name] >= low) & (result.tensors[name] <= high)).all()), name
+
+
+# ---------------------------------------------------------------------------- which state a joiner takes
+
+
+def test_two_sybil_donors_announcing_one_digest_do_not_replace_the_state(swarm) -> None:
+    memory, donor = swarm
+    honest = honest_states()[:2]
+    bad = poison()
+    donors = [donor(f"sybil-{i}", *bad) for i in range(2)] + [
+        donor(f"honest-{i}", *s) for i, s in enumerate(honest)
+    ]
+    assert donors[0][1].digest == donors[1][1].digest  # the Sybils agree: one digest, two records
+    result = memory.fetch([(peer, snap.digest) for peer, snap in donors])
+    assert_within_honest(result, [t for t, _ in honest])
+    assert result.meta["samples_total"] <= max(m["samples_total"] for _, m in honest)
+    assert result.digest not in {snap.digest for _, snap in donors}  # a merged state, no donor's
+
+
+@pytest.mark.parametrize("count", [1, 2])
+def test_one_or_two_untrusted_donors_are_never_copied(swarm, count: int) -> None:
+    memory, donor = swarm
+    donors = [donor(f"donor-{i}", *s) for i, s in enumerate(honest_states()[:count])]
+    announced = [(peer, snap.digest) for peer, snap in donors]
+    with pytest.raises(
+        StateTransferError, match=f"announce {count} distinct state.*needs 3 distinct donors or a trusted"
+    ):
+        memory.fetch(announced)
+    assert memory.dialled == []  # nothing was even asked for
+    with pytest.raises(StateTransferError, match="needs 3 distinct donors"):
+        download_state(object(), announced, run_id=RUN)  # refused before any replica is opened
+
+
+def test_a_trusted_initial_peer_is_taken_as_is_against_a_sybil_majority(swarm) -> None:
+    memory, donor = swarm
+    organizer, kept = donor("organizer", *honest_states()[0])
+    helper, _ = donor("joined-from-it", kept.tensors, kept.meta)  # a joiner serving what it took over
+    bad = poison()
+    sybils = [donor(f"sybil-{i}", *bad) for i in range(4)]  # the most common digest, four times
+    announced = [(peer, snap.digest) for peer, snap in sybils] + [
+        (helper, kept.digest),
+        (organizer, kept.digest),
+    ]
+    result = memory.fetch(announced, trusted={organizer})
+    assert result.digest == kept.digest
+    assert all(torch.equal(result.tensors[n], t) for n, t in kept.tensors.items())
+    assert set(result.sources) <= {organizer, helper} and organizer in result.sources
+
+
+def test_a_trusted_peer_that_fails_is_passed_over_for_the_median(swarm) -> None:
+    memory, donor = swarm
+    honest = honest_states()
+    elsewhere = make_snapshot(*poison(), chunk_bytes=CHUNK)
+    tensors, meta = honest[0]
+    # it announces a state of its own, and serves another
+    organizer, claimed = donor("organizer", tensors, {**meta, "step": 99}, serve=elsewhere)
+    donors = [donor(f"honest-{i}", *s) for i, s in enumerate(honest)]
+    announced = [(organizer, claimed.digest)] + [(peer, snap.digest) for peer, snap in donors]
+    result = memory.fetch(announced, trusted={organizer})
+    assert_within_honest(result, [t for t, _ in honest])
+    assert organizer not in result.sources and len(result.sources) == 3
+
+
+def test_a_donor_with_hostile_progress_is_dropped_and_the_rest_give_the_median(swarm) -> None:
+    memory, donor = swarm
+    honest = honest_states()
+    tensors, _ = honest[0]
+    liar, lie = donor("liar", tensors, {"round": 1, "step": 1, "samples_total": 2**63 - 1})
+    donors = [donor(f"honest-{i}", *s) for i, s in enumerate(honest)]
+    result = memory.fetch([(liar, lie.digest)] + [(peer, snap.digest) for peer, snap in donors], parallel=4)
+    assert liar not in result.sources
+    assert result.meta["samples_total"] == sorted(HONEST_SAMPLES)[1]
+    assert_within_honest(result, [t for t, _ in honest])
+
+
+def test_progress_is_merged_by_the_median_and_bounded() -> None:
+    metas = [{"round": 2, "step": 20, "samples_total": s} for s in (100, 200)]
+    metas.append({"round": 2**40, "step": 2**40, "samples_total": MAX_PROGRESS})
+    assert merge_meta(metas) == {"round": 2, "step": 20, "samples_total": 200}
+    for huge in (MAX_PROGRESS + 1, 2**63 - 1):
+        with pytest.raises(StateTransferError, match="samples_total"):
+            progress_of({"samples_total": huge})
+
+
+# ---------------------------------------------------------------------------- deadlines that follow progress
+
+
+def test_a_slow_but_progressing_download_outlives_its_timeout_and_a_stalled_one_does_not(swarm) -> None:
+    memory, donor = swarm
+    organizer, kept = donor("organizer", *honest_states()[0])
+    assert len(kept.frames) >= 10
+    memory.delays[organizer] = 0.25  # a frame per 0.25 s: the whole state takes several timeouts
+    result = memory.fetch([(organizer, kept.digest)], trusted={organizer}, timeout_s=1.0)
+    assert result.digest == kept.digest
+    memory.delays[organizer] = 3600.0  # the header, then nothing
+    with pytest.raises(StateTransferError, match=r"made no progress for 1.0s"):
+        memory.fetch([(organizer, kept.digest)], trusted={organizer}, timeout_s=1.0)
+
+
+def test_a_donor_below_the_receive_floor_loses_its_part(swarm, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(protocol_module, "IO_TIMEOUT_S", 1.0)  # the client's grace and read timeout
+    monkeypatch.setattr(protocol_module, "MIN_RECV_BYTES_PER_S", 256 << 10, raising=False)
+    memory, donor = swarm
+    tensors, meta = honest_states()[0]
+    slow, kept = donor("slow", tensors, meta)
+    fast, _ = donor("fast", tensors, meta)
+    memory.delays[slow] = 0.5  # 16 KiB per 0.5 s, below 256 KiB/s; each read well within its 1 s
+    result = memory.fetch([(slow, kept.digest), (fast, kept.digest)], trusted={slow, fast}, parallel=2)
+    assert result.digest == kept.digest
+    assert slow not in result.sources and fast in result.sources  # its part went to the fast donor
+
+
+# ---------------------------------------------------------------------------- the state server
+
+
+def _request(snapshot: StateSnapshot) -> bytes:
+    return jmsg(Kind.REQUEST, {"digest": snapshot.digest, "part": 0, "parts": 1})
+
+
+async def _stream(fake: FakeP2P, peer: str, request: bytes, writer: FakeWriter | None = None) -> list:
+    reader = asyncio.StreamReader()
+    reader.feed_data(request)
+    writer = writer or FakeWriter()
+    await fake.handlers[handler_name(RUN)](SimpleNamespace(peer_id=peer_id(peer)), reader, writer)
+    return parse_messages(bytes(writer.data))
+
+
+async def _until(condition: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.01)
+
+
+def test_one_peer_cannot_take_more_than_two_streams_of_a_donor() -> None:
+    release = threading.Event()
+    first_frames: list[int] = []  # one entry per stream that reached its first frame
+
+    def hold(index: int) -> None:
+        if index == 0:
+            first_frames.append(index)
+        assert release.wait(30)
+
+    snapshot = make_snapshot(*make_state(1), chunk_bytes=CHUNK)
+    fake = FakeP2P("donor")
+    with StateServer(run_id=RUN, p2p_factory=fake.factory, _hooks=ServerHooks(before_frame=hold)) as server:
+        server.publish(snapshot)
+
+        async def scenario() -> None:
+            held = [asyncio.create_task(_stream(fake, "attacker", _request(snapshot))) for _ in range(2)]
+            other = None
+            try:
+                await _until(lambda: len(first_frames) == 2, "two streams being served")
+                third = await asyncio.wait_for(_stream(fake, "attacker", _request(snapshot)), 5)
+                assert [kind for kind, _ in third] == [Kind.ERROR] and b"busy" in third[0][1]
+                other = asyncio.create_task(_stream(fake, "honest", _request(snapshot)))
+                await _until(lambda: len(first_frames) == 3, "another peer's stream being served")
+            finally:
+                release.set()
+            replies = await asyncio.gather(*held, *([other] if other else []))
+            assert len(replies) == 3 and all(len(reply) == 1 + len(snapshot.frames) for reply in replies)
+
+        asyncio.run(scenario())
+        assert server.stats().refused == 1
+
+
+class SlowReader(FakeWriter):
+    """A reader that takes ``delay`` seconds for every piece: it keeps each write's own timeout."""
+
+    def __init__(self, delay: float) -> None:
+        super().__init__()
+        self.delay = delay
+
+    async def drain(self) -> None:
+        await asyncio.sleep(self.delay)
+        await super().drain()
+
+
+def test_a_slow_reader_is_dropped_below_the_progress_floor(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(server_module, "IO_TIMEOUT_S", 2.0)  # the grace, and each write's own timeout
+    monkeypatch.setattr(server_module, "MIN_SEND_BYTES_PER_S", 256 << 10, raising=False)
+    snapshot = make_snapshot(*make_state(1), chunk_bytes=4096)
+    assert len(snapshot.frames) > 30
+    fake = FakeP2P("donor")
+    with StateServer(run_id=RUN, p2p_factory=fake.factory) as server:
+        server.publish(snapshot)
+        # 4 KiB per 0.2 s: 20 KiB/s, below the floor; every write completes well within 2 s
+        slow = asyncio.run(asyncio.wait_for(_stream(fake, "slow", _request(snapshot), SlowReader(0.2)), 30))
+        assert 1 < len(slow) < 1 + len(snapshot.frames)
+        assert server.stats().too_slow == 1 and server.stats().parts_served == 0
+        fast = asyncio.run(_stream(fake, "fast", _request(snapshot)))
+        assert len(fast) == 1 + len(snapshot.frames) and server.stats().parts_served == 1
+
+
+# ---------------------------------------------------------------------------- checkpoint names
+
+
+def test_every_checkpoint_name_the_writer_produces_is_listed_and_pruned(tmp_path: Path) -> None:
+    for step in (10**12, 10**12 + 1, 10**17):
+        save_checkpoint(tmp_path, {"step": step}, step=step, keep=1)
+    assert [step for step, _ in list_checkpoints(tmp_path)] == [10**17]
+    assert len(list(tmp_path.glob("ckpt-*.pt"))) == 1  # nothing escaped pruning
+    for step in (10**18, 2**63 - 1, -1):
+        with pytest.raises(ValueError, match="checkpoint step"):
+            save_checkpoint(tmp_path, {"step": step}, step=step, keep=1)
+    assert len(list(tmp_path.iterdir())) == 1
+
+
+# ---------------------------------------------------------------------------- the bootstrap's mirror
+
+
+def _member(peer: str, digest: str) -> Member:
+    record = PeerRecord(
+        peer_id=peer,
+        protocol_version=1,
+        package_version="0",
+        config_hash="ab",
+        role="trainer",
+        state_hash=digest,
+    )
+    return Member(peer_id=peer, record=record, expires_at=time.time() + 60)
+
+
+@pytest.fixture
+def mirror_of(swarm, tmp_path: Path) -> Iterator[Callable[[list[Member]], StateMirror]]:
+    """``mirror_of(members)``: a StateMirror that sees ``members`` and downloads over the memory swarm."""
+    memory, _ = swarm
+    made: list[StateMirror] = []
+
+    def download(source: Any, donors: list[tuple[str, str]], **options: Any) -> StateSnapshot:
+        return memory.fetch(donors, **{k: v for k, v in options.items() if k != "run_id"})
+
+    def make(members: list[Member]) -> StateMirror:
+        node = SimpleNamespace(
+            dht=None,
+            members=lambda: members,
+            peer_id="mirror",
+            info=SimpleNamespace(run_id=RUN),
+            announce_now=lambda: None,
+        )
+        server = StateServer(run_id=RUN, p2p_factory=FakeP2P("mirror").factory)
+        made.append(StateMirror(node, state_dir=str(tmp_path), server=server, download=download))
+        return made[-1]
+
+    yield make
+    for mirror in made:
+        mirror.close()
+
+
+def test_the_mirror_never_copies_or_saves_two_sybils_and_takes_the_median(swarm, mirror_of, tmp_path) -> None:
+    _, donor = swarm
+    bad = poison()
+    members = [_member(peer, snap.digest) for peer, snap in (donor(f"sybil-{i}", *bad) for i in range(2))]
+    honest = honest_states()
+    peer, snap = donor("honest-0", *honest[0])
+    members.append(_member(peer, snap.digest))
+    mirror = mirror_of(members)
+    assert mirror.refresh() is False  # two distinct states (the Sybils count once): nothing copied
+    assert mirror.snapshot is None and list_checkpoints(tmp_path) == []
+    for i, state in enumerate(honest[1:], start=1):
+        peer, snap = donor(f"honest-{i}", *state)
+        members.append(_member(peer, snap.digest))
+    assert mirror.refresh() is True
+    assert_within_honest(mirror.snapshot, [t for t, _ in honest])
+    ((step, path),) = list_checkpoints(tmp_path)
+    saved = read_checkpoint(path)
+    assert step == saved["meta"]["samples_total"] <= max(HONEST_SAMPLES)
+
+
+def test_an_inflated_kept_state_does_not_freeze_the_mirror(swarm, mirror_of, tmp_path) -> None:
+    _, donor = swarm
+    inflated = make_snapshot(*poison())  # as the mirror rebuilds a saved state
+    save_checkpoint(tmp_path, {"tensors": inflated.tensors, "meta": inflated.meta, "config_hash": ""}, 10**15)
+    members: list[Member] = []
+    mirror = mirror_of(members)
+    mirror.start()  # serves the saved copy (the first refresh, at once, finds no trainer)
+    assert mirror.digest == inflated.digest
+    honest = honest_states()
+    taken = []
+    for attempt in range(3):
+        members[:] = []
+        for i, (tensors, meta) in enumerate(honest):
+            peer, snap = donor(f"honest-{attempt}-{i}", tensors, {**meta, "step": meta["step"] + attempt})
+            members.append(_member(peer, snap.digest))
+        taken.append(mirror.refresh())
+    assert taken == [False, False, True]
+    assert mirror.snapshot.meta["samples_total"] <= max(HONEST_SAMPLES)
