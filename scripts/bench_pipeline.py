@@ -2,7 +2,7 @@
 
 ``wiring``: stochastic wiring against fixed pipelines on the same peers, over the emulated internet
 (scripts/netlab.py, needs root): two data holders and three stage-1 peers, every link shaped to
-``--rate``, every device emulated (``train.step_time_s``) and the stage-1 peer that the fixed wiring
+``--rate``, every device emulated (``emulation.step_time_s``) and the stage-1 peer that the fixed wiring
 pins to the first data holder three times slower. Fixed wiring is two static pipelines (data holder i
 always uses the i-th stage-1 peer, the third one idles, as a pipeline of fixed width would); stochastic
 wiring lets each micro-batch go to any stage-1 peer by measured throughput and queue. Throughput is the
@@ -141,8 +141,8 @@ def wiring_run(routing: str, args: argparse.Namespace, root: Path) -> dict[str, 
             maddr = run.wait_line("bootstrap", JOIN_LINE)
             for i in range(3):
                 host = lab.hosts[3 + i]
-                extra = [f"train.step_time_s={args.step_time}"] + (
-                    [f"train.slowdown={args.slowdown}"] if i == slow else []
+                extra = [f"emulation.step_time_s={args.step_time}"] + (
+                    [f"emulation.slowdown={args.slowdown}"] if i == slow else []
                 )
                 run.start(f"server-{i}", [
                     "join", *base, *sets(extra), "--stage", "1", "--initial-peers", maddr,
@@ -152,7 +152,7 @@ def wiring_run(routing: str, args: argparse.Namespace, root: Path) -> dict[str, 
             for i in range(2):
                 host = lab.hosts[1 + i]
                 run.start(f"holder-{i}", [
-                    "join", *base, *sets([f"train.step_time_s={args.holder_step_time}"]), "--stage", "0",
+                    "join", *base, *sets([f"emulation.step_time_s={args.holder_step_time}"]), "--stage", "0",
                     "--initial-peers", maddr, "--host-maddrs", host.maddr(),
                     "--summary", str(run.log_dir / f"holder-{i}.summary.json"),
                 ], wrap=host.command([]))  # fmt: skip

@@ -6,7 +6,7 @@ Phases (one progress line each on stderr, with the elapsed time):
 1. codecs: ``scripts/bench_codecs.py --json`` (or ``--codecs-json FILE``, a saved last line);
 2. averaging: ``scripts/bench_averaging.py --json`` (or ``--averaging-json FILE``);
 3. training over the testbed (needs root; scripts/bench_scaling.py says what runs): in the bench
-   regime (per-peer batch 1, emulated devices of ``train.step_time_s``, links shaped so that one int8
+   regime (per-peer batch 1, emulated devices of ``emulation.step_time_s``, links shaped so that one int8
    exchange takes at least half a round), the comparison of gossip int8 and int4, all-reduce,
    data-parallel, hivemind.Optimizer and solo with 4 trainers, one 3x slower; the speed-up over one
    device with N = 1, 2, 4, 8; with ``--sweep``, gossip's outer settings. Runs go several at a time

@@ -93,7 +93,7 @@ def _regime(training: dict[str, Any], scaling: dict[str, Any]) -> list[str]:
         "",
         f"Every run below trains {s['config']} ({s['n_params']:,} parameters) with batch "
         f"{s['batch_size']:g} per trainer at learning rate {s['lr']:g}, each inner step on an emulated "
-        f"device of {s['step_time_s']:g} s (`train.step_time_s`: the step is padded by sleeping, the "
+        f"device of {s['step_time_s']:g} s (`emulation.step_time_s`: the step is padded by sleeping, the "
         "way a process waits on its GPU, so that trainers sharing this machine's 2 cores do not measure "
         f"CPU contention). Links are shaped to {s['rate']} both ways, so that one int8 exchange takes "
         f"at least half a round of device time (H = {s['sync_every_steps']:g} steps, half a round "
@@ -106,7 +106,7 @@ def _regime(training: dict[str, Any], scaling: dict[str, Any]) -> list[str]:
 
 
 def _targets(report: dict[str, Any]) -> list[str]:
-    lines = ["### Targets (issue 13)", ""]
+    lines = ["### Targets", ""]
     if "skipped" in report.get("training", {}):
         return [*lines, f"Not measured: the testbed was skipped ({report['training']['skipped']}).", ""]
     lines += ["| target | measured | | why |", "| --- | --- | --- | --- |"]
@@ -139,7 +139,7 @@ def _training(training: dict[str, Any], image: str | None) -> list[str]:
     lines += [
         f"{t['peers']} trainer hosts and a bootstrap host on scripts/netlab.py's testbed (tbf, no added "
         f"latency; docs/testbed.md); trainer {t['slow_peer']} is {t['slowdown']:g}x slower "
-        f"(`train.slowdown`), the solo run is one device. Budget: {t['budget_s']:.0f} s per backend. "
+        f"(`emulation.slowdown`), the solo run is one device. Budget: {t['budget_s']:.0f} s per backend. "
         f"gossip and all-reduce: H = {t['sync_every_steps']:g}, outer lr {t['outer_lr']:g}, momentum "
         f"{t['outer_momentum']:g} (gossip's exchanges may lag {t.get('max_lag_rounds', 1):g} rounds, and "
         f"its anchors are averaged through {t.get('param_codec', 'fp16')} every "
@@ -273,7 +273,7 @@ def plot_loss(training: dict[str, Any], path: Path) -> bool:
     return True
 
 
-# ---------------------------------------------------------------------- the targets of issue 13
+# ---------------------------------------------------------------------- the targets
 
 WHY_PARTS = {
     "dht": "in DHT calls after each round (storing its membership record, reading the member list)",
@@ -286,7 +286,7 @@ WHY_PARTS = {
 
 
 def target_checks(report: dict[str, Any]) -> list[dict[str, Any]]:
-    """Issue 13's targets: each with the measured value, met / not met / not measured, and why."""
+    """The report's targets: each with the measured value, met / not met / not measured, and why."""
     rows = rows_by_backend(report.get("training", {}))
     scaling = report.get("scaling", {})
     points = scaling.get("points", [])

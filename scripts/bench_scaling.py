@@ -1,7 +1,7 @@
 """What scripts/bench_report.py runs: the comparison, the speed-up over one device, the gossip sweep.
 
 Every run uses the bench regime (``bench_training.REGIME``): per-peer batch 1 at the learning rate
-that batch wants, each inner step on an emulated device of ``train.step_time_s`` seconds, links
+that batch wants, each inner step on an emulated device of ``emulation.step_time_s`` seconds, links
 shaped so that one int8 exchange takes at least half a round of device time (:func:`link_rate`).
 
 * **Comparison** (:func:`comparison_plans`): 4 trainers, the last one 3x slower, the same budget for

@@ -5,7 +5,7 @@ One run = one lab: a bootstrap in host 0 and one trainer per further host, each 
 every link shaped to the same rate. Time starts at the first trainer's join line; a run ends after its
 budget, or as soon as the mean held-out loss reaches the target when the plan says so, with SIGTERM to
 every trainer, which then writes its summary. Several runs may go at once (:func:`run_plans`), each in
-its own lab: the trainers' devices are emulated (``train.step_time_s``), so they mostly sleep, and each
+its own lab: the trainers' devices are emulated (``emulation.step_time_s``), so they mostly sleep, and each
 row says how much real compute a step took and how loaded the machine was. The labs tear themselves
 down even on Ctrl+C.
 """
@@ -48,7 +48,7 @@ class Plan:
     peers: int  # trainer processes
     sets: list[str]
     label: str = ""
-    slow_peer: int | None = None  # 1-based trainer index that also gets train.slowdown
+    slow_peer: int | None = None  # 1-based trainer index that also gets emulation.slowdown
     slowdown: float = 3.0
     budget_s: float = 60.0
     until_target: bool = False  # stop as soon as the target is reached
@@ -130,7 +130,7 @@ def _train(lab, run: Run, plan: Plan, target: float, say: Say) -> tuple:
     common = _common_args(plan.sets)
     maddr = _start_bootstrap(lab, run, common)
     for index in range(1, plan.peers + 1):
-        extra = ["--set", f"train.slowdown={plan.slowdown}"] if index == plan.slow_peer else []
+        extra = ["--set", f"emulation.slowdown={plan.slowdown}"] if index == plan.slow_peer else []
         _start_trainer(lab, run, index, maddr, [*common, *extra])
     watcher = bench_training.LogWatcher(run.log_dir, plan.peers, plan.batch)
     deadline = time.monotonic() + START_TIMEOUT_S
@@ -230,7 +230,7 @@ def measured_numbers(
         return {"error": f"{plan.peers - len(per_peer)} trainer(s) wrote no summary; see {run.log_dir}"}
     for peer in per_peer:
         peer["time_split"] = read_timers(run.log_dir / f"{peer['name']}.timers.json")
-    step_time = _set_value(plan.sets, "train.step_time_s", 0.0)
+    step_time = _set_value(plan.sets, "emulation.step_time_s", 0.0)
     joins = [t for t in watcher.joined if t is not None]
     curve = _curve(watcher, seconds)
     return {
@@ -311,7 +311,7 @@ def training_thread(per_peer: list[dict[str, Any]]) -> dict[str, Any]:
 
 def emulation_overrun(per_peer: list[dict[str, Any]], step_time: float, plan: Plan) -> float | None:
     """How much longer the device time was than the emulated step times: 0 when every step's real
-    compute fitted in ``train.step_time_s`` (the emulation held)."""
+    compute fitted in ``emulation.step_time_s`` (the emulation held)."""
     if not step_time:
         return None
     emulated = 0.0

@@ -3,7 +3,7 @@
 
 Each backend runs as ``swarm local --peers N --config configs/local-tiny.yaml --duration S`` (a
 bootstrap and N trainer processes), with the same model, data, learning rate, wall-time budget and
-emulated device (:data:`REGIME`: ``train.step_time_s``, every inner step padded to the same device
+emulated device (:data:`REGIME`: ``emulation.step_time_s``, every inner step padded to the same device
 time, so that peers sharing this machine's cores do not measure CPU contention). ``train.max_steps``
 is raised so that the budget, not a step count, ends every run.
 
@@ -56,7 +56,7 @@ def regime_sets(batch_size: int | None = None, eval_every_rounds: int = 1) -> li
     return [
         f"train.batch_size={batch}",
         f"train.lr={REGIME['lr']}",
-        f"train.step_time_s={REGIME['step_time_s']}",
+        f"emulation.step_time_s={REGIME['step_time_s']}",
         "train.eval_batches=1",
         f"train.eval_every_rounds={eval_every_rounds}",
         "train.max_steps=1000000",

@@ -3,7 +3,7 @@
 
 Two runs of the same length, each in its own lab (scripts/netlab.py, needs root): a bootstrap in host
 0 and one ``swarm join --resume`` trainer per further host, with the tiny model of the churn test and
-an emulated device (``train.step_time_s``), so that eight trainers fit on two cores. The clock starts
+an emulated device (``emulation.step_time_s``), so that eight trainers fit on two cores. The clock starts
 once every trainer has completed an exchange; then
 
 * the **churn run** kills a random trainer every ``--period`` seconds (only one that has exchanged
@@ -65,7 +65,7 @@ SETS = [
     "train.warmup_steps=2",
     "train.eval_batches=8",
     "train.max_steps=1000000",
-    "train.step_time_s=0.1",
+    "emulation.step_time_s=0.1",
     "train.checkpoint_every_s=2",
     "averaging.sync_every_steps=10",
     "network.record_interval_s=1",

@@ -138,7 +138,7 @@ def _report(tmp_path: Path, codecs_json: Path) -> dict:
     return report | {"training": training, "scaling": _scaling(tmp_path), "sweep": {"skipped": "not run"}}
 
 
-def test_json_shape_of_issue_13(tmp_path: Path, codecs_json: Path) -> None:
+def test_json_shape_of_the_report(tmp_path: Path, codecs_json: Path) -> None:
     report = json.loads(json.dumps(_report(tmp_path, codecs_json)))
     rows = report["training"]["rows"]
     assert {row["backend"] for row in rows} == BACKENDS

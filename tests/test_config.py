@@ -17,11 +17,13 @@ from peers._common import load_config_or_exit
 from peers.config_cmd import config_app
 from swarm.config import (
     ENV_ALLOWLIST,
+    MOVED_KEYS,
     PER_PEER_KEYS,
     ConfigError,
     RunConfig,
     diff_configs,
     load_config,
+    per_peer_keys,
 )
 
 REPO = Path(__file__).resolve().parents[1]
@@ -257,7 +259,7 @@ def test_cross_field_errors_name_both_sources(tmp_path):
         ("compression.chunk_bytes=1024", "compression.chunk_bytes"),
         ("compression.codec=int2", "compression.codec"),
         ("monitor.prometheus_port=70000", "monitor.prometheus_port"),
-        ("train.slowdown=0.5", "train.slowdown"),
+        ("emulation.slowdown=0.5", "emulation.slowdown"),
         ("data.eval_fraction=0.5", "data.eval_fraction"),
         ("averaging.sync_every_seconds=0", "averaging.sync_every_seconds"),
         ("train.lr=.nan", "train.lr"),
@@ -375,7 +377,7 @@ PER_PEER_OVERRIDES = [
     "monitor.refresh_s=9",
     "train.device=cpu",
     "train.micro_batch_size=2",
-    "train.slowdown=3",
+    "emulation.slowdown=3",
     "train.checkpoint_dir=/tmp/ckpt",
     "train.checkpoint_every_s=5",
     "data.paths=[/data/a.txt]",
@@ -420,9 +422,60 @@ def test_swarm_wide_keys_change_the_hash_and_show_in_diff(override):
 
 def test_swarm_view_excludes_per_peer_parts():
     view = load_config(env={}).swarm_view()
-    assert set(view) == {"run", "model", "data", "train", "averaging", "compression"}
+    assert set(view) == {"run", "model", "data", "train", "averaging", "compression", "pipeline"}
     assert "device" not in view["train"] and "lr" in view["train"]
     assert "paths" not in view["data"] and "source" in view["data"]
+
+
+def test_per_peer_keys_are_the_keys_marked_on_their_fields():
+    """The JSON schema carries the marker; PER_PEER_KEYS is exactly the marked keys, found by walking it."""
+    schema = RunConfig.model_json_schema()
+    marked = {name for name, prop in schema["properties"].items() if prop.get("per_peer")}
+    for section, prop in schema["properties"].items():
+        ref = prop.get("$ref") or prop["allOf"][0]["$ref"] if "properties" not in prop else None
+        fields = schema["$defs"][ref.rsplit("/", 1)[-1]]["properties"] if ref else {}
+        marked |= {f"{section}.{key}" for key, field in fields.items() if field.get("per_peer")}
+    assert marked == PER_PEER_KEYS == per_peer_keys(RunConfig)
+    assert {"network", "monitor", "emulation", "train.device", "data.paths"} <= PER_PEER_KEYS
+
+
+def test_the_hash_covers_every_swarm_wide_key_at_its_resolved_value():
+    """No key is left out of the hash but the per-peer ones, defaults included."""
+    view = load_config(env={}).swarm_view()
+    for section, field in RunConfig.model_fields.items():
+        if section in PER_PEER_KEYS:
+            assert section not in view
+            continue
+        for key in field.annotation.model_fields:
+            assert (key in view[section]) == (f"{section}.{key}" not in PER_PEER_KEYS), f"{section}.{key}"
+
+
+def test_the_hash_never_asks_the_pipeline_estimator(monkeypatch):
+    import swarm.pipeline
+
+    def estimator(config):
+        raise AssertionError("config_hash called the pipeline's memory estimator")
+
+    monkeypatch.setattr(swarm.pipeline, "resolve_num_stages", estimator, raising=False)
+    auto = ["model.n_layer=4", "pipeline.num_stages=auto"]
+    small = load_config(None, [*auto, "pipeline.memory_budget_gb=1"], env={})
+    large = load_config(None, [*auto, "pipeline.memory_budget_gb=2"], env={})
+    # the budget decides the cut, so it is shared: two budgets are two swarms
+    assert small.config_hash() != large.config_hash()
+    assert diff_configs(small, large) == ["pipeline.memory_budget_gb"]
+
+
+@pytest.mark.parametrize(("old", "new"), sorted(MOVED_KEYS.items()))
+def test_a_moved_key_names_its_new_place(old, new):
+    section, key = new.split(".")
+    value = "2" if key == "slowdown" else "0.1"
+    (line,) = errors_of(overrides=[f"{old}={value}"])
+    assert line.startswith(f"{old}: ") and f"moved to {new}" in line
+    (line,) = errors_of(env={f"SWARM_{old.replace('.', '__').upper()}": value})
+    assert f"moved to {new}" in line and "environment variable" in line
+    config = load_config(overrides=[f"{new}={value}"], env={})
+    assert getattr(getattr(config, section), key) == float(value)
+    assert config.config_hash() == load_config(env={}).config_hash()  # emulation is per peer
 
 
 def test_diff_lists_every_differing_key_sorted():
@@ -526,11 +579,9 @@ def test_anchors_may_travel_in_int8_but_not_in_int4():
     assert "int8" in error and "int4" in error  # names what was given and what is allowed
 
 
-def test_a_folded_anchor_pull_needs_gossip_and_every_round_and_leaves_default_hashes_alone():
+def test_a_folded_anchor_pull_needs_gossip_and_every_round():
     folded = load_config(None, ["averaging.anchor_pull=folded", "averaging.param_sync_every=1"], env={})
     assert folded.averaging.anchor_pull == "folded"
-    default = load_config(env={})
-    assert "anchor_pull" not in default.swarm_view()["averaging"]  # hashes of existing runs unchanged
     assert folded.config_hash() != load_config(None, ["averaging.param_sync_every=1"], env={}).config_hash()
     error = only_error_about(errors_of(None, ["averaging.anchor_pull=folded"]), "averaging.anchor_pull")
     assert "param_sync_every to 1 (it is 10)" in error and "averaging.param_sync_every from default" in error

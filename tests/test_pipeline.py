@@ -119,7 +119,7 @@ def test_the_pipeline_config_section_is_validated_and_hashed_by_its_resolved_cut
     assert _config("pipeline.num_stages=2", "pipeline.activation_codec=fp16").config_hash() != base
 
 
-def test_auto_takes_the_fewest_stages_whose_largest_fits_the_budget_and_hashes_like_that_count() -> None:
+def test_auto_takes_the_fewest_stages_whose_largest_fits_the_budget_which_is_hashed() -> None:
     big = ["model.n_layer=8", "model.n_embd=256", "model.n_head=4", "model.block_size=128"]
     whole = estimate_stage(
         load_config(None, overrides=big, env={}), plan_stages(load_config(None, overrides=big, env={}))[0]
@@ -133,8 +133,7 @@ def test_auto_takes_the_fewest_stages_whose_largest_fits_the_budget_and_hashes_l
     assert max(estimate_stage(auto, s).memory for s in plan_stages(auto)) <= budget * (1 << 30)
     fewer = plan_stages(auto, count - 1)
     assert max(estimate_stage(auto, s).memory for s in fewer) > budget * (1 << 30)
-    fixed = load_config(None, overrides=[*big, f"pipeline.num_stages={count}"], env={})
-    assert auto.config_hash() == fixed.config_hash()
+    assert auto.swarm_view()["pipeline"]["memory_budget_gb"] == budget  # peers must share the cut's budget
     lines = describe_stages(auto)
     assert lines[0].startswith(f"pipeline: {count} stages") and len(lines) == count + 2
     assert all("parameters" in line and "fits" in line for line in lines[1:-1])

@@ -188,8 +188,8 @@ def test_a_killed_stage_peer_costs_only_its_own_work_and_nothing_is_applied_twic
 @pytest.mark.timeout(240)
 def test_a_three_times_slower_stage_peer_gets_proportionally_fewer_microbatches(swarm) -> None:
     # an emulated device (step_time_s) makes the speeds the configured ones, whatever the CPU does
-    common = ("train.max_steps=100000", "train.step_time_s=0.4", "train.eval_every_rounds=1000")
-    fast, slow = _config(*common), _config(*common, "train.slowdown=3")
+    common = ("train.max_steps=100000", "emulation.step_time_s=0.4", "train.eval_every_rounds=1000")
+    fast, slow = _config(*common), _config(*common, "emulation.slowdown=3")
     slow_peer, fast_peer, holder = swarm((1, slow), (1, fast), (0, fast))
 
     def committed() -> tuple[int, int]:
@@ -208,9 +208,9 @@ def test_a_three_times_slower_stage_peer_gets_proportionally_fewer_microbatches(
 def test_a_peer_moves_to_the_bottleneck_stage_and_takes_over_its_state(swarm) -> None:
     # stage 0 is one data holder three times slower than the two stage 1 peers: one of them should hold
     # data too (the swarm's pace is the slowest stage's), and it fetches stage 0's state to do so
-    common = ("train.max_steps=100000", "train.step_time_s=0.4", "train.eval_every_rounds=1000")
+    common = ("train.max_steps=100000", "emulation.step_time_s=0.4", "train.eval_every_rounds=1000")
     moving = ("pipeline.rebalance_every_s=1", "pipeline.rebalance_min_interval_s=1000")
-    holder_config = _config(*common, "train.slowdown=3")
+    holder_config = _config(*common, "emulation.slowdown=3")
     server_config = _config(*common, *moving)
     holder, first, second = swarm((0, holder_config), (1, server_config), (1, server_config))
     servers = (first, second)

@@ -198,7 +198,7 @@ def test_bootstrap_keeps_the_state_and_serves_it_once_every_trainer_left(spawn, 
     boot = spawn(swarm_cli("bootstrap", *STATE_RUN, *keep))
     maddr = join_address(boot)
     # the copy is the median of three distinct trainer states: the mirror never copies one or two
-    paced = ["--set", "train.step_time_s=0.1"]  # a per-peer key: the trainers leave the cores to the rest
+    paced = ["--set", "emulation.step_time_s=0.1"]  # a per-peer key: the trainers leave the cores to the rest
     trainers = [spawn(swarm_cli("join", "--initial-peers", maddr, *STATE_RUN, *paced)) for _ in range(3)]
     # the bootstrap's copy has caught up with some training (round 2 or later)
     boot.wait_for_line(lambda line: (m := _KEPT.search(line)) is not None and int(m.group(1)) >= 2, 180)

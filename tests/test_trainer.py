@@ -126,7 +126,9 @@ def test_joiner_adopts_live_parameters_and_slow_fast_peers_both_contribute(tmp_p
             timeout=120,
             what=f"the first peer to publish a state trained for {TRAINED_STEPS} steps",
         )
-        slow_config = base.model_copy(update={"train": base.train.model_copy(update={"slowdown": 3.0})})
+        slow_config = base.model_copy(
+            update={"emulation": base.emulation.model_copy(update={"slowdown": 3.0})}
+        )
         slow = _Runner(slow_config, NetworkOptions(initial_peers=maddrs))
         runners.append(slow)
         slow_commits = _record_commits(slow.peer)

@@ -7,7 +7,7 @@ import itertools
 import pytest
 import torch
 
-from swarm.config import ModelSection, TrainSection
+from swarm.config import EmulationSection, ModelSection, TrainSection
 from swarm.training import (
     InnerTrainer,
     auto_micro_batch_size,
@@ -97,7 +97,8 @@ def test_step_reports_stats_sets_lr_and_clips() -> None:
 
 
 def test_slowdown_sleeps_in_proportion_to_compute() -> None:
-    trainer = InnerTrainer(build_model(TINY, seed=0), TrainSection(batch_size=16, slowdown=3.0), CPU)
+    slow = EmulationSection(slowdown=3.0)
+    trainer = InnerTrainer(build_model(TINY, seed=0), TrainSection(batch_size=16), CPU, emulation=slow)
     stats = trainer.step(batches(1))
     assert stats.seconds >= 3.0 * stats.compute_seconds * 0.95
 

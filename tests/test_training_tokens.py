@@ -284,9 +284,9 @@ def test_prepare_of_an_hf_stream_keeps_its_order_and_held_out_split(fake_hub, tm
     assert not any(text in train for text, held_out in streamed.split_documents() if held_out)
 
 
-def test_data_keys_are_checked_and_leave_default_hashes_alone(tmp_path: Path) -> None:
+def test_data_keys_are_checked_and_hashed(tmp_path: Path) -> None:
     base = load_config(None, overrides=["data.source=hf", "data.hf_dataset=org/corpus"], env={})
-    assert not {"hf_config", "split", "text_field"} & set(base.swarm_view()["data"])
+    assert {"hf_config", "split", "text_field"} <= set(base.swarm_view()["data"])
     subset = load_config(
         None, overrides=["data.source=hf", "data.hf_dataset=org/corpus", "data.hf_config=sample-10BT"], env={}
     )

@@ -8,9 +8,12 @@ from swarm.config._errors import ConfigError
 from swarm.config._exchange_sections import AveragingSection, CompressionSection
 from swarm.config._load import load_config
 from swarm.config._schema import (
+    MOVED_KEYS,
+    PER_PEER_KEYS,
     RUN_ID_PATTERN,
     SECTIONS,
     DataSection,
+    EmulationSection,
     ModelSection,
     MonitorSection,
     NetworkSection,
@@ -19,10 +22,12 @@ from swarm.config._schema import (
     TrainSection,
 )
 from swarm.config._sources import ENV_ALLOWLIST
-from swarm.config._view import PER_PEER_KEYS, diff_configs
+from swarm.config._view import HASH_VERSION, diff_configs, per_peer_keys
 
 __all__ = [
     "ENV_ALLOWLIST",
+    "HASH_VERSION",
+    "MOVED_KEYS",
     "PER_PEER_KEYS",
     "RUN_ID_PATTERN",
     "SECTIONS",
@@ -30,6 +35,7 @@ __all__ = [
     "CompressionSection",
     "ConfigError",
     "DataSection",
+    "EmulationSection",
     "ModelSection",
     "MonitorSection",
     "NetworkSection",
@@ -38,4 +44,5 @@ __all__ = [
     "TrainSection",
     "diff_configs",
     "load_config",
+    "per_peer_keys",
 ]

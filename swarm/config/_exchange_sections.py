@@ -6,7 +6,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field, ValidationInfo, field_validator
 
-from swarm.config._section import Section, cross_field
+from swarm.config._section import Section, cross_field, per_peer_field
 
 _EXCHANGE_TIMEOUT = (
     "Shortest deadline of one exchange, and how long a sync looks for a partner that accepts; an "
@@ -32,7 +32,7 @@ class AveragingSection(Section):
     sync_every_seconds: Annotated[float, Field(gt=0)] | None = Field(
         None, description="Also sync when this many seconds passed since the last one."
     )
-    max_lag_rounds: int = Field(
+    max_lag_rounds: int = per_peer_field(
         1,
         ge=0,
         le=16,
@@ -41,7 +41,7 @@ class AveragingSection(Section):
             "waits only when it lags this many rounds behind (0 = a blocking sync)."
         ),
     )
-    outer_state_device: Literal["auto", "device", "host"] = Field(
+    outer_state_device: Literal["auto", "device", "host"] = per_peer_field(
         "auto",
         description=(
             "Where the outer anchor, momentum, error-feedback residuals and exchange buffers live: next "
@@ -52,14 +52,14 @@ class AveragingSection(Section):
     outer_lr: float = Field(0.7, gt=0, description="Learning rate of the outer SGD on pseudo-gradients.")
     outer_momentum: float = Field(0.9, ge=0, lt=1, description="Momentum of the outer SGD.")
     nesterov: bool = Field(True, description="Use Nesterov momentum in the outer SGD.")
-    exchange_timeout_s: float = Field(30.0, gt=0, description=_EXCHANGE_TIMEOUT)
-    max_exchange_timeout_s: float = Field(
+    exchange_timeout_s: float = per_peer_field(30.0, gt=0, description=_EXCHANGE_TIMEOUT)
+    max_exchange_timeout_s: float = per_peer_field(
         600.0,
         gt=0,
         description="Longest deadline of one exchange, however slow the link; never below "
         "exchange_timeout_s (per peer).",
     )
-    chunk_timeout_s: float = Field(10.0, gt=0, description=_CHUNK_TIMEOUT)
+    chunk_timeout_s: float = per_peer_field(10.0, gt=0, description=_CHUNK_TIMEOUT)
     max_norm_ratio: float = Field(
         100.0, gt=1, description="Reject a partner's update whose norm exceeds ours by this factor."
     )
@@ -86,10 +86,10 @@ class AveragingSection(Section):
     clip_strikes: int = Field(
         2, ge=1, description="Hard clips that ban a partner (with backoff); ordinary exchanges wear them off."
     )
-    ban_base_s: float = Field(
+    ban_base_s: float = per_peer_field(
         10.0, gt=0, description="First ban of a misbehaving partner, in seconds (per peer)."
     )
-    ban_max_s: float = Field(
+    ban_max_s: float = per_peer_field(
         600.0, gt=0, validate_default=True, description="Longest ban; bans double up to it (per peer)."
     )
     param_sync_every: int = Field(
@@ -177,7 +177,8 @@ class PipelineSection(Section):
     memory_budget_gb: Annotated[float, Field(gt=0, le=1e6)] | None = Field(
         None,
         validate_default=True,
-        description="This peer's device memory for one stage, in GiB; needed by num_stages 'auto'.",
+        description="Device memory for one stage, in GiB, that num_stages 'auto' sizes the cut for (so "
+        "shared); `swarm config check` also says whether each stage fits it.",
     )
     microbatch_size: int = Field(
         4, ge=1, le=4096, description="Samples per micro-batch sent through the stages."
@@ -186,28 +187,28 @@ class PipelineSection(Section):
         "int8",
         description="Codec of activations and their gradients between stages (blockwise int8: 8 bits).",
     )
-    max_inflight: int = Field(
+    max_inflight: int = per_peer_field(
         4, ge=1, le=256, description="Micro-batches a data holder (stage 0) keeps in the pipeline at once."
     )
-    request_timeout_s: float = Field(
+    request_timeout_s: float = per_peer_field(
         30.0,
         gt=0,
         le=3600,
         description="Give up on a stage peer's answer after this long and retry elsewhere.",
     )
-    routing: Literal["stochastic", "fixed"] = Field(
+    routing: Literal["stochastic", "fixed"] = per_peer_field(
         "stochastic",
         description="'stochastic': each micro-batch goes to a random peer per stage, weighted by measured "
         "throughput and queue; 'fixed': always the same peer per stage (benchmark baseline).",
     )
-    max_queue: int = Field(
+    max_queue: int = per_peer_field(
         64, ge=1, le=4096, description="Requests a stage server queues before answering busy."
     )
-    rebalance_every_s: Annotated[float, Field(gt=0)] | None = Field(
+    rebalance_every_s: Annotated[float, Field(gt=0)] | None = per_peer_field(
         30.0,
         description="Check every this many seconds whether to move to an under-served stage; null: never.",
     )
-    rebalance_min_interval_s: float = Field(
+    rebalance_min_interval_s: float = per_peer_field(
         300.0, ge=0, description="A peer moves to another stage at most once per this many seconds."
     )
 

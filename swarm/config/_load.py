@@ -10,7 +10,7 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 
 from swarm.config._errors import ConfigError
-from swarm.config._schema import RunConfig
+from swarm.config._schema import MOVED_KEYS, RunConfig
 from swarm.config._sources import Loc, Source, dotted, read_env, read_overrides, read_yaml_file
 
 DEFAULT_ORIGIN = "default value"
@@ -91,6 +91,9 @@ def _format(error: Any, tree: dict[str, Any], origins: dict[Loc, str]) -> str:
 
 
 def _unknown_key_message(loc: Loc) -> str:
+    moved = MOVED_KEYS.get(dotted(loc))
+    if moved is not None:
+        return f"unknown key: moved to {moved}"
     model: type[BaseModel] = RunConfig
     if len(loc) == 2:
         field = RunConfig.model_fields.get(str(loc[0]))

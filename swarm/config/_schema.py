@@ -16,8 +16,8 @@ from pydantic_core import PydanticCustomError
 
 from swarm._tokenizer import Tokenizer, TokenizerError, load_tokenizer
 from swarm.config._exchange_sections import AveragingSection, CompressionSection, PipelineSection
-from swarm.config._section import Section, cross_field
-from swarm.config._view import config_hash, swarm_view
+from swarm.config._section import Section, cross_field, per_peer_field
+from swarm.config._view import config_hash, per_peer_keys, swarm_view
 
 RUN_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
 
@@ -147,7 +147,7 @@ class DataSection(Section):
         "'files': local text files in paths; 'hf': a streamed datasets dataset; "
         "'tokens': the directory in paths that `swarm data prepare` wrote.",
     )
-    paths: list[str] = Field(
+    paths: list[str] = per_peer_field(
         default_factory=list,
         validate_default=True,
         description="For source 'files': files or directories of text; for 'tokens': the one prepared "
@@ -202,13 +202,13 @@ class DataSection(Section):
 class TrainSection(Section):
     """Inner (local) training loop."""
 
-    device: str = Field(
+    device: str = per_peer_field(
         "auto",
         description="'auto' (CUDA when present, else Apple's MPS, else CPU), 'cpu', 'cuda', 'cuda:1', "
         "'mps', ...",
     )
     batch_size: int = Field(16, ge=1, description="Samples per inner optimizer step.")
-    micro_batch_size: Annotated[int, Field(ge=1)] | None = Field(
+    micro_batch_size: Annotated[int, Field(ge=1)] | None = per_peer_field(
         None, description="Samples per forward pass (gradient accumulation); None picks one that fits memory."
     )
     lr: float = Field(3e-4, gt=0, description="Peak learning rate of the inner AdamW.")
@@ -218,9 +218,36 @@ class TrainSection(Section):
         None, description="Stop after this many inner steps."
     )
     grad_clip: float = Field(1.0, gt=0, description="Clip the gradient norm to this value.")
-    slowdown: float = Field(
-        1.0, ge=1, description="Artificial slowdown factor (tests simulate slow peers with it)."
+    checkpoint_dir: str | None = per_peer_field(
+        None, description="Directory for local checkpoints; None disables them."
     )
+    checkpoint_every_s: float = per_peer_field(300.0, gt=0, description="Seconds between local checkpoints.")
+    activation_checkpointing: bool = per_peer_field(
+        False, description="Recompute activations in the backward pass to save GPU memory (CUDA only)."
+    )
+    precision: Literal["auto", "bf16", "fp16", "fp32"] = per_peer_field(
+        "auto",
+        description="Autocast type of forward and backward (per peer): 'auto' is bf16 on a GPU that has it, "
+        "fp16 with loss scaling on one that does not (T4, V100, RTX 20xx), fp32 on the CPU.",
+    )
+    compile: bool = per_peer_field(
+        False,
+        description="Run the forward pass through torch.compile (per peer; slower start, faster steps).",
+    )
+    eval_every_rounds: int = per_peer_field(
+        1, ge=1, description="Evaluate held-out loss every this many syncs."
+    )
+    eval_batches: int = per_peer_field(
+        4, ge=1, le=1000, description="Held-out batches (of 32 windows) per evaluation."
+    )
+
+
+class EmulationSection(Section):
+    """Benchmark aid: an emulated accelerator, so that many peers of known speeds share one machine.
+
+    Per peer (never part of the config hash), and off by default; a real run leaves it out.
+    """
+
     step_time_s: float = Field(
         0.0,
         ge=0,
@@ -230,26 +257,19 @@ class TrainSection(Section):
             "way a process waits on its GPU (benchmarks on one machine; 0 = off)."
         ),
     )
-    checkpoint_dir: str | None = Field(
-        None, description="Directory for local checkpoints; None disables them."
+    slowdown: float = Field(
+        1.0,
+        ge=1,
+        description="Stretch the (emulated) device time by this factor: a slow peer on the same machine "
+        "(1 = off).",
     )
-    checkpoint_every_s: float = Field(300.0, gt=0, description="Seconds between local checkpoints.")
-    activation_checkpointing: bool = Field(
-        False, description="Recompute activations in the backward pass to save GPU memory (CUDA only)."
-    )
-    precision: Literal["auto", "bf16", "fp16", "fp32"] = Field(
-        "auto",
-        description="Autocast type of forward and backward (per peer): 'auto' is bf16 on a GPU that has it, "
-        "fp16 with loss scaling on one that does not (T4, V100, RTX 20xx), fp32 on the CPU.",
-    )
-    compile: bool = Field(
-        False,
-        description="Run the forward pass through torch.compile (per peer; slower start, faster steps).",
-    )
-    eval_every_rounds: int = Field(1, ge=1, description="Evaluate held-out loss every this many syncs.")
-    eval_batches: int = Field(
-        4, ge=1, le=1000, description="Held-out batches (of 32 windows) per evaluation."
-    )
+
+
+MOVED_KEYS: dict[str, str] = {
+    "train.step_time_s": "emulation.step_time_s",
+    "train.slowdown": "emulation.slowdown",
+}
+"""Keys that moved, old dotted name to new: a config that still uses an old name is told the new one."""
 
 
 class MonitorSection(Section):
@@ -268,9 +288,6 @@ class MonitorSection(Section):
     )
 
 
-_DATA_KEYS_OUT_OF_HASH_AT_DEFAULT = {"hf_config": None, "split": "train", "text_field": "text"}
-"""Keys added after runs existed: at their default they stay out of the hash, which is then unchanged."""
-
 SECTIONS: tuple[str, ...] = (
     "run",
     "network",
@@ -280,6 +297,7 @@ SECTIONS: tuple[str, ...] = (
     "averaging",
     "compression",
     "pipeline",
+    "emulation",
     "monitor",
 )
 
@@ -290,7 +308,7 @@ class RunConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
     run: RunSection = Field(default_factory=RunSection, description="Identity of the run.")
-    network: NetworkSection = Field(
+    network: NetworkSection = per_peer_field(
         default_factory=NetworkSection, description="Joining the swarm (per peer)."
     )
     model: ModelSection = Field(default_factory=ModelSection, description="The model.")
@@ -299,7 +317,12 @@ class RunConfig(BaseModel):
     averaging: AveragingSection = Field(default_factory=AveragingSection, description="Gossip averaging.")
     compression: CompressionSection = Field(default_factory=CompressionSection, description="Wire codecs.")
     pipeline: PipelineSection = Field(default_factory=PipelineSection, description="Pipeline stages.")
-    monitor: MonitorSection = Field(default_factory=MonitorSection, description="Live view (per peer).")
+    emulation: EmulationSection = per_peer_field(
+        default_factory=EmulationSection, description="Emulated device speed (benchmark aid; per peer)."
+    )
+    monitor: MonitorSection = per_peer_field(
+        default_factory=MonitorSection, description="Live view (per peer)."
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -331,32 +354,18 @@ class RunConfig(BaseModel):
     def swarm_view(self) -> dict[str, Any]:
         """The swarm-wide part of the config (everything but :data:`PER_PEER_KEYS`), JSON-ready.
 
-        ``pipeline.num_stages: auto`` is resolved (from this peer's memory budget): peers must agree on
-        the cut itself, so a peer whose budget gives another count has another hash. Without a pipeline
-        (one stage) the section is left out, so the hashes of unpipelined runs did not change with it;
-        ``data.tokenizer`` enters as its content's fingerprint, and not at all when unset;
-        ``averaging.anchor_pull`` only when it is not the default ``separate``.
+        Every key enters as its resolved value: defaults filled in, ``model.vocab_size`` taken from the
+        tokenizer, and ``data.tokenizer`` as a fingerprint of the tokenizer's content (not its name or
+        path, which differ between machines holding the same tokenizer). ``pipeline.num_stages: auto``
+        enters as it stands, with the ``pipeline.memory_budget_gb`` it is resolved from.
         """
-        view = swarm_view(self.model_dump(mode="json"))
-        if view["pipeline"]["num_stages"] == "auto":
-            from swarm.pipeline import resolve_num_stages
-
-            view["pipeline"]["num_stages"] = resolve_num_stages(self)
-        if view["pipeline"]["num_stages"] == 1:
-            del view["pipeline"]
-        if view["averaging"]["anchor_pull"] == "separate":  # runs keep the hashes they had before the key
-            del view["averaging"]["anchor_pull"]
-        for key, default in _DATA_KEYS_OUT_OF_HASH_AT_DEFAULT.items():  # hashes of hf runs unchanged
-            if view["data"][key] == default:
-                del view["data"][key]
-        if self.data.tokenizer is None:  # byte-level runs keep the hashes they had before tokenizers
-            del view["data"]["tokenizer"]
-        else:  # the tokenizer's content, not its name or path, is what peers must share
+        view = swarm_view(self.model_dump(mode="json"), PER_PEER_KEYS)
+        if self.data.tokenizer is not None:
             view["data"]["tokenizer"] = load_tokenizer(self.data.tokenizer).fingerprint
         return view
 
     def config_hash(self) -> str:
-        """First 16 hex digits of the sha256 of :meth:`swarm_view` as canonical JSON.
+        """First 16 hex digits of the sha256 of :meth:`swarm_view` as canonical JSON (and the rule's version).
 
         Peers with different hashes do not average with each other; per-peer keys never change it.
         """
@@ -365,3 +374,9 @@ class RunConfig(BaseModel):
     def to_yaml(self) -> str:
         """The fully resolved config as YAML; ``load_config`` of it gives an equal config."""
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False, allow_unicode=True)
+
+
+PER_PEER_KEYS: frozenset[str] = per_peer_keys(RunConfig)
+"""Dotted keys (or whole sections) that each peer may set differently; excluded from the hash.
+
+Derived from the fields marked :data:`~swarm.config._section.PER_PEER`, never kept by hand."""

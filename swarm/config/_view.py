@@ -2,7 +2,8 @@
 
 Peers only average with partners that announce the same config hash, so the hash covers exactly the
 keys that change the maths of the shared model (its shape, data, optimizers, codec) and none of the
-keys a volunteer tunes for their own machine or link: those are :data:`PER_PEER_KEYS`.
+keys a volunteer tunes for their own machine or link. Those are marked on their fields
+(:data:`~swarm.config._section.PER_PEER`); :func:`per_peer_keys` collects them.
 """
 
 from __future__ import annotations
@@ -11,71 +12,49 @@ import hashlib
 import json
 from typing import TYPE_CHECKING, Any
 
+from pydantic import BaseModel
+
+from swarm.config._section import is_per_peer
+
 if TYPE_CHECKING:
     from swarm.config._schema import RunConfig
 
-PER_PEER_KEYS: frozenset[str] = frozenset(
-    {
-        # whole sections: how this peer connects and how it displays the swarm
-        "network",
-        "monitor",
-        # this machine's hardware, disk and test knobs
-        "train.device",
-        "train.micro_batch_size",
-        "train.slowdown",
-        "train.step_time_s",
-        "train.checkpoint_dir",
-        "train.checkpoint_every_s",
-        # how often and how much this peer evaluates; does not change what it trains
-        "train.eval_every_rounds",
-        "train.eval_batches",
-        "train.activation_checkpointing",
-        # number format and compilation: the exchanged parameters are float32 whatever a peer computes in
-        "train.precision",
-        "train.compile",
-        # local file locations differ between machines; the source kind is still shared
-        "data.paths",
-        # link-quality and local ban policy: a peer on a slow link may wait longer
-        "averaging.exchange_timeout_s",
-        "averaging.max_exchange_timeout_s",
-        "averaging.chunk_timeout_s",
-        "averaging.ban_base_s",
-        "averaging.ban_max_s",
-        # how far this peer lets its own exchange lag behind its training: a local policy
-        "averaging.max_lag_rounds",
-        # where this machine keeps the outer state (its own memory layout)
-        "averaging.outer_state_device",
-        # pipeline: this peer's memory, and how it routes, waits, queues and moves between stages
-        "pipeline.memory_budget_gb",
-        "pipeline.max_inflight",
-        "pipeline.request_timeout_s",
-        "pipeline.routing",
-        "pipeline.max_queue",
-        "pipeline.rebalance_every_s",
-        "pipeline.rebalance_min_interval_s",
-    }
-)
-"""Dotted keys (or whole sections) that each peer may set differently; excluded from the hash."""
-
 HASH_HEX_DIGITS = 16
+HASH_VERSION = 2
+"""Part of what is hashed: bumped whenever the rule that turns a config into its hash changes, so
+that peers hashing by different rules never take each other's configs for equal.
+2: every swarm-wide key enters as its resolved value (no keys left out to keep older hashes)."""
 
 
-def swarm_view(dump: dict[str, Any]) -> dict[str, Any]:
-    """Drop :data:`PER_PEER_KEYS` from a JSON-mode dump of a config."""
+def per_peer_keys(model: type[BaseModel]) -> frozenset[str]:
+    """Dotted keys of ``model`` (a run config class) marked per peer: whole sections, or keys of one."""
+    keys: set[str] = set()
+    for name, field in model.model_fields.items():
+        if is_per_peer(field):
+            keys.add(name)
+            continue
+        section = field.annotation
+        if isinstance(section, type) and issubclass(section, BaseModel):
+            keys.update(f"{name}.{key}" for key, inner in section.model_fields.items() if is_per_peer(inner))
+    return frozenset(keys)
+
+
+def swarm_view(dump: dict[str, Any], per_peer: frozenset[str]) -> dict[str, Any]:
+    """Drop the ``per_peer`` keys (and whole sections) from a JSON-mode dump of a config."""
     view: dict[str, Any] = {}
     for section, values in dump.items():
-        if section in PER_PEER_KEYS:
+        if section in per_peer:
             continue
-        view[section] = {
-            key: value for key, value in values.items() if f"{section}.{key}" not in PER_PEER_KEYS
-        }
+        view[section] = {key: value for key, value in values.items() if f"{section}.{key}" not in per_peer}
     return view
 
 
 def config_hash(view: dict[str, Any]) -> str:
-    """sha256 of the canonical JSON of ``view`` (sorted keys, no spaces), first 16 hex digits."""
+    """sha256 of :data:`HASH_VERSION` and the canonical JSON of ``view`` (sorted keys, no spaces),
+    first 16 hex digits."""
     canonical = json.dumps(view, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
-    return hashlib.sha256(canonical.encode("utf-8")).hexdigest()[:HASH_HEX_DIGITS]
+    text = f"swarm-config-v{HASH_VERSION}:{canonical}"
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:HASH_HEX_DIGITS]
 
 
 def _flatten(value: Any, prefix: str, out: dict[str, Any]) -> None:

@@ -86,7 +86,7 @@ class WorkerStats:
 
 
 class DeviceClock:
-    """``train.step_time_s`` and ``train.slowdown`` per unit of work: an emulated, or slowed, accelerator.
+    """``emulation.step_time_s`` and ``emulation.slowdown`` per unit of work: an emulated accelerator.
 
     Work worth ``share`` of an inner step (forward and backward of a micro-batch of ``samples`` out of
     ``batch_size`` is ``samples / batch_size``; a forward alone a third of that) takes at least

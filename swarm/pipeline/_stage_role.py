@@ -56,7 +56,9 @@ class StageRole:
         self.n_params = stage_parameters(self.module)
         self.optimizer = make_inner_optimizer(self.module, config.train, peer.device)
         self.lr = config.train.lr
-        self.clock = DeviceClock(config.train.step_time_s, config.train.slowdown, config.train.batch_size)
+        self.clock = DeviceClock(
+            config.emulation.step_time_s, config.emulation.slowdown, config.train.batch_size
+        )
         self.limits = [ServerLimits.of(config, k, len(peer.specs)) for k in range(len(peer.specs))]
         context = BackendContext(
             config, self.module, peer.device, peer.node, peer.progress, stage_group(self.stage)

@@ -166,6 +166,7 @@ class TrainingPeer:
                 optimizer=self.backend.inner_optimizer(),
                 block_size=config.model.block_size,
                 activation_checkpointing=config.train.activation_checkpointing,
+                emulation=config.emulation,
                 reserve_bytes=self._exchange_reserve(),
             )
             self.resumed_from = self._resume() if resume else None

@@ -42,7 +42,7 @@ class Progress:
         """Count one inner step; loss and samples/s are smoothed so the record does not jitter.
 
         ``compute_seconds``: real forward/backward/update time; ``device_seconds``: how long the
-        (possibly emulated, ``train.step_time_s``) device was busy, at least the compute.
+        (possibly emulated, ``emulation.step_time_s``) device was busy, at least the compute.
         """
         self.step += 1
         self.samples_total += samples

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from swarm._device import describe_device
-from swarm.config import TrainSection
+from swarm.config import EmulationSection, TrainSection
 from swarm.training._micro_batch import auto_micro_batch_size, is_oom
 from swarm.training._optimizer import (
     make_inner_optimizer,
@@ -107,7 +107,7 @@ class StepStats:
     the unit of the held-out loss, so that the two compare directly. ``seconds`` is wall time
     including any padding; ``compute_seconds`` is the part really spent in forward, backward and the
     optimizer step; ``device_seconds`` is how long the (possibly emulated) device was busy: the
-    compute, or ``train.step_time_s`` when that is longer, times ``train.slowdown``.
+    compute, or ``emulation.step_time_s`` when that is longer, times ``emulation.slowdown``.
     """
 
     loss: float
@@ -146,11 +146,13 @@ class InnerTrainer:
         micro_batch_size: int | None = None,
         activation_checkpointing: bool = False,
         block_size: int | None = None,
+        emulation: EmulationSection | None = None,
         reserve_bytes: int = 0,
     ) -> None:
         self.model = model.to(device)
         self.device = device
         self.cfg = train_cfg
+        self.emulation = emulation or EmulationSection()
         self.precision = resolve_precision(train_cfg.precision, device)
         self.scaler = self.precision.grad_scaler(device)
         self._owns_optimizer = optimizer is None
@@ -240,8 +242,8 @@ class InnerTrainer:
         optimizer that talks to the network inside ``step`` (the hivemind baseline) says how long it
         waited in its ``communication_seconds`` attribute; that time is not device time.
 
-        An emulated device (``train.step_time_s``, 0 = off) pads the step by sleeping until it took at
-        least that long, the way a process sits idle while its accelerator works; ``train.slowdown``
+        An emulated device (``emulation.step_time_s``, 0 = off) pads the step by sleeping until it took
+        at least that long, the way a process sits idle while its accelerator works; ``emulation.slowdown``
         (1 = off) then stretches the device time by that factor, so that one machine can host "slow"
         and "fast" peers of the same model.
         """
@@ -267,7 +269,7 @@ class InnerTrainer:
             mean_loss = nats_to_bits(float(total_loss / samples))  # also waits for the device to finish
         waited = getattr(self.optimizer, "communication_seconds", 0.0) - waited
         compute = time.perf_counter() - compute_started - waited
-        device = max(compute, self.cfg.step_time_s) * self.cfg.slowdown
+        device = max(compute, self.emulation.step_time_s) * self.emulation.slowdown
         if device > compute:
             time.sleep(device - compute)
         self.steps += 1

@@ -29,7 +29,7 @@ patience for a daemon that starts slowly on a busy machine (a deadline, not a sp
 UNLIMITED = "train.max_steps=100000"
 """For trainers the test stops itself (SIGTERM) once what it waits for has happened."""
 
-BACKGROUND = [UNLIMITED, "train.step_time_s=0.1"]
+BACKGROUND = [UNLIMITED, "emulation.step_time_s=0.1"]
 """For trainers that only have to be there (listed by a monitor, dialled, fetched from): no step limit,
 and each step padded to 0.1 s on the emulated device (a per-peer key, so the run's config hash is
 unchanged), so that they sleep through most of the test instead of taking the cores from what it is
