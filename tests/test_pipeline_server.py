@@ -57,8 +57,14 @@ class _Stage:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._compute, daemon=True)
         self._thread.start()
+        self.holders: set[str] = set()  # the client, once it exists: the only data holder
         self.server = StageServer(
-            self.worker, self.limits[stage], "pp", p2p_factory=P2P.create, request_timeout_s=10
+            self.worker,
+            self.limits[stage],
+            "pp",
+            data_holders=self.holders.__contains__,
+            p2p_factory=P2P.create,
+            request_timeout_s=10,
         )
         maddrs = self.server._loop.run(self.server._p2p.get_visible_maddrs(), timeout=10)
 
@@ -66,6 +72,7 @@ class _Stage:
             return await P2P.create(initial_peers=maddrs)
 
         self.client = StageClient("pp", self.limits, p2p_factory=connected)
+        self.holders.add(self.client.peer_id)
 
     def _compute(self) -> None:
         while not self._stop.is_set():

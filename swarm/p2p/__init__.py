@@ -9,7 +9,8 @@ What every swarm protocol on a raw hivemind binary stream shares:
 - :class:`StreamService`, the serving side (own replica, handler, handshake, fault logging, close);
 - :func:`dial` (open a stream, then authenticate) and :func:`run_with_replica` (a one-shot replica for a
   blocking call), the asking side;
-- relays for peers behind NAT (:mod:`swarm.p2p._forward`): :class:`RelayForwarder`, the relay;
+- relays for peers behind NAT (:mod:`swarm.p2p._forward`): :class:`RelayForwarder`, the relay, and its
+  :class:`RelayLimits`;
   :func:`note_relay_addresses`, the address book :func:`dial` forwards through; :func:`trust_relays`,
   whose forwarded streams a service serves; :data:`RELAYED` and :data:`FORWARDED`, their bytes;
 - :data:`PEER_FAULTS`, what a peer can make a stream fail with; :data:`RUN_ID` and :func:`check_run_id`.
@@ -19,7 +20,7 @@ Nothing here imports torch: hivemind (which does) is imported inside the functio
 
 from swarm.p2p._auth import AuthError, StreamKey, authenticate_stream, swarm_key_of
 from swarm.p2p._client import dial, run_with_replica
-from swarm.p2p._forwarder import RelayForwarder
+from swarm.p2p._forwarder import RelayForwarder, RelayLimits
 from swarm.p2p._framing import (
     HEADER_LEN,
     ProtocolError,
@@ -53,6 +54,7 @@ __all__ = [
     "P2PFactory",
     "ProtocolError",
     "RelayForwarder",
+    "RelayLimits",
     "RelayedBytes",
     "StalledError",
     "StreamKey",

@@ -1,9 +1,11 @@
 """The relay's side of :mod:`swarm.p2p._forward`: forward swarm streams to peers behind NAT.
 
 The bootstrap runs one. It forwards only to peers its daemon is connected to right now (the peers
-behind NAT that dialled out to it), only to their relayed handlers, and at most
-:data:`MAX_FORWARDS` streams at once (:data:`MAX_PER_DIALLER` for one dialler). A forwarded stream
-closes when either side closes, fails, or moves nothing for :data:`IDLE_TIMEOUT_S`.
+behind NAT that dialled out to it), and only to their relayed handlers. Every forwarded stream is
+metered (:class:`RelayLimits`): slots in all and per dialler, reserved before anything is awaited; a
+byte cap, a rate cap and a lifetime per stream; and a byte budget per dialler over a window. A
+forwarded stream closes when either side closes, fails, moves nothing for :data:`IDLE_TIMEOUT_S`, or
+runs past one of those caps.
 """
 
 from __future__ import annotations
@@ -11,7 +13,10 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-from typing import TYPE_CHECKING, Any
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from swarm.p2p._auth import StreamKey
 from swarm.p2p._forward import (
@@ -35,10 +40,91 @@ logger = logging.getLogger(__name__)
 
 MAX_FORWARDS = 64
 MAX_PER_DIALLER = 8
+MAX_DIALLERS_KEPT = 4096
+"""Diallers whose byte budget is remembered at most (those idle longest go first)."""
 IDLE_TIMEOUT_S = 60.0
 """Longer than every swarm protocol's own progress timeout, which fires first."""
 CONTROL_TIMEOUT_S = 10.0
 PIECE_BYTES = 64 * 1024
+MIB = 1024 * 1024
+
+
+class RelayLimitError(ProtocolError):
+    """A forwarded stream ran past one of the relay's caps."""
+
+
+@dataclass(frozen=True)
+class RelayLimits:
+    """What one relay carries at most. The defaults fit the swarm's largest streams (a state transfer
+    or an int8 exchange of a 1B model) and cut off a dialler that tries to use the relay as a free pipe.
+    """
+
+    max_forwards: int = MAX_FORWARDS
+    max_per_dialler: int = MAX_PER_DIALLER
+    stream_bytes: int = 4096 * MIB
+    """Bytes one forwarded stream carries, both ways together."""
+    stream_rate: float = 64 * MIB
+    """Bytes per second one forwarded stream carries at most (faster streams are slowed to it)."""
+    stream_lifetime_s: float = 1800.0
+    """Seconds one forwarded stream stays open at most, however busy."""
+    dialler_bytes: int = 8192 * MIB
+    """Bytes all of one dialler's streams carry per ``dialler_window_s``."""
+    dialler_window_s: float = 3600.0
+
+    def __post_init__(self) -> None:
+        for name in ("max_forwards", "max_per_dialler", "stream_bytes", "dialler_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"RelayLimits.{name} must be at least 1, got {getattr(self, name)}")
+        for name in ("stream_rate", "stream_lifetime_s", "dialler_window_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"RelayLimits.{name} must be positive, got {getattr(self, name)}")
+
+
+class _Budgets:
+    """Bytes each dialler moved in its current window (loop thread only; bounded)."""
+
+    def __init__(self, limits: RelayLimits) -> None:
+        self.limits = limits
+        self._used: collections.OrderedDict[str, tuple[float, int]] = collections.OrderedDict()
+
+    def left(self, dialler: str, now: float) -> int:
+        start, used = self._used.get(dialler, (now, 0))
+        if now - start >= self.limits.dialler_window_s:
+            return self.limits.dialler_bytes
+        return self.limits.dialler_bytes - used
+
+    def spend(self, dialler: str, n: int, now: float) -> int:
+        """Count ``n`` bytes for ``dialler``; the bytes left in its window afterwards (may be negative)."""
+        start, used = self._used.pop(dialler, (now, 0))
+        if now - start >= self.limits.dialler_window_s:
+            start, used = now, 0
+        self._used[dialler] = (start, used + n)
+        while len(self._used) > MAX_DIALLERS_KEPT:
+            self._used.popitem(last=False)
+        return self.limits.dialler_bytes - used - n
+
+
+class StreamMeter:
+    """The caps of one forwarded stream: :meth:`take` counts bytes, and says how long to wait to keep
+    to the rate cap, or raises :class:`RelayLimitError` past the byte cap or the dialler's budget."""
+
+    def __init__(self, dialler: str, budgets: _Budgets, now: float) -> None:
+        self.dialler, self._budgets, self._limits = dialler, budgets, budgets.limits
+        self.started, self.carried = now, 0
+        self.lifetime_s = budgets.limits.stream_lifetime_s
+
+    def take(self, n: int, now: float) -> float:
+        self.carried += n
+        if self.carried > self._limits.stream_bytes:
+            raise RelayLimitError(
+                f"the stream carried more than the relay's {self._limits.stream_bytes} bytes"
+            )
+        if self._budgets.spend(self.dialler, n, now) < 0:
+            raise RelayLimitError(
+                f"dialler {self.dialler} moved more than {self._limits.dialler_bytes} bytes "
+                f"in {self._limits.dialler_window_s:g} s through this relay"
+            )
+        return max(0.0, self.carried / self._limits.stream_rate - (now - self.started))
 
 
 class RelayForwarder(StreamService):
@@ -55,6 +141,7 @@ class RelayForwarder(StreamService):
         p2p_factory: P2PFactory | None = None,
         swarm_key: StreamKey | None = None,
         counter: RelayedBytes = FORWARDED,
+        limits: RelayLimits | None = None,
     ) -> None:
         super().__init__(
             run_id,
@@ -65,7 +152,10 @@ class RelayForwarder(StreamService):
             auth_timeout_s=CONTROL_TIMEOUT_S,
         )
         self.counter = counter
+        self.limits = limits or RelayLimits()
+        self._budgets = _Budgets(self.limits)
         self._per_dialler: collections.Counter[str] = collections.Counter()
+        self._forwarding = 0
         self._start("swarm-relay")
 
     async def _handle(self, peer: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -73,23 +163,41 @@ class RelayForwarder(StreamService):
         if kind is not ForwardKind.FORWARD:
             raise ProtocolError(f"expected FORWARD, got {kind.name}")
         target, handler = field(body, "to", PEER_ID), field(body, "handler", HANDLER)
-        refusal = await self._refusal(peer, target)
+        refusal = self._reserve(peer)  # counted with the check, before anything is awaited
         if refusal:
             await send_control(writer, ForwardKind.REFUSED, {"reason": refusal}, CONTROL_TIMEOUT_S)
             return
-        self._per_dialler[peer] += 1
         try:
+            refusal = await self._refusal(peer, target)
+            if refusal:
+                await send_control(writer, ForwardKind.REFUSED, {"reason": refusal}, CONTROL_TIMEOUT_S)
+                return
             await self._forward(peer, target, handler, reader, writer)
         finally:
-            self._per_dialler[peer] -= 1
-            if not self._per_dialler[peer]:
-                del self._per_dialler[peer]
+            self._release(peer)
+
+    def _reserve(self, dialler: str) -> str:
+        """Take a slot for ``dialler`` (no await between the check and the count); why not, if not."""
+        limits = self.limits
+        if self._forwarding >= limits.max_forwards:
+            return f"this relay forwards {limits.max_forwards} streams already"
+        if self._per_dialler[dialler] >= limits.max_per_dialler:
+            return f"this relay forwards {limits.max_per_dialler} streams for you already"
+        if self._budgets.left(dialler, time.monotonic()) <= 0:
+            return (
+                f"you moved {limits.dialler_bytes} bytes through this relay in {limits.dialler_window_s:g} s"
+            )
+        self._forwarding += 1
+        self._per_dialler[dialler] += 1
+        return ""
+
+    def _release(self, dialler: str) -> None:
+        self._forwarding -= 1
+        self._per_dialler[dialler] -= 1
+        if not self._per_dialler[dialler]:
+            del self._per_dialler[dialler]
 
     async def _refusal(self, dialler: str, target: str) -> str:
-        if sum(self._per_dialler.values()) >= MAX_FORWARDS:
-            return f"this relay forwards {MAX_FORWARDS} streams already"
-        if self._per_dialler[dialler] >= MAX_PER_DIALLER:
-            return f"this relay forwards {MAX_PER_DIALLER} streams for you already"
         if target in (dialler, self.peer_id):
             return "cannot forward a stream to its own dialler or to the relay"
         connected = {info.peer_id.to_base58() for info in await self._p2p.list_peers()}
@@ -119,7 +227,10 @@ class RelayForwarder(StreamService):
         try:
             await send_control(peer_writer, ForwardKind.PREAMBLE, {"from": dialler}, CONTROL_TIMEOUT_S)
             self.counter.add(streams=1)  # the peer's READY (or its closing the stream) is the answer
-            await _splice(reader, writer, peer_reader, peer_writer, self.counter)
+            meter = StreamMeter(dialler, self._budgets, time.monotonic())
+            await _splice(reader, writer, peer_reader, peer_writer, self.counter, meter)
+        except RelayLimitError as exc:
+            logger.info("closed a stream forwarded from %s to %s: %s", dialler, target, exc)
         finally:
             peer_writer.close()
         logger.debug("forwarded %s from %s to %s", handler, dialler, target)
@@ -131,20 +242,33 @@ async def _splice(
     peer_reader: asyncio.StreamReader,
     peer_writer: asyncio.StreamWriter,
     counter: RelayedBytes,
+    meter: StreamMeter,
 ) -> None:
-    """Copy both ways until one side closes or fails; the caller closes both streams."""
-    to_peer = asyncio.ensure_future(_copy(reader, peer_writer, lambda n: counter.add(sent=n)))
-    back = asyncio.ensure_future(_copy(peer_reader, writer, lambda n: counter.add(received=n)))
+    """Copy both ways until one side closes or fails, or the stream runs past a cap (then
+    RelayLimitError); the caller closes both streams."""
+    to_peer = asyncio.ensure_future(_copy(reader, peer_writer, meter, lambda n: counter.add(sent=n)))
+    back = asyncio.ensure_future(_copy(peer_reader, writer, meter, lambda n: counter.add(received=n)))
+    lifetime = meter.lifetime_s
     try:
-        await asyncio.wait((to_peer, back), return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait((to_peer, back), timeout=lifetime, return_when=asyncio.FIRST_COMPLETED)
+        if not done:
+            raise RelayLimitError(f"the stream was open for the relay's {lifetime:g} s")
+        for task in done:
+            if isinstance(error := task.exception(), RelayLimitError):
+                raise error
     finally:
         for task in (to_peer, back):
             task.cancel()
         await asyncio.gather(to_peer, back, return_exceptions=True)
 
 
-async def _copy(source: asyncio.StreamReader, sink: asyncio.StreamWriter, count: Any) -> None:
+async def _copy(
+    source: asyncio.StreamReader, sink: asyncio.StreamWriter, meter: StreamMeter, count: Callable[[int], None]
+) -> None:
     while data := await _within(source.read(PIECE_BYTES), IDLE_TIMEOUT_S, "received"):
+        wait = meter.take(len(data), time.monotonic())
         sink.write(data)
         await _within(sink.drain(), IDLE_TIMEOUT_S, "sent")
         count(len(data))
+        if wait > 0:
+            await asyncio.sleep(wait)  # the rate cap: a throttle, not a synchronisation

@@ -11,6 +11,12 @@ rollback recomputes the same forward and backward with the opposite sign. Rollba
 no inner step is taken while any micro-batch is provisional (:attr:`StageWorker.step_ready`), and
 applying requests that arrive once a step is due wait until it is taken. Each ``(client, micro-batch)``
 is committed at most once; later requests for it are refused.
+
+An output gradient comes from a data holder (the stage server refuses applying requests from anyone
+else, :mod:`swarm.pipeline._server`), and even one of those is not trusted with its size:
+:class:`GradientClip` clips each sample's output gradient to a bound set by the norms of the committed
+micro-batches before it, so one sender moves the stage's parameters at most as much as a few honest
+samples would.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from __future__ import annotations
 import collections
 import logging
 import queue
+import statistics
 import threading
 import time
 from collections.abc import Callable
@@ -34,6 +41,50 @@ Key = tuple[str, str]
 """(client peer id, micro-batch id): a client cannot touch another client's micro-batches."""
 APPLIED_MEMORY = 1 << 16
 """How many committed micro-batch keys a server remembers to refuse a second application."""
+CLIP_FACTOR = 4.0
+"""A sample's output gradient may be this many times the median norm of recent committed ones."""
+CLIP_WINDOW = 256
+"""Per-sample norms of the latest committed output gradients that set the bound."""
+CLIP_WARMUP = 16
+"""Until this many are known, the bound is :data:`INITIAL_CLIP_NORM`."""
+INITIAL_CLIP_NORM = 1.0
+"""Per sample. The tiny test model's honest output gradients are about 0.12; a bound that is too low
+only slows the first micro-batches, and the window's median takes over after :data:`CLIP_WARMUP`."""
+
+
+class GradientClip:
+    """Clips each sample's output gradient by norm (the compute thread's only; not thread-safe).
+
+    The bound is :data:`CLIP_FACTOR` times the median per-sample norm of the last :data:`CLIP_WINDOW`
+    committed samples (after clipping), or ``initial`` before :data:`CLIP_WARMUP` are known. A median
+    moves only when most recent senders move it, so a minority of data holders cannot raise it.
+    """
+
+    def __init__(self, initial: float = INITIAL_CLIP_NORM, factor: float = CLIP_FACTOR) -> None:
+        if not (initial > 0 and factor >= 1):
+            raise ValueError(f"GradientClip needs initial > 0 and factor >= 1, got {initial}, {factor}")
+        self.initial, self.factor = initial, factor
+        self._norms: collections.deque[float] = collections.deque(maxlen=CLIP_WINDOW)
+        self.clipped = 0
+        """Samples whose output gradient was clipped."""
+
+    @property
+    def bound(self) -> float:
+        if len(self._norms) < CLIP_WARMUP:
+            return self.initial
+        return self.factor * statistics.median(self._norms)
+
+    def clip(self, grad: torch.Tensor) -> tuple[torch.Tensor, list[float]]:
+        """``grad`` (samples first) with each sample's norm at most :attr:`bound`, and those norms."""
+        norms = grad.detach().float().flatten(1).norm(dim=1)
+        scale = (self.bound / norms.clamp_min(1e-30)).clamp(max=1.0)
+        self.clipped += int((scale < 1).sum())
+        shaped = scale.view(-1, *([1] * (grad.dim() - 1))).to(grad.dtype)
+        return grad * shaped, (norms * scale).tolist()
+
+    def accept(self, norms: list[float]) -> None:
+        """A micro-batch with these per-sample norms was committed: they join the window."""
+        self._norms.extend(norms)
 
 
 @dataclass
@@ -71,6 +122,7 @@ class _Provisional:
     targets: torch.Tensor | None
     samples: int
     loss: float | None = None
+    norms: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -120,9 +172,11 @@ class StageWorker:
         max_queue: int,
         clock: DeviceClock,
         cache_timeout_s: float = 120.0,
+        clip: GradientClip | None = None,
     ) -> None:
         self.module, self.device, self.batch_size = module, device, batch_size
         self._clock = clock
+        self.clip = clip or GradientClip()
         self._queue: queue.Queue[tuple[str, object]] = queue.Queue()
         self._max_queue = max_queue
         self._pending = 0  # submitted requests not yet taken (thread-safe through _lock)
@@ -261,9 +315,11 @@ class StageWorker:
                 y = self.module(x)
             self._remember(key, x)
             return Outcome(tensors=[("y", y)])
-        grad = work.tensors.get("g")
+        grad, norms = work.tensors.get("g"), list[float]()
+        if grad is not None:
+            grad, norms = self.clip.clip(grad.to(self.device))
         targets = None if work.targets is None else work.targets.to(self.device)
-        pending = _Provisional(x, None if grad is None else grad.to(self.device), targets, r.samples)
+        pending = _Provisional(x, grad, targets, r.samples, norms=norms)
         loss, dx = self._backprop(pending, sign=1.0)
         pending.loss = loss
         self._provisional[key] = pending
@@ -298,6 +354,7 @@ class StageWorker:
         while len(self._applied) > APPLIED_MEMORY:
             self._applied.popitem(last=False)
         self.committed_log.append(key)
+        self.clip.accept(pending.norms)
         self.stats.committed += 1
         self.stats.committed_samples += pending.samples
         self.samples_since_step += pending.samples

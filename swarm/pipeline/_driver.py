@@ -254,6 +254,6 @@ class DataHolder:
                 if isinstance(exc, StageError) and not exc.retry and "bad request" in str(exc):
                     break  # our own request is wrong: no other peer will take it either
                 continue
-            self.router.finished(peer, request.samples, reply.compute_s, reply.queue)
+            self.router.finished(peer, request.samples, reply.latency_s, reply.queue, reply.compute_s)
             return reply, peer
         raise ChainFailed(f"stage {stage}: " + ("; ".join(errors) or "no live peer"))

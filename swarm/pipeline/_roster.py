@@ -32,6 +32,7 @@ class Roster:
         self._records: list[Any] = []
         self.router: Router | None = None
         self._holder_seen_at: float | None = None
+        self._holders: frozenset[str] = frozenset()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._main, name="pipeline-roster", daemon=True)
         self._thread.start()
@@ -58,6 +59,7 @@ class Roster:
         ]
         with self._lock:
             self._records = records
+            self._holders = frozenset(r.peer_id for r in records if r.stage == 0)
             if any(r.stage == 0 and r.state in ACTIVE and r.peer_id != self._node.peer_id for r in records):
                 self._holder_seen_at = time.monotonic()
             router = self.router
@@ -73,6 +75,12 @@ class Roster:
     def records(self) -> list[Any]:
         with self._lock:
             return list(self._records)
+
+    def is_data_holder(self, peer_id: str) -> bool:
+        """``peer_id`` has a live record as a data holder (stage 0) of this run, whatever its state (its
+        last commits may arrive as it leaves): the only peers a stage server takes gradients from."""
+        with self._lock:
+            return peer_id in self._holders
 
     def holder_samples(self, exclude: str) -> list[tuple[str, int]]:
         """``(peer id, samples trained)`` of each live data holder but ``exclude``."""

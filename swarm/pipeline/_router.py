@@ -1,10 +1,12 @@
 """Stochastic wiring: which live peer of a stage gets the next micro-batch.
 
 Each micro-batch goes to one peer per stage, drawn at random with weight ``rate / (1 + queue)``: ``rate``
-is the peer's measured throughput (samples per second of its device time, from its answers; before the
-first answer, the capacity its record announces, else the median of its stage), ``queue`` our requests
-in flight to it plus the queue it reported last. A slow peer therefore gets proportionally fewer
-micro-batches and a busy one fewer still, with no coordination and no barrier. A peer that failed is
+is the peer's throughput as we measured it (samples per second from our sending a request to our
+having its answer, timed here; the ``compute_s`` a server reports can only make it slower, never
+faster); before the first answer, the capacity its record announces, capped by the median measured
+rate of its stage. ``queue`` is our requests in flight to it plus the queue it reported last. A slow
+peer therefore gets proportionally fewer micro-batches and a busy one fewer still, with no
+coordination and no barrier. A peer that failed is
 avoided for ``PENALTY_S`` (unless it is the only one). ``fixed`` routing (the benchmark's baseline)
 always takes the same peer per stage: the data holder's rank among data holders, modulo the stage's
 size, like a static pipeline.
@@ -12,6 +14,7 @@ size, like a static pipeline.
 
 from __future__ import annotations
 
+import math
 import random
 import statistics
 import threading
@@ -96,28 +99,42 @@ class Router:
 
     def _weight(self, peer: str, stage: int) -> float:
         stat = self._stats[peer]
-        rate = stat.rate if stat.rate is not None else stat.hint or self._typical_rate(stage)
+        rate = stat.rate
+        if rate is None:
+            typical = self._typical_rate(stage)
+            announced = stat.hint if stat.hint > 0 else None
+            rate = min(announced or typical or 1.0, typical or math.inf)
         return rate / (1.0 + stat.inflight + stat.queue)
 
-    def _typical_rate(self, stage: int) -> float:
+    def _typical_rate(self, stage: int) -> float | None:
+        """The median measured rate of the stage's peers, or None before any answered."""
         known = [rate for p in self._roster.get(stage, ()) if (rate := self._stats[p].rate)]
-        return statistics.median(known) if known else 1.0
+        return statistics.median(known) if known else None
 
     def started(self, peer: str) -> None:
         with self._lock:
             self._stats.setdefault(peer, PeerStat()).inflight += 1
 
-    def finished(self, peer: str, samples: int, compute_s: float | None, queue: int | None) -> None:
-        """A request to ``peer`` ended: with its device time and queue when it answered, else a failure."""
+    def finished(
+        self,
+        peer: str,
+        samples: int,
+        elapsed_s: float | None,
+        queue: int | None,
+        reported_s: float | None = None,
+    ) -> None:
+        """A request to ``peer`` ended: when it answered, with the seconds we measured it took, its queue
+        and the compute time it reported; else a failure. The rate is ``samples`` over the longer of the
+        measured and the reported time, so a server that claims to be fast gains nothing."""
         with self._lock:
             stat = self._stats.setdefault(peer, PeerStat())
             stat.inflight = max(0, stat.inflight - 1)
-            if compute_s is None or queue is None:
+            if elapsed_s is None or queue is None:
                 stat.failed_at, stat.failures = time.monotonic(), stat.failures + 1
                 return
             stat.served += 1
             stat.queue = queue
-            rate = samples / max(compute_s, 1e-6)
+            rate = samples / max(elapsed_s, reported_s or 0.0, 1e-6)
             stat.rate = rate if stat.rate is None else (1 - EMA) * stat.rate + EMA * rate
 
     def served(self) -> Counter[str]:

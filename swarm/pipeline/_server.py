@@ -5,7 +5,9 @@ swarm key handshake of private swarms, bounded and timed framing, and uniform fa
 request is decoded and validated on the service's loop thread (fields, sizes derived from the run config,
 activation frames: shape, dtype, finiteness, magnitude); a bad one gets an ERROR and the server goes on.
 The compute happens on the peer's training thread (:class:`~swarm.pipeline.StageWorker`); applying
-requests wait for the client's COMMIT (see :mod:`swarm.pipeline._protocol`).
+requests wait for the client's COMMIT (see :mod:`swarm.pipeline._protocol`). Only the run's data
+holders (``data_holders``: the roster's stage-0 trainers) may send a request that applies gradients;
+anyone else is refused before its tensors are read.
 
 Why not ``hivemind.moe`` (SWARM's reference built on its Server / ModuleBackend / RemoteExpert): its
 RPCs carry pickled-free but unbounded protobuf tensors with no per-run size limits, no swarm key, no
@@ -20,6 +22,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -60,8 +63,16 @@ class ServerStats:
     bytes_sent: int = 0
 
 
+class NotADataHolder(ProtocolError):
+    """An applying request from a peer that is not one of the run's data holders."""
+
+
 class StageServer(StreamService):
-    """Serves stage ``limits.stage`` of ``run_id`` on ``swarm.pipeline.v{P}.{run_id}.stage{k}``."""
+    """Serves stage ``limits.stage`` of ``run_id`` on ``swarm.pipeline.v{P}.{run_id}.stage{k}``.
+
+    ``data_holders(peer_id)`` says whether a peer is one of the run's data holders; only they may send
+    requests that apply gradients (a forward or evaluation changes nothing and is served to anyone).
+    """
 
     what = "stage request"
 
@@ -71,6 +82,7 @@ class StageServer(StreamService):
         limits: ServerLimits,
         run_id: str,
         *,
+        data_holders: Callable[[str], bool],
         dht: DHT | None = None,
         p2p_factory: P2PFactory | None = None,
         swarm_key: SwarmKey | None = None,
@@ -85,13 +97,19 @@ class StageServer(StreamService):
             auth_timeout_s=IO_TIMEOUT_S,
         )
         self.worker, self.limits = worker, limits
+        self._data_holders = data_holders
         self._timeout = request_timeout_s
         self.stats = ServerStats()
         self._start(f"stage{limits.stage}-{run_id}")
 
     async def _handle(self, peer: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
-            request, tensors, targets = await self._read_request(reader)
+            request, tensors, targets = await self._read_request(peer, reader)
+        except NotADataHolder as exc:
+            self.stats.rejected += 1
+            logger.info("refused a stage request from %s: %s", peer, exc)
+            await write_message(writer, Kind.ERROR, error_json(str(exc), retry=True), IO_TIMEOUT_S)
+            return
         except (ProtocolError, FrameError) as exc:
             self.stats.rejected += 1
             logger.info("refused a stage request from %s: %s", peer, exc)
@@ -124,12 +142,14 @@ class StageServer(StreamService):
                     )
                 self.worker.resolve((peer, request.mb), committed)
 
-    async def _read_request(self, reader: asyncio.StreamReader) -> tuple[Request, dict, object]:
+    async def _read_request(self, peer: str, reader: asyncio.StreamReader) -> tuple[Request, dict, object]:
         limits = self.limits
         kind, payload = await read_message(reader, Kind, limits.message_limit, IO_TIMEOUT_S)
         if kind is not Kind.REQUEST:
             raise ProtocolError(f"expected REQUEST, got {kind.name}")
         request = parse_request(payload, limits)
+        if request.applies and not self._data_holders(peer):
+            raise NotADataHolder("only this run's data holders may apply gradients here")
         shape = (request.samples, request.tokens, limits.n_embd)
         tensors, received = await read_tensors(reader, request.frames, request.tensor_names(), shape, limits)
         self.stats.bytes_received += len(payload) + received

@@ -204,6 +204,7 @@ class ServerRole(StageRole):
                 self.worker,
                 self.limits[self.stage],
                 peer.config.run.run_id,
+                data_holders=peer.roster.is_data_holder,
                 dht=peer.node.dht,
                 request_timeout_s=pipe.request_timeout_s,
             )
