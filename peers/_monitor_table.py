@@ -2,10 +2,15 @@
 
 Columns are chosen by priority so that the table fits the terminal: a 60-column terminal still shows
 who is there, their state, throughput, loss and when they were last seen.
+
+Every string a peer chose (its name, device, version, and the warnings that quote them) is shown as
+text: cells are :class:`~rich.text.Text`, never markup, and :func:`shown` escapes the characters a
+terminal would act on.
 """
 
 from __future__ import annotations
 
+import unicodedata
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -30,6 +35,24 @@ class Column:
     width: int
     cell: Callable[[PeerView, float], str]
     justify: JustifyMethod = "left"
+
+
+# Unicode categories a terminal acts on or that hide text: controls (C0, DEL, C1: escape sequences,
+# carriage return, bell), format characters (bidi overrides, zero-width) and line/paragraph separators.
+_ESCAPED_CATEGORIES = frozenset({"Cc", "Cf", "Zl", "Zp"})
+
+
+def shown(text: str) -> str:
+    """``text`` safe to print on a terminal: each control or format character becomes its ``\\xNN`` /
+    ``\\uNNNN`` escape, everything else (including ``[markup]``) stays as it is."""
+    if text.isprintable():
+        return text
+    return "".join(_escape(c) if unicodedata.category(c) in _ESCAPED_CATEGORIES else c for c in text)
+
+
+def _escape(char: str) -> str:
+    code = ord(char)
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}"
 
 
 def si(value: float | None, unit: str = "") -> str:
@@ -94,14 +117,18 @@ def columns_for(width: int, snapshot: SwarmSnapshot | None = None) -> list[Colum
 def _measure(column: Column, snapshot: SwarmSnapshot | None) -> int:
     if snapshot is None or not snapshot.peers:
         return column.width
-    cells = (len(column.cell(p, snapshot.time)) for p in snapshot.peers)
+    cells = (len(_cell(column, p, snapshot.time)) for p in snapshot.peers)
     return max(len(column.title), *cells)
+
+
+def _cell(column: Column, peer: PeerView, now: float) -> str:
+    return shown(column.cell(peer, now))
 
 
 def render(snapshot: SwarmSnapshot, width: int) -> RenderableType:
     """Header with swarm totals, the peer table, then one line per warning."""
     parts: list[RenderableType] = [*header_lines(snapshot), peer_table(snapshot, width)]
-    parts.extend(Text(f"! {w.kind}: {w.message}", style="yellow") for w in snapshot.warnings)
+    parts.extend(Text(shown(f"! {w.kind}: {w.message}"), style="yellow") for w in snapshot.warnings)
     return Group(*parts)
 
 
@@ -109,8 +136,9 @@ def header_lines(snapshot: SwarmSnapshot) -> list[Text]:
     t = snapshot.totals
     lines = [
         Text(
-            f"run {snapshot.run_id or '?'}: {t.peers} peers, {t.trainers} active trainers, "
-            f"{t.stale} stale, {t.incompatible} incompatible",
+            shown(f"run {snapshot.run_id or '?'}: ")
+            + f"{t.peers} peers, {t.trainers} active trainers, "
+            + f"{t.stale} stale, {t.incompatible} incompatible",
             style="bold",
         ),
         Text(
@@ -155,6 +183,6 @@ def peer_table(snapshot: SwarmSnapshot, width: int) -> Table:
     for column in chosen:
         table.add_column(column.title, justify=column.justify, overflow="ellipsis", no_wrap=True)
     for peer in snapshot.peers:
-        cells = [column.cell(peer, snapshot.time) for column in chosen]
+        cells = [Text(_cell(column, peer, snapshot.time)) for column in chosen]
         table.add_row(*cells, style=STATE_STYLES.get(peer.state))
     return table

@@ -69,8 +69,11 @@ def check(
     """
     config = common.load_config_or_exit(file, set_ or ())
     from swarm.pipeline import plan_stages
+    from swarm.training.model import hf_model_config
 
     try:
+        if config.model.kind == "hf":
+            hf_model_config(config.model)  # what transformers rejects, named by its key
         plan_stages(config)  # a pipeline section that cannot cut this model (or fit its budget)
     except ValueError as exc:
         typer.echo(f"error: {exc}", err=True)

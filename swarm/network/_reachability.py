@@ -12,20 +12,26 @@ The checker opens a plain TCP connection (with a timeout) to the ip and port of 
 ``/ip4|ip6/<ip>/tcp/<port>`` address. A successful connect proves that *something* accepts TCP
 connections there from the checker's network position, i.e. the port is open and forwarded; it does not
 prove that it is the asker's libp2p daemon (no handshake), nor that every peer on the internet can reach
-it. It only dials addresses the asking peer announces in its own signed membership record, so the
-service cannot be used to probe other members, and it checks each asker at most once per
-``CHECK_COOLDOWN_S``, so a peer that announces someone else's address gets at most a few connects per
-minute out of each checker.
+it. It only dials addresses the asking peer announces in its own signed membership record, and of
+those only the ones whose ip is the one the asker's connection comes from (the remote address the p2p
+daemon reports for the stream): a peer cannot make a checker probe loopback or LAN ports, or someone
+else's host, by announcing them. Addresses with another ip are answered as ``not_dialled``; a request
+that arrives through a relay has no direct source and is refused. Each asker is checked at most once
+per ``CHECK_COOLDOWN_S``, each source ip at most ``MAX_CHECKS_PER_SOURCE`` times and the checker as a
+whole at most ``MAX_CHECKS_PER_WINDOW`` times per ``RATE_WINDOW_S``, so fresh peer ids buy no more
+connects.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import enum
 import ipaddress
 import logging
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
@@ -70,6 +76,15 @@ MAX_CONCURRENT_CHECKS = 4
 """A checker runs at most this many checks at once; further ones get ``{"error": "busy"}``."""
 CHECK_COOLDOWN_S = 30.0
 """A checker dials for the same asker at most once in this many seconds."""
+RATE_WINDOW_S = 60.0
+MAX_CHECKS_PER_SOURCE = 8
+"""Checks a checker runs per ``RATE_WINDOW_S`` for askers connecting from one ip (several peers may
+share a NAT or a host), however many peer ids they use."""
+MAX_CHECKS_PER_WINDOW = 64
+"""Checks a checker runs per ``RATE_WINDOW_S`` in all."""
+
+_SOURCE_IP: contextvars.ContextVar[str | None] = contextvars.ContextVar("reach_source_ip", default=None)
+"""The ip the stream being served comes from (set per stream task by the checker's ``_serve``)."""
 
 AnnouncedAddresses = Callable[[str], Sequence[str] | None]
 """``announced(peer_id)``: the addresses in that peer's membership record, None if it has none."""
@@ -126,6 +141,68 @@ def dial_target(address: str) -> tuple[str, int] | None:
     return str(ip), port
 
 
+def source_ip(remote: Any) -> str | None:
+    """The ip of a connection's remote multiaddr as the p2p daemon reports it (``/ip4/<ip>/tcp/<port>``);
+    None for a relayed (``/p2p-circuit``) or otherwise indirect connection."""
+    try:
+        parts = [(proto.name, value) for proto, value in _components(Multiaddr(str(remote)))]
+        if not parts or parts[0][0] not in ("ip4", "ip6") or any(n == "p2p-circuit" for n, _ in parts):
+            return None
+        return _normal_ip(parts[0][1])
+    except Exception:  # py-multiaddr raises several unrelated types for bad input
+        return None
+
+
+def _normal_ip(text: str) -> str:
+    ip = ipaddress.ip_address(text)
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return str(ip)
+
+
+def dialable_from(address: str, source: str | None) -> tuple[str, int] | None:
+    """The dial target of ``address`` if the asker connected from its ip (``source``), else None: a
+    checker dials an asker back only where the asker's own connection came from."""
+    target = dial_target(address)
+    if target is None or source is None or _normal_ip(target[0]) != source:
+        return None
+    return target
+
+
+class CheckLimits:
+    """Per-asker cooldown, per-source-ip and global budgets of dial-back checks (monotonic seconds).
+
+    Only touched on the checker's loop thread. Every table is pruned on each call, so it holds at most
+    one entry per check admitted in the last window."""
+
+    def __init__(
+        self,
+        cooldown_s: float = CHECK_COOLDOWN_S,
+        window_s: float = RATE_WINDOW_S,
+        per_source: int = MAX_CHECKS_PER_SOURCE,
+        total: int = MAX_CHECKS_PER_WINDOW,
+    ) -> None:
+        self.cooldown_s, self.window_s, self.per_source, self.total = cooldown_s, window_s, per_source, total
+        self._last_check: dict[str, float] = {}
+        self._recent: deque[tuple[float, str]] = deque()  # (time, source ip), oldest first
+
+    def admit(self, peer: str, source: str, now: float) -> None:
+        """Count one check of ``peer`` connecting from ``source``; RequestRefused if over a budget."""
+        self._last_check = {p: t for p, t in self._last_check.items() if now - t < self.cooldown_s}
+        while self._recent and now - self._recent[0][0] >= self.window_s:
+            self._recent.popleft()
+        if peer in self._last_check:
+            raise RequestRefused(f"asked too often: one check per {self.cooldown_s:g} s")
+        if sum(1 for _, ip in self._recent if ip == source) >= self.per_source:
+            raise RequestRefused(
+                f"asked too often from {source}: {self.per_source} checks per {self.window_s:g} s"
+            )
+        if len(self._recent) >= self.total:
+            raise RequestRefused("busy: too many checks lately")
+        self._last_check[peer] = now
+        self._recent.append((now, source))
+
+
 def _components(maddr: Multiaddr) -> list[tuple[Any, str]]:
     return [(proto, maddr.value_for_protocol(proto.code)) for proto in maddr.protocols()]
 
@@ -174,10 +251,15 @@ class ReachabilityChecker(StreamService):
             swarm_key=swarm_key,
             auth_timeout_s=IO_TIMEOUT_S,
         )
-        self._announced, self._dial_timeout, self._cooldown = announced, dial_timeout_s, cooldown_s
-        self._last_check: dict[str, float] = {}  # asker -> monotonic time; only touched on the loop
+        self._announced, self._dial_timeout = announced, dial_timeout_s
+        self.limits = CheckLimits(cooldown_s)
         self.checks = 0
         self._start(f"reach-{run_id}")
+
+    async def _serve(self, info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """Remember where this stream's connection comes from (the daemon's ``StreamInfo.addr``)."""
+        _SOURCE_IP.set(source_ip(getattr(info, "addr", None)))
+        await super()._serve(info, reader, writer)
 
     async def _handle(self, peer: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """The one place that reads a request from and writes an answer to an asking peer."""
@@ -203,24 +285,22 @@ class ReachabilityChecker(StreamService):
         for address in addresses:
             if _strip_peer_id(address, peer) not in allowed:
                 raise RequestRefused(f"address {address!r} is not announced in the record of {peer}")
-        now = time.monotonic()
-        self._last_check = {p: t for p, t in self._last_check.items() if now - t < self._cooldown}
-        if peer in self._last_check:
-            raise RequestRefused(f"asked too often: one check per {self._cooldown:g} s")
-        self._last_check[peer] = now
-        targets = [dial_target(a) for a in addresses]
-        results = await asyncio.gather(
-            *(tcp_reachable(*t, self._dial_timeout) if t else _false() for t in targets)
-        )
+        source = _SOURCE_IP.get()
+        if source is None:
+            raise RequestRefused("the request came through a relay: no direct address to dial back")
+        self.limits.admit(peer, source, time.monotonic())
+        targets = [dialable_from(a, source) for a in addresses]
+        dialled = [(a, t) for a, t in zip(addresses, targets, strict=True) if t is not None]
+        results = await asyncio.gather(*(tcp_reachable(*t, self._dial_timeout) for _, t in dialled))
         self.checks += 1
         return {
-            "reachable": [a for a, ok in zip(addresses, results, strict=True) if ok],
-            "unreachable": [a for a, ok in zip(addresses, results, strict=True) if not ok],
+            "reachable": [a for (a, _), ok in zip(dialled, results, strict=True) if ok],
+            "unreachable": [a for (a, _), ok in zip(dialled, results, strict=True) if not ok]
+            + [a for a, t in zip(addresses, targets, strict=True) if t is None and dial_target(a) is None],
+            "not_dialled": [
+                a for a, t in zip(addresses, targets, strict=True) if t is None and dial_target(a)
+            ],
         }
-
-
-async def _false() -> bool:
-    return False
 
 
 def _strip_peer_id(address: str, peer: str) -> str:

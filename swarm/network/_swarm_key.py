@@ -1,8 +1,13 @@
 """The secret of a private swarm: loading it (file or ``SWARM_KEY``), checking it, never showing it.
 
-Every peer of a private swarm holds the same key. It is never used directly: :meth:`SwarmKey.derive`
-gives one independent sub-key per purpose (DHT RPC signatures, stream handshakes), so a value
-computed for one purpose is useless for another.
+Every peer of a private swarm holds the same key. It is never used directly. Whatever the key is (the
+64 hex digits ``swarm config keygen`` writes, any other key file, or a passphrase in ``SWARM_KEY``), it is
+first stretched with scrypt (:data:`SCRYPT_N`, :data:`SCRYPT_R`, :data:`SCRYPT_P`, the fixed salt
+:data:`SCRYPT_SALT`), so each guess at a passphrase costs an attacker about 32 MiB of memory and a tenth
+of a second. Key files are read as before and need no change: the same file gives the same key on every
+peer that runs this version. Then :meth:`SwarmKey.derive` gives one independent sub-key per purpose
+(DHT RPC signatures, stream handshakes, the fingerprint), so a value computed for one purpose is
+useless for another.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import os
 import secrets
 import stat
 from collections.abc import Mapping
+from functools import lru_cache
 from pathlib import Path
 
 from swarm._errors import SwarmError
@@ -22,6 +28,11 @@ MIN_KEY_BYTES = 16
 MIN_DISTINCT_BYTES = 10
 MAX_KEY_FILE_BYTES = 4096
 KEY_FILE_MODE = 0o600
+SCRYPT_SALT = b"swarm-key-v2/scrypt"
+"""Fixed and public: it separates this use of scrypt from any other; the key itself must be secret."""
+SCRYPT_N, SCRYPT_R, SCRYPT_P = 2**15, 8, 1
+"""scrypt cost: 128 * N * r bytes = 32 MiB of memory per guess."""
+_SCRYPT_MAXMEM = 64 * 2**20
 
 
 class SwarmKeyError(SwarmError, ValueError):
@@ -45,7 +56,7 @@ class SwarmKey:
                 f"the swarm key uses fewer than {MIN_DISTINCT_BYTES} distinct characters and cannot be "
                 "random (make one with `swarm config keygen -o FILE`)"
             )
-        self._secret = secret
+        self._secret = _stretch(secret)
 
     def derive(self, purpose: str) -> bytes:
         """A 32-byte sub-key for one purpose (HMAC-SHA256 of the purpose under the key)."""
@@ -66,6 +77,14 @@ class SwarmKey:
 
     def __hash__(self) -> int:
         return hash(self.fingerprint)
+
+
+@lru_cache(maxsize=8)
+def _stretch(secret: bytes) -> bytes:
+    """The 32-byte master key: scrypt of the key as written (cached: a process loads one key, often)."""
+    return hashlib.scrypt(
+        secret, salt=SCRYPT_SALT, n=SCRYPT_N, r=SCRYPT_R, p=SCRYPT_P, maxmem=_SCRYPT_MAXMEM, dklen=32
+    )
 
 
 def load_swarm_key(path: str | os.PathLike[str] | None, environ: Mapping[str, str]) -> SwarmKey | None:

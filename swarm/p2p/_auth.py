@@ -5,19 +5,24 @@ Every swarm protocol on a raw stream (gossip, state transfer, reachability dial-
 
     initiator                                   responder
     NONCE n_i  ───────────────────────────────▶
-               ◀─────────────────────────────── NONCE n_r, PROOF p_r
-    PROOF p_i  ───────────────────────────────▶   (then the protocol's own first message)
+               ◀─────────────────────────────── NONCE n_r   (sent at once: random, says nothing)
+    PROOF p_i  ───────────────────────────────▶   (checked before anything key-dependent is sent)
+               ◀─────────────────────────────── PROOF p_r
+    (then the protocol's own first message)
 
-``p = HMAC-SHA256(sub-key, role | protocol | initiator id | responder id | n_i | n_r)``. Fresh nonces from
-both sides stop replays; the role stops reflecting one side's proof back to it; the peer ids (which
-libp2p authenticates) and the protocol name stop relaying a handshake to another peer or protocol.
-The responder proves first, so an initiator never sends a proof to a peer that has not shown the key.
-Without a key nothing of this is sent: the wire is unchanged.
+``p = HMAC-SHA256(sub-key, role | protocol | initiator id | responder id | n_i | n_r)``. The dialler
+proves first: anyone can open a stream to a peer, and one without the key gets only a random nonce back,
+nothing it could test key guesses against offline. The dialler only dials peers it chose (from the
+key-authenticated DHT, or the initial peers its user named), and still sends no protocol data before
+the responder has proved too. Fresh nonces from both sides stop replays; the role stops reflecting one
+side's proof back to it; the peer ids (which libp2p authenticates) and the protocol name stop relaying
+a handshake to another peer or protocol. Without a key nothing of this is sent: the wire is unchanged.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import functools
 import hashlib
@@ -35,7 +40,7 @@ if TYPE_CHECKING:
 
 NONCE_BYTES = 32
 PROOF_BYTES = 32
-_DOMAIN = b"swarm-stream-auth-v1"
+_DOMAIN = b"swarm-stream-auth-v2"
 
 
 class StreamKey(Protocol):
@@ -59,6 +64,8 @@ class AuthKind(enum.IntEnum):
 
     NONCE = 0x61
     PROOF = 0x62
+    REFUSED = 0x63
+    """The responder's answer to a wrong proof (empty: it tells nothing but that the proof was wrong)."""
 
 
 async def authenticate_stream(
@@ -76,7 +83,7 @@ async def authenticate_stream(
 
     On failure the caller closes the stream and reads nothing more from it.
     """
-    mac_key = key.derive("stream-auth-v1")
+    mac_key = key.derive("stream-auth-v2")
     ids = (local_peer, remote_peer) if initiator else (remote_peer, local_peer)
     prove = functools.partial(_proof, mac_key, protocol, ids)
     try:
@@ -108,20 +115,37 @@ async def _initiate(
     nonce_i = secrets.token_bytes(NONCE_BYTES)
     await write_message(writer, AuthKind.NONCE, nonce_i, timeout)
     nonce_r = await _read(reader, AuthKind.NONCE, timeout)
-    proof_r = await _read(reader, AuthKind.PROOF, timeout)
-    _check(proof_r, prove(b"responder", nonce_i, nonce_r), peer)
     await write_message(writer, AuthKind.PROOF, prove(b"initiator", nonce_i, nonce_r), timeout)
+    try:
+        kind, proof_r = await read_message(reader, AuthKind, lambda kind: PROOF_BYTES, timeout)
+    except (ProtocolError, ConnectionError, OSError, asyncio.IncompleteReadError) as exc:
+        raise AuthError(
+            f"peer {peer} did not prove the swarm key after our proof ({type(exc).__name__}); "
+            "does it hold the same swarm key?"
+        ) from None
+    if kind is AuthKind.REFUSED:
+        raise AuthError(
+            f"peer {peer} refused our proof: wrong swarm key proof (it holds another key, or none)"
+        )
+    if kind is not AuthKind.PROOF or len(proof_r) != PROOF_BYTES:
+        raise ProtocolError(f"expected a {PROOF_BYTES}-byte PROOF, got {kind.name} ({len(proof_r)} bytes)")
+    _check(proof_r, prove(b"responder", nonce_i, nonce_r), peer)
 
 
 async def _respond(
     reader: asyncio.StreamReader, writer: asyncio.StreamWriter, prove: Prove, peer: str, timeout: float
 ) -> None:
-    nonce_i = await _read(reader, AuthKind.NONCE, timeout)
     nonce_r = secrets.token_bytes(NONCE_BYTES)
     await write_message(writer, AuthKind.NONCE, nonce_r, timeout)
-    await write_message(writer, AuthKind.PROOF, prove(b"responder", nonce_i, nonce_r), timeout)
+    nonce_i = await _read(reader, AuthKind.NONCE, timeout)
     proof_i = await _read(reader, AuthKind.PROOF, timeout)
-    _check(proof_i, prove(b"initiator", nonce_i, nonce_r), peer)
+    try:
+        _check(proof_i, prove(b"initiator", nonce_i, nonce_r), peer)  # before we reveal anything keyed
+    except AuthError:
+        with contextlib.suppress(Exception):
+            await write_message(writer, AuthKind.REFUSED, b"", timeout)
+        raise
+    await write_message(writer, AuthKind.PROOF, prove(b"responder", nonce_i, nonce_r), timeout)
 
 
 async def _read(reader: asyncio.StreamReader, expected: AuthKind, timeout: float) -> bytes:

@@ -11,6 +11,7 @@ self-attention and an MLP, a final LayerNorm and a head tied to the token embedd
 from __future__ import annotations
 
 import math
+import re
 from typing import Any
 
 import torch
@@ -140,20 +141,65 @@ class HFCausalLM(nn.Module):
         return self.inner(input_ids=idx, use_cache=False).logits
 
 
-def _build_hf_model(config: ModelSection) -> nn.Module:
+def _transformers() -> Any:
     try:
-        from transformers import AutoConfig, AutoModelForCausalLM
+        import transformers
     except ImportError as error:
         raise ImportError(
             "model.kind 'hf' needs the 'transformers' package: pip install transformers"
         ) from error
+    return transformers
+
+
+# hf_config keys that are sizes or counts (hidden_size, num_attention_heads, n_layer, ...): at least 1.
+_SIZE_KEY = re.compile(r"(^n_|^num_|_size$|_heads$|_layers?$|_embeddings$)")
+
+
+def hf_model_config(config: ModelSection) -> Any:
+    """The transformers config ``model.hf_config`` describes (``vocab_size`` from the model section).
+
+    Raises ValueError with one line that names the offending key (``model.hf_config.model_type``, a
+    size below 1, or what transformers itself rejects) rather than a transformers traceback.
+    """
+    transformers = _transformers()
     options: dict[str, Any] = dict(config.hf_config or {})
     model_type = options.pop("model_type", None)
-    if not model_type:
-        raise ValueError("model.hf_config must name a 'model_type' (e.g. 'gpt2' or 'llama')")
+    if model_type is None or model_type == "":
+        raise ValueError(
+            "model.hf_config.model_type: missing; name the architecture (e.g. 'gpt2' or 'llama')"
+        )
+    if not isinstance(model_type, str):
+        raise ValueError(f"model.hf_config.model_type: must be a string (got {model_type!r})")
+    if model_type not in transformers.CONFIG_MAPPING:
+        raise ValueError(
+            f"model.hf_config.model_type: transformers {transformers.__version__} knows no model type "
+            f"{model_type!r} (e.g. 'gpt2', 'llama')"
+        )
+    for key, value in options.items():
+        if (
+            _SIZE_KEY.search(str(key))
+            and isinstance(value, int)
+            and not isinstance(value, bool)
+            and value < 1
+        ):
+            raise ValueError(f"model.hf_config.{key}: must be at least 1 (got {value})")
     options.setdefault("vocab_size", config.vocab_size)
-    hf_config = AutoConfig.for_model(model_type, **options)
-    return HFCausalLM(AutoModelForCausalLM.from_config(hf_config))
+    try:
+        return transformers.AutoConfig.for_model(model_type, **options)
+    except Exception as exc:  # transformers and huggingface_hub raise many kinds for a bad value
+        raise ValueError(f"model.hf_config: {_one_line(exc)}") from None
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())[:300] or type(exc).__name__
+
+
+def _build_hf_model(config: ModelSection) -> nn.Module:
+    hf_config = hf_model_config(config)
+    try:
+        return HFCausalLM(_transformers().AutoModelForCausalLM.from_config(hf_config))
+    except (ValueError, TypeError, ZeroDivisionError, IndexError, KeyError, RuntimeError) as exc:
+        raise ValueError(f"model.hf_config: transformers cannot build this model: {_one_line(exc)}") from None
 
 
 def build_model(config: ModelSection, seed: int, *, activation_checkpointing: bool = False) -> nn.Module:
