@@ -12,6 +12,7 @@ from swarm.membership._run_config import (
     discover_run_id,
     fetch_run_config,
     list_published_configs,
+    parse_config_text,
     publish_run_config,
     run_config_key,
 )
@@ -34,6 +35,7 @@ __all__ = [
     "list_members",
     "list_published_configs",
     "membership_validators",
+    "parse_config_text",
     "publish_run_config",
     "record_key",
     "run_config_key",
