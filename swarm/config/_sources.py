@@ -53,23 +53,24 @@ class BoundedLoader(yaml.SafeLoader):
         self._nodes_left = max_nodes
         self._max_nodes = max_nodes
 
-    def compose_node(self, parent: yaml.Node | None, index: object) -> yaml.Node | None:
+    def compose_node(self, parent: yaml.Node | None, index: int) -> yaml.Node | None:
         event = self.peek_event()
+        mark: Any = event.start_mark
         if isinstance(event, yaml.AliasEvent):
             raise yaml.composer.ComposerError(
-                None, None, f"YAML aliases (*{event.anchor}) are not allowed in a config", event.start_mark
+                None, None, f"YAML aliases (*{event.anchor}) are not allowed in a config", mark
             )
         anchor = getattr(event, "anchor", None)
         if anchor is not None:
             raise yaml.composer.ComposerError(
-                None, None, f"YAML anchors (&{anchor}) are not allowed in a config", event.start_mark
+                None, None, f"YAML anchors (&{anchor}) are not allowed in a config", mark
             )
         self._nodes_left -= 1
         if self._nodes_left < 0:
             raise yaml.composer.ComposerError(
-                None, None, f"more than {self._max_nodes} YAML nodes; not a run config", event.start_mark
+                None, None, f"more than {self._max_nodes} YAML nodes; not a run config", mark
             )
-        return super().compose_node(parent, index)  # type: ignore[no-any-return]
+        return super().compose_node(parent, index)
 
 
 def load_yaml_text(text: str) -> Any:
