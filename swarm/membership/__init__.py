@@ -16,12 +16,14 @@ from swarm.membership._run_config import (
     publish_run_config,
     run_config_key,
 )
-from swarm.membership._validators import membership_validators
+from swarm.membership._validators import MAX_RECORD_AHEAD_S, ExpiryCap, membership_validators
 
 __all__ = [
+    "MAX_RECORD_AHEAD_S",
     "PROTOCOL_VERSION",
     "Announcer",
     "ConfigPublisher",
+    "ExpiryCap",
     "Member",
     "PeerRecord",
     "PeerRole",
