@@ -63,14 +63,19 @@ def initial_peer_ids(network: NetworkOptions) -> list[str]:
 
 
 def look_at_swarm(node: SwarmNode, network: NetworkOptions, run_id: str | None) -> SwarmView:
-    """Find the run (``run_id``, else the one the initial peers host), its published config, its members."""
-    from swarm.membership import choose_published, discover_run_id, list_members, list_published_configs
+    """Find the run (``run_id``, else the one the initial peers host), its published config, its members.
 
-    run_id = run_id or discover_run_id(node.dht, initial_peer_ids(network), LOOKUP_TIMEOUT_S)
+    Only a config signed by one of the initial peers counts (the peer ids the user pasted): anyone can
+    publish one, and trainers' records, which anyone can forge too, do not vote.
+    """
+    from swarm.membership import discover_run_id, fetch_run_config, list_members
+
+    trusted = initial_peer_ids(network)
+    run_id = run_id or discover_run_id(node.dht, trusted, LOOKUP_TIMEOUT_S)
     if run_id is None:
         return SwarmView(run_id="", published_yaml=None, published_hash=None, members=[])
     members = list_members(node.dht, run_id, timeout_s=LOOKUP_TIMEOUT_S)
-    chosen = choose_published(list_published_configs(node.dht, run_id, LOOKUP_TIMEOUT_S), members)
+    chosen = fetch_run_config(node.dht, run_id, trusted, LOOKUP_TIMEOUT_S)
     if chosen is None:
         return SwarmView(run_id=run_id, published_yaml=None, published_hash=None, members=members)
     return SwarmView(run_id, chosen.yaml, chosen.config_hash, members)

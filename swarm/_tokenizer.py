@@ -67,7 +67,7 @@ def _load(name: str, local: bool) -> Tokenizer:
     if local and not Path(name).is_dir():
         raise TokenizerError(f"{name} is not a directory (save a tokenizer there with save_pretrained)")
     try:
-        hf = AutoTokenizer.from_pretrained(name, local_files_only=local)
+        hf = AutoTokenizer.from_pretrained(name, local_files_only=local, trust_remote_code=False)
     except Exception as error:  # transformers raises OSError, ValueError, KeyError... for a bad tokenizer
         where = "in the local directory" if local else "as a Hugging Face Hub name (no such local directory)"
         first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__

@@ -292,10 +292,12 @@ def test_non_string_yaml_keys_are_reported_once_with_their_line(tmp_path):
     ]
 
 
-def test_yaml_anchors_and_merge_keys_work(tmp_path):
-    path = write(tmp_path, "train: &t\n  lr: 0.5\naveraging:\n  <<: {outer_lr: 0.25}\n  nesterov: false\n")
+def test_yaml_merge_keys_work_and_anchors_are_refused(tmp_path):
+    path = write(tmp_path, "train:\n  lr: 0.5\naveraging:\n  <<: {outer_lr: 0.25}\n  nesterov: false\n")
     config = load_config(path, env={})
     assert (config.train.lr, config.averaging.outer_lr, config.averaging.nesterov) == (0.5, 0.25, False)
+    (line,) = errors_of(write(tmp_path, "train: &t\n  lr: 0.5\n"))
+    assert "anchors (&t) are not allowed" in line  # tests/test_hostile_config.py: alias bombs
 
 
 def test_duplicate_yaml_keys_are_errors(tmp_path):

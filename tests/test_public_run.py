@@ -84,15 +84,15 @@ def test_protocol_mismatch_is_a_problem() -> None:
     assert len(problems) == 1 and f"protocol version {PROTOCOL_VERSION}" in problems[0]
 
 
-def test_majority_of_trainers_picks_among_several_publishers() -> None:
+def test_only_a_trusted_publisher_is_chosen_whatever_the_votes() -> None:
     a = load_config("configs/local-tiny.yaml", env={})
     b = load_config("configs/local-tiny.yaml", overrides=["train.lr=0.01"], env={})
-    old = PublishedConfig(a.to_yaml(), a.config_hash(), "old", 1.0, a)
-    new = PublishedConfig(b.to_yaml(), b.config_hash(), "new", 2.0, b)
-    assert choose_published([old, new], []) is new
-    votes = [_member(a.config_hash(), n=0), _member(a.config_hash(), n=1), _member(b.config_hash(), n=2)]
-    assert choose_published([old, new], votes) is old
-    assert choose_published([], votes) is None
+    trusted = PublishedConfig(a.to_yaml(), a.config_hash(), "trusted", 1.0, a)
+    stranger = PublishedConfig(b.to_yaml(), b.config_hash(), "stranger", 2.0, b)
+    assert choose_published([stranger, trusted], ["trusted"]) is trusted
+    assert choose_published([stranger, trusted], ["other", "stranger", "trusted"]) is stranger  # in order
+    assert choose_published([stranger], ["trusted"]) is None
+    assert choose_published([], ["trusted"]) is None
 
 
 def _start_bootstrap(spawn, *extra: str) -> tuple[object, str, str]:

@@ -36,6 +36,48 @@ ENV_ALLOWLIST: frozenset[str] = frozenset(
 """``SWARM_*`` environment variables that are not config keys and so are not errors."""
 
 
+MAX_YAML_NODES = 20_000
+"""Most YAML nodes (scalars, mappings, sequences) one config may hold; a resolved config has about 300."""
+
+
+class BoundedLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that refuses anchors and aliases and stops after :data:`MAX_YAML_NODES` nodes.
+
+    Configs are also read from untrusted peers (a published run config), and aliases let a few hundred
+    bytes expand into billions of nodes (an "alias bomb"). A config never needs them; merge keys with an
+    inline mapping (``<<: {lr: 1}``) still work.
+    """
+
+    def __init__(self, stream: str, max_nodes: int = MAX_YAML_NODES) -> None:
+        super().__init__(stream)
+        self._nodes_left = max_nodes
+        self._max_nodes = max_nodes
+
+    def compose_node(self, parent: yaml.Node | None, index: int) -> yaml.Node | None:
+        event = self.peek_event()
+        mark: Any = event.start_mark
+        if isinstance(event, yaml.AliasEvent):
+            raise yaml.composer.ComposerError(
+                None, None, f"YAML aliases (*{event.anchor}) are not allowed in a config", mark
+            )
+        anchor = getattr(event, "anchor", None)
+        if anchor is not None:
+            raise yaml.composer.ComposerError(
+                None, None, f"YAML anchors (&{anchor}) are not allowed in a config", mark
+            )
+        self._nodes_left -= 1
+        if self._nodes_left < 0:
+            raise yaml.composer.ComposerError(
+                None, None, f"more than {self._max_nodes} YAML nodes; not a run config", mark
+            )
+        return super().compose_node(parent, index)
+
+
+def load_yaml_text(text: str) -> Any:
+    """Parse YAML ``text`` with :class:`BoundedLoader`; raises ``yaml.YAMLError``."""
+    return yaml.load(text, Loader=BoundedLoader)  # a SafeLoader subclass
+
+
 @dataclass
 class Source:
     """Values read from one source, with the label of every key's origin."""
@@ -61,7 +103,7 @@ def read_yaml_file(path: str | os.PathLike[str]) -> tuple[dict[str, Any], Source
         source.errors.append(f"{label}: cannot read config file: {exc}")
         return {}, source
 
-    loader = yaml.SafeLoader(text)
+    loader = BoundedLoader(text)
     try:
         node = loader.get_single_node()
         data = loader.construct_document(node) if node is not None else None
@@ -182,7 +224,7 @@ def read_overrides(overrides: Iterable[str]) -> Source:
 
 def _add_value(source: Source, loc: Loc, raw: str, label: str) -> None:
     try:
-        parsed = yaml.safe_load(raw)
+        parsed = load_yaml_text(raw)
     except yaml.YAMLError as exc:
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
         source.errors.append(f"{label}: {dotted(loc)}: value {raw!r} is not valid YAML: {problem}")

@@ -12,15 +12,18 @@ from swarm.membership._run_config import (
     discover_run_id,
     fetch_run_config,
     list_published_configs,
+    parse_config_text,
     publish_run_config,
     run_config_key,
 )
-from swarm.membership._validators import membership_validators
+from swarm.membership._validators import MAX_RECORD_AHEAD_S, ExpiryCap, membership_validators
 
 __all__ = [
+    "MAX_RECORD_AHEAD_S",
     "PROTOCOL_VERSION",
     "Announcer",
     "ConfigPublisher",
+    "ExpiryCap",
     "Member",
     "PeerRecord",
     "PeerRole",
@@ -34,6 +37,7 @@ __all__ = [
     "list_members",
     "list_published_configs",
     "membership_validators",
+    "parse_config_text",
     "publish_run_config",
     "record_key",
     "run_config_key",

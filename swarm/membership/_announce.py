@@ -11,6 +11,7 @@ from hivemind.utils.timed_storage import get_dht_time
 
 from swarm._periodic import PeriodicTask
 from swarm.membership._record import PeerRecord, record_key
+from swarm.membership._signed import MAX_RECORD_AHEAD_S
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +39,8 @@ class Announcer:
         if ttl_s < interval_s:
             raise ValueError(f"record ttl {ttl_s}s must not be shorter than the interval {interval_s}s")
         self._dht, self._key, self._signer = dht, record_key(run_id), signer
-        self._snapshot, self._ttl_s, self._after = snapshot, ttl_s, after
+        # nodes refuse records that expire later than this (swarm/membership/_validators.py)
+        self._snapshot, self._ttl_s, self._after = snapshot, min(ttl_s, MAX_RECORD_AHEAD_S), after
         self._task = PeriodicTask(self._announce_then, interval_s, name="swarm-announcer")
 
     def start(self) -> None:

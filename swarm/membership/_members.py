@@ -9,7 +9,7 @@ import hivemind
 from hivemind.utils.timed_storage import get_dht_time
 
 from swarm.membership._record import PeerRecord, record_key
-from swarm.membership._signed import signer_peer_id
+from swarm.membership._signed import MAX_RECORD_AHEAD_S, signer_peer_id
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +44,7 @@ def list_members(
     members: dict[str, Member] = {}
     for subkey, item in found.value.items():
         member = _to_member(subkey, item)
-        if member is None or member.expires_at <= now:
+        if member is None or not now < member.expires_at <= now + MAX_RECORD_AHEAD_S:
             continue
         previous = members.get(member.peer_id)
         if previous is None or previous.expires_at < member.expires_at:

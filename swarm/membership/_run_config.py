@@ -6,32 +6,34 @@ A publisher (the bootstrap) stores two signed records, refreshed by :class:`Conf
 * under ``swarm_runs``, subkey = its public key: the run id, so that someone who only knows the
   bootstrap's address (``swarm config pull --initial-peers ...``) can find out which run it hosts.
 
-Records are untrusted input: :func:`list_published_configs` keeps a record only if its signer is a
-valid peer id, its YAML loads as a :class:`~swarm.config.RunConfig` and that config's hash equals the
-announced one. The published YAML leaves out what is private to the publisher's machine (its
-``network`` and ``monitor`` sections, its checkpoint directory); none of that is in the hash.
+Anyone can store such records, so a joiner takes only those signed by a peer it was told to trust:
+its initial peers, whose ``/p2p/<id>`` the user pasted (:func:`list_published_configs`). Others are
+never parsed, however many there are and whatever they claim. A trusted record still counts only if
+its YAML loads as a :class:`~swarm.config.RunConfig` (aliases refused, a node budget kept) and that
+config's hash equals the announced one. The published YAML leaves out every per-peer key
+(:data:`~swarm.config.PER_PEER_KEYS`: devices, paths, timeouts, ban times; none of them is in the
+hash), and a joiner strips them again from what it takes, so it always keeps its own values for them.
 """
 
 from __future__ import annotations
 
 import logging
 import tempfile
-from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import hivemind
 import pydantic.v1 as pydantic
+import yaml
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.schema import BytesWithPublicKey
 from hivemind.utils.timed_storage import get_dht_time
 from pydantic.v1 import confloat, constr
 
 from swarm._periodic import PeriodicTask
-from swarm.config import RUN_ID_PATTERN, MonitorSection, NetworkSection, RunConfig, load_config
-from swarm.membership._members import Member, list_members
+from swarm.config import PER_PEER_KEYS, RUN_ID_PATTERN, RunConfig, load_config
 from swarm.membership._record import FrozenModel
 from swarm.membership._signed import StrictSchemaValidator, signer_peer_id
 
@@ -101,15 +103,33 @@ def run_config_validators(run_id: str) -> list[StrictSchemaValidator]:
     ]
 
 
+def shareable_dump(config: RunConfig) -> dict[str, Any]:
+    """A JSON-mode dump of ``config`` without its per-peer keys (:data:`~swarm.config.PER_PEER_KEYS`).
+
+    Loading it gives those keys their defaults, so a joiner keeps its own values (environment,
+    ``--set``) for them, and the hash is the same: none of them is in it.
+    """
+    dump = config.model_dump(mode="json")
+    if dump["pipeline"]["num_stages"] == "auto":  # it resolves from a per-peer key: publish the result
+        from swarm.pipeline import resolve_num_stages
+
+        dump["pipeline"]["num_stages"] = resolve_num_stages(config)
+    shared: dict[str, Any] = {}
+    for section, values in dump.items():
+        if section in PER_PEER_KEYS:
+            continue
+        shared[section] = {k: v for k, v in values.items() if f"{section}.{k}" not in PER_PEER_KEYS}
+    return shared
+
+
+def shareable_yaml(config: RunConfig) -> str:
+    """``config`` as published: YAML of :func:`shareable_dump`."""
+    return yaml.safe_dump(shareable_dump(config), sort_keys=False, allow_unicode=True)
+
+
 def shareable_config(config: RunConfig) -> RunConfig:
-    """``config`` without what is private to one machine (same hash: none of it is swarm-wide)."""
-    return config.model_copy(
-        update={
-            "network": NetworkSection(),
-            "monitor": MonitorSection(),
-            "train": config.train.model_copy(update={"checkpoint_dir": None}),
-        }
-    )
+    """``config`` with every per-peer key at its default (same hash), as a joiner loads it."""
+    return RunConfig.model_validate(shareable_dump(config))
 
 
 def parse_config_text(text: str) -> RunConfig:
@@ -127,7 +147,7 @@ def publish_run_config(
     dht: hivemind.DHT, run_id: str, config: RunConfig, signer: RSASignatureValidator, ttl_s: float
 ) -> bool:
     """Store ``config`` (and the run announcement) signed by ``signer``; True if a node accepted it."""
-    text = shareable_config(config).to_yaml()
+    text = shareable_yaml(config)
     if len(text.encode("utf-8")) > MAX_CONFIG_BYTES:
         raise ValueError(f"the run config is larger than {MAX_CONFIG_BYTES} bytes as YAML")
     config_hash = config.config_hash()
@@ -188,46 +208,72 @@ def _get(dht: hivemind.DHT, key: str, timeout_s: float) -> dict:
     }
 
 
-def list_published_configs(dht: hivemind.DHT, run_id: str, timeout_s: float = 10.0) -> list[PublishedConfig]:
-    """Every valid config published for ``run_id`` (see the module docstring), newest first."""
-    found = []
-    for subkey, value in _get(dht, run_config_key(run_id), timeout_s).items():
+def _signed_by(records: dict, publishers: Sequence[str]) -> Iterator[tuple[str, object]]:
+    """``(publisher, value)`` of the records signed by ``publishers``, in their order; others skipped."""
+    by_signer: dict[str, object] = {}
+    for subkey, value in records.items():
         try:
-            publisher = signer_peer_id(subkey)
-            record = RunConfigRecord.parse_obj(value)
-            config = parse_config_text(record.yaml)
-        except Exception as exc:  # untrusted input: anything wrong means "not published"
-            logger.warning("ignoring an invalid published config for %s: %s", run_id, exc)
-            continue
-        if config.config_hash() != record.config_hash:
-            logger.warning("ignoring config published by %s: its hash does not match its YAML", publisher)
-            continue
-        found.append(PublishedConfig(record.yaml, record.config_hash, publisher, record.published_at, config))
-    return sorted(found, key=lambda p: p.published_at, reverse=True)
+            by_signer.setdefault(signer_peer_id(subkey), value)
+        except Exception as exc:  # untrusted subkey
+            logger.debug("ignoring a published config under a malformed subkey: %s", exc)
+    for publisher in dict.fromkeys(publishers):
+        if publisher in by_signer:
+            yield publisher, by_signer[publisher]
+
+
+def _validated(run_id: str, publisher: str, value: object) -> PublishedConfig | None:
+    try:
+        record = RunConfigRecord.parse_obj(value)
+        config = parse_config_text(record.yaml)
+    except Exception as exc:  # untrusted input: anything wrong means "not published"
+        logger.warning("ignoring an invalid config for %s published by %s: %s", run_id, publisher, exc)
+        return None
+    if config.config_hash() != record.config_hash:
+        logger.warning("ignoring config published by %s: its hash does not match its YAML", publisher)
+        return None
+    # what a joiner takes never carries the publisher's per-peer keys, whatever it published
+    return PublishedConfig(shareable_yaml(config), record.config_hash, publisher, record.published_at, config)
+
+
+def _published_by(
+    dht: hivemind.DHT, run_id: str, publishers: Sequence[str], timeout_s: float
+) -> Iterator[PublishedConfig]:
+    """Valid configs of ``run_id`` signed by ``publishers``, in their order, each parsed when reached."""
+    records = _get(dht, run_config_key(run_id), timeout_s) if publishers else {}
+    for publisher, value in _signed_by(records, publishers):
+        published = _validated(run_id, publisher, value)
+        if published is not None:
+            yield published
+
+
+def list_published_configs(
+    dht: hivemind.DHT, run_id: str, publishers: Sequence[str], timeout_s: float = 10.0
+) -> list[PublishedConfig]:
+    """Every valid config published for ``run_id`` by one of ``publishers`` (peer ids, e.g. the initial
+    peers'), in their order; records signed by anyone else are ignored unread."""
+    return list(_published_by(dht, run_id, publishers, timeout_s))
 
 
 def choose_published(
-    published: Sequence[PublishedConfig], members: Sequence[Member]
+    published: Sequence[PublishedConfig], publishers: Sequence[str]
 ) -> PublishedConfig | None:
-    """The config whose hash most live trainers announce; without trainers on any, the newest."""
-    votes = Counter(m.record.config_hash for m in members if m.record.role == "trainer")
-    return max(published, key=lambda p: (votes[p.config_hash], p.published_at), default=None)
+    """The config of the first of ``publishers`` that published one; no one else's, whatever trainers
+    announce or records claim (votes and ``published_at`` are anyone's to forge)."""
+    for publisher in publishers:
+        for candidate in published:
+            if candidate.publisher == publisher:
+                return candidate
+    return None
 
 
 def fetch_run_config(
-    dht: hivemind.DHT, run_id: str, timeout_s: float = 10.0, members: Sequence[Member] | None = None
-) -> tuple[str, str] | None:
-    """``(yaml, config_hash)`` of run ``run_id``'s published config, or None if none is valid.
+    dht: hivemind.DHT, run_id: str, publishers: Sequence[str], timeout_s: float = 10.0
+) -> PublishedConfig | None:
+    """Run ``run_id``'s config as the first of ``publishers`` publishes it, or None.
 
-    ``members`` (default: looked up now) decide between several publishers, see :func:`choose_published`.
+    Only that one record is parsed fully (and those of earlier publishers, when invalid).
     """
-    published = list_published_configs(dht, run_id, timeout_s)
-    if not published:
-        return None
-    if members is None:
-        members = list_members(dht, run_id, timeout_s=timeout_s)
-    chosen = choose_published(published, members)
-    return (chosen.yaml, chosen.config_hash) if chosen is not None else None
+    return next(_published_by(dht, run_id, publishers, timeout_s), None)
 
 
 def published_runs(dht: hivemind.DHT, timeout_s: float = 10.0) -> dict[str, str]:
@@ -244,11 +290,10 @@ def published_runs(dht: hivemind.DHT, timeout_s: float = 10.0) -> dict[str, str]
 def discover_run_id(
     dht: hivemind.DHT, preferred_publishers: Sequence[str], timeout_s: float = 10.0
 ) -> str | None:
-    """The run hosted by one of ``preferred_publishers`` (e.g. the initial peers), else the only run
-    announced at all; None when there is none or the choice is ambiguous."""
+    """The run hosted by the first of ``preferred_publishers`` (e.g. the initial peers) that announces
+    one; None when none does (an announcement by anyone else could point a joiner at another run)."""
     runs = published_runs(dht, timeout_s)
     for peer_id in preferred_publishers:
         if peer_id in runs:
             return runs[peer_id]
-    distinct = set(runs.values())
-    return distinct.pop() if len(distinct) == 1 else None
+    return None

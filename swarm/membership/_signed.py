@@ -16,6 +16,11 @@ from swarm.network import peer_id_of
 
 _OWNER_PREFIX, _OWNER_SUFFIX = b"[owner:", b"]"
 
+MAX_RECORD_AHEAD_S = 600.0
+"""Latest expiry a node accepts, from now: a few of the longest ttl a peer uses (the published config's
+120 s), plus clock skew. hivemind alone stores any future expiry, so a record that outlives its
+signer by days (a fake trainer's, say) would otherwise be listed as live for days."""
+
 
 def owner_public_key(subkey: bytes) -> bytes:
     """The public key inside an owner-marker subkey; ValueError for anything else."""

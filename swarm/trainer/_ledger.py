@@ -5,14 +5,22 @@ announces its own ``samples_total``. Two things would make a plain sum of the li
 
 - **Peers leave.** Their work stays in the model, so the sum must not drop when their records
   expire: the ledger keeps every trainer it has seen, with the most it was credited.
-- **Peers lie.** A record can claim any count. A claim is credited only as far as it is plausible:
-  at first sight, at most the median of the counts then visible, ours included (a newcomer cannot
-  bring in more than a typical member has done); from then on, at most ``rate_slack`` times the
-  median rate of the live trainers over the time we have watched them (ours included, which we know
-  to be true). A peer that lies therefore moves the total by at most what ``rate_slack`` typical
-  peers could have done, and a minority of liars cannot move the medians that bound them. The price:
-  an honest peer more than ``rate_slack`` times faster than the median is under-counted, so the run
-  lasts longer than it had to; never shorter.
+- **Peers lie.** A record can claim any count, and a record costs one key. A claim is credited only
+  as far as it is plausible:
+
+  * a peer already there when we looked first (within ``settle_s`` of our start) is credited at
+    first sight at most the *low* median of the counts then visible, ours included: as many fake
+    records as honest trainers cannot lift it above an honest count;
+  * a peer that appears later did its work while we watched, so it starts from nothing: fresh
+    identities claiming huge counts bring in nothing at once;
+  * from then on, a peer gains at most ``rate_slack`` times the low median of the rates we have
+    watched (ours included, which we know to be true; a newcomer's own claim does not count until
+    we have seen it grow).
+
+  A liar therefore adds at most what ``rate_slack`` typical peers could have done while we watched
+  it, and a minority of liars cannot move the medians that bound them. The price: an honest peer
+  more than ``rate_slack`` times faster than the median, or one whose record we missed at first, is
+  under-counted for a while, so the run lasts longer than it had to; never shorter.
 
 Counts, never the schedule: the caller adds its own samples, which it knows.
 """
@@ -28,7 +36,8 @@ from dataclasses import dataclass
 @dataclass
 class _Entry:
     first_seen: float
-    initial: int
+    initial: int  # credited at first sight
+    first_claim: int  # claimed at first sight: its growth since is the peer's rate
     credited: int
     claimed: int
 
@@ -36,8 +45,15 @@ class _Entry:
 class SwarmLedger:
     """Credited samples per trainer ever seen; :meth:`total` is the swarm's plausible progress."""
 
-    def __init__(self, *, rate_slack: float = 8.0, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        *,
+        rate_slack: float = 8.0,
+        settle_s: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.rate_slack = rate_slack
+        self.settle_s = settle_s
         self._clock = clock
         self._started = clock()
         self._own_start: int | None = None
@@ -52,10 +68,11 @@ class SwarmLedger:
         claims = [(peer, max(0, int(samples))) for peer, samples in claims]
         newcomers = [claim for claim in claims if claim[0] not in self._entries]
         if newcomers:
-            typical = int(statistics.median([own_samples, *(samples for _, samples in claims)]))
+            settling = now - self._started <= self.settle_s
+            typical = self._typical(own_samples, claims) if settling else 0
             for peer, samples in newcomers:
                 credited = min(samples, typical)
-                self._entries[peer] = _Entry(now, credited, credited, credited)
+                self._entries[peer] = _Entry(now, credited, samples, credited, samples)
         for peer, samples in claims:
             self._entries[peer].claimed = samples
         rate = self._plausible_rate(now, own_samples - self._own_start, [peer for peer, _ in claims])
@@ -69,16 +86,25 @@ class SwarmLedger:
         """Samples credited to every trainer seen so far, those that left included."""
         return sum(entry.credited for entry in self._entries.values())
 
+    def _typical(self, own_samples: int, claims: list[tuple[str, int]]) -> int:
+        """The low median of the visible counts, ours included, known peers at what they were credited:
+        with an honest half, an honest count (an even split cannot average in a liar's)."""
+        counts = [own_samples]
+        for peer, samples in claims:
+            entry = self._entries.get(peer)
+            counts.append(samples if entry is None else entry.credited)
+        return int(statistics.median_low(counts))
+
     def credited(self, peer_id: str) -> int:
         entry = self._entries.get(peer_id)
         return entry.credited if entry is not None else 0
 
     def _plausible_rate(self, now: float, own_growth: int, live: list[str]) -> float:
-        """``rate_slack`` x the median of the live trainers' claimed rates, ours included (samples per
-        second since first seen): with an honest majority, a typical honest peer's rate."""
+        """``rate_slack`` x the low median of the rates we watched (samples per second since first
+        seen), ours included: with an honest half, a typical honest peer's rate."""
         rates = [own_growth / max(now - self._started, 1e-3)]
         for peer in live:
             entry = self._entries[peer]
             if now > entry.first_seen:
-                rates.append((entry.claimed - entry.initial) / (now - entry.first_seen))
-        return self.rate_slack * statistics.median(rates)
+                rates.append(max(0, entry.claimed - entry.first_claim) / (now - entry.first_seen))
+        return self.rate_slack * statistics.median_low(rates)
