@@ -237,3 +237,38 @@ def test_the_rate_cap_slows_a_stream_to_its_rate() -> None:
 def test_limits_that_allow_nothing_are_refused(name: str) -> None:
     with pytest.raises(ValueError, match=name):
         RelayLimits(**{name: 0})
+
+
+def test_a_full_relay_gives_a_quiet_streams_slot_to_a_new_dialler(daemon, relay_of) -> None:
+    """Throwaway ids that fill every slot and then move nothing do not keep the relay from others."""
+    relay = relay_of(RelayLimits(max_forwards=4, max_per_dialler=1, evict_quiet_s=0.2))
+
+    async def scenario() -> tuple[list[str], int]:
+        sybils = [Dialler(relay, _peer()) for _ in range(4)]
+        await asyncio.gather(*(d.ask() for d in sybils))
+        await _until(lambda: len(daemon.opened) == 4, "the sybils' four forwards")
+        honest_id, reasons = _peer(), []
+        while len(daemon.opened) == 4:  # asked again until a quiet slot is given up, within the deadline
+            honest = Dialler(relay, honest_id)
+            await honest.ask()
+            await _until(lambda d=honest: d.task.done() or len(daemon.opened) > 4, "an answer")
+            if honest.task.done():
+                kind, body = await read_control(honest.back.reader, 5)
+                assert kind is ForwardKind.REFUSED
+                reasons.append(body["reason"])
+                assert len(reasons) < 1000, "the full relay never gave up a quiet slot"
+        await _until(lambda: sum(d.task.done() for d in sybils) == 1, "the evicted sybil's stream closing")
+        forwarding = relay._forwarding
+        for d in [*sybils, honest]:
+            d.to_relay.close()
+        for _, from_target in daemon.opened:
+            from_target.close()
+        await asyncio.wait_for(
+            asyncio.gather(*(d.task for d in [*sybils, honest]), return_exceptions=True), 30
+        )
+        return reasons, forwarding
+
+    reasons, forwarding = _on_loop(relay, scenario())
+    assert all("streams already" in r for r in reasons)
+    assert forwarding == 4, "the evicted slot was handed over, not added"
+    assert not relay._per_dialler and relay._forwarding == 0, "every slot is given back"

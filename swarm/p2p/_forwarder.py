@@ -2,10 +2,12 @@
 
 The bootstrap runs one. It forwards only to peers its daemon is connected to right now (the peers
 behind NAT that dialled out to it), and only to their relayed handlers. Every forwarded stream is
-metered (:class:`RelayLimits`): slots in all and per dialler, reserved before anything is awaited; a
-byte cap, a rate cap and a lifetime per stream; and a byte budget per dialler over a window. A
-forwarded stream closes when either side closes, fails, moves nothing for :data:`IDLE_TIMEOUT_S`, or
-runs past one of those caps.
+metered (:class:`RelayLimits`): slots in all and per dialler, reserved before anything is awaited
+(a full relay gives the slot of its quietest stream, one that moved nothing for ``evict_quiet_s``, to
+a new request, so streams that fill every slot and then trickle do not hold them for long); a byte
+cap, a rate cap and a lifetime per stream; and a byte budget per dialler over a window. A forwarded
+stream closes when either side closes, fails, moves nothing for :data:`IDLE_TIMEOUT_S`, runs past one
+of those caps, or loses its slot.
 """
 
 from __future__ import annotations
@@ -70,12 +72,14 @@ class RelayLimits:
     dialler_bytes: int = 8192 * MIB
     """Bytes all of one dialler's streams carry per ``dialler_window_s``."""
     dialler_window_s: float = 3600.0
+    evict_quiet_s: float = 20.0
+    """On a full relay, a stream that moved nothing for this long loses its slot to a new request."""
 
     def __post_init__(self) -> None:
         for name in ("max_forwards", "max_per_dialler", "stream_bytes", "dialler_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"RelayLimits.{name} must be at least 1, got {getattr(self, name)}")
-        for name in ("stream_rate", "stream_lifetime_s", "dialler_window_s"):
+        for name in ("stream_rate", "stream_lifetime_s", "dialler_window_s", "evict_quiet_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"RelayLimits.{name} must be positive, got {getattr(self, name)}")
 
@@ -104,17 +108,28 @@ class _Budgets:
         return self.limits.dialler_bytes - used - n
 
 
+class _Slot:
+    """One reserved forwarding slot; ``evicted`` is set when a full relay gave it to another dialler."""
+
+    def __init__(self, dialler: str, now: float) -> None:
+        self.dialler, self.last_active = dialler, now
+        self.evicted = asyncio.Event()
+        self.released = False
+
+
 class StreamMeter:
     """The caps of one forwarded stream: :meth:`take` counts bytes, and says how long to wait to keep
     to the rate cap, or raises :class:`RelayLimitError` past the byte cap or the dialler's budget."""
 
-    def __init__(self, dialler: str, budgets: _Budgets, now: float) -> None:
+    def __init__(self, dialler: str, budgets: _Budgets, now: float, slot: _Slot | None = None) -> None:
         self.dialler, self._budgets, self._limits = dialler, budgets, budgets.limits
+        self.slot = slot or _Slot(dialler, now)
         self.started, self.carried = now, 0
         self.lifetime_s = budgets.limits.stream_lifetime_s
 
     def take(self, n: int, now: float) -> float:
         self.carried += n
+        self.slot.last_active = now
         if self.carried > self._limits.stream_bytes:
             raise RelayLimitError(
                 f"the stream carried more than the relay's {self._limits.stream_bytes} bytes"
@@ -156,6 +171,7 @@ class RelayForwarder(StreamService):
         self._budgets = _Budgets(self.limits)
         self._per_dialler: collections.Counter[str] = collections.Counter()
         self._forwarding = 0
+        self._slots: set[_Slot] = set()
         self._start("swarm-relay")
 
     async def _handle(self, peer: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -163,39 +179,55 @@ class RelayForwarder(StreamService):
         if kind is not ForwardKind.FORWARD:
             raise ProtocolError(f"expected FORWARD, got {kind.name}")
         target, handler = field(body, "to", PEER_ID), field(body, "handler", HANDLER)
-        refusal = self._reserve(peer)  # counted with the check, before anything is awaited
-        if refusal:
-            await send_control(writer, ForwardKind.REFUSED, {"reason": refusal}, CONTROL_TIMEOUT_S)
+        slot = self._reserve(peer)  # counted with the check, before anything is awaited
+        if isinstance(slot, str):
+            await send_control(writer, ForwardKind.REFUSED, {"reason": slot}, CONTROL_TIMEOUT_S)
             return
         try:
             refusal = await self._refusal(peer, target)
             if refusal:
                 await send_control(writer, ForwardKind.REFUSED, {"reason": refusal}, CONTROL_TIMEOUT_S)
                 return
-            await self._forward(peer, target, handler, reader, writer)
+            await self._forward(peer, target, handler, reader, writer, slot)
         finally:
-            self._release(peer)
+            self._release(slot)
 
-    def _reserve(self, dialler: str) -> str:
+    def _reserve(self, dialler: str) -> _Slot | str:
         """Take a slot for ``dialler`` (no await between the check and the count); why not, if not."""
-        limits = self.limits
-        if self._forwarding >= limits.max_forwards:
-            return f"this relay forwards {limits.max_forwards} streams already"
+        limits, now = self.limits, time.monotonic()
         if self._per_dialler[dialler] >= limits.max_per_dialler:
             return f"this relay forwards {limits.max_per_dialler} streams for you already"
-        if self._budgets.left(dialler, time.monotonic()) <= 0:
+        if self._budgets.left(dialler, now) <= 0:
             return (
                 f"you moved {limits.dialler_bytes} bytes through this relay in {limits.dialler_window_s:g} s"
             )
+        if self._forwarding >= limits.max_forwards and not self._evict_quietest(now):
+            return f"this relay forwards {limits.max_forwards} streams already"
+        slot = _Slot(dialler, now)
+        self._slots.add(slot)
         self._forwarding += 1
         self._per_dialler[dialler] += 1
-        return ""
+        return slot
 
-    def _release(self, dialler: str) -> None:
+    def _evict_quietest(self, now: float) -> bool:
+        """Free the slot of the stream quiet longest, if it moved nothing for ``evict_quiet_s``."""
+        quietest = min(self._slots, key=lambda s: s.last_active, default=None)
+        if quietest is None or now - quietest.last_active < self.limits.evict_quiet_s:
+            return False
+        logger.info("a full relay gives the slot of a quiet stream from %s to a new one", quietest.dialler)
+        self._release(quietest)
+        quietest.evicted.set()
+        return True
+
+    def _release(self, slot: _Slot) -> None:
+        if slot.released:
+            return
+        slot.released = True
+        self._slots.discard(slot)
         self._forwarding -= 1
-        self._per_dialler[dialler] -= 1
-        if not self._per_dialler[dialler]:
-            del self._per_dialler[dialler]
+        self._per_dialler[slot.dialler] -= 1
+        if not self._per_dialler[slot.dialler]:
+            del self._per_dialler[slot.dialler]
 
     async def _refusal(self, dialler: str, target: str) -> str:
         if target in (dialler, self.peer_id):
@@ -212,6 +244,7 @@ class RelayForwarder(StreamService):
         handler: str,
         reader: asyncio.StreamReader,
         writer: asyncio.StreamWriter,
+        slot: _Slot,
     ) -> None:
         from hivemind.p2p import PeerID
 
@@ -225,9 +258,11 @@ class RelayForwarder(StreamService):
             await send_control(writer, ForwardKind.REFUSED, {"reason": reason[:500]}, CONTROL_TIMEOUT_S)
             return
         try:
+            if slot.evicted.is_set():
+                raise RelayLimitError("its slot went to another stream while the relay was full")
             await send_control(peer_writer, ForwardKind.PREAMBLE, {"from": dialler}, CONTROL_TIMEOUT_S)
             self.counter.add(streams=1)  # the peer's READY (or its closing the stream) is the answer
-            meter = StreamMeter(dialler, self._budgets, time.monotonic())
+            meter = StreamMeter(dialler, self._budgets, time.monotonic(), slot)
             await _splice(reader, writer, peer_reader, peer_writer, self.counter, meter)
         except RelayLimitError as exc:
             logger.info("closed a stream forwarded from %s to %s: %s", dialler, target, exc)
@@ -248,18 +283,23 @@ async def _splice(
     RelayLimitError); the caller closes both streams."""
     to_peer = asyncio.ensure_future(_copy(reader, peer_writer, meter, lambda n: counter.add(sent=n)))
     back = asyncio.ensure_future(_copy(peer_reader, writer, meter, lambda n: counter.add(received=n)))
+    evicted = asyncio.ensure_future(meter.slot.evicted.wait())
     lifetime = meter.lifetime_s
     try:
-        done, _ = await asyncio.wait((to_peer, back), timeout=lifetime, return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait(
+            (to_peer, back, evicted), timeout=lifetime, return_when=asyncio.FIRST_COMPLETED
+        )
         if not done:
             raise RelayLimitError(f"the stream was open for the relay's {lifetime:g} s")
+        if evicted in done:
+            raise RelayLimitError("it moved nothing for a while, and its slot went to another stream")
         for task in done:
             if isinstance(error := task.exception(), RelayLimitError):
                 raise error
     finally:
-        for task in (to_peer, back):
+        for task in (to_peer, back, evicted):
             task.cancel()
-        await asyncio.gather(to_peer, back, return_exceptions=True)
+        await asyncio.gather(to_peer, back, evicted, return_exceptions=True)
 
 
 async def _copy(

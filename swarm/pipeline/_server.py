@@ -148,8 +148,6 @@ class StageServer(StreamService):
         if kind is not Kind.REQUEST:
             raise ProtocolError(f"expected REQUEST, got {kind.name}")
         request = parse_request(payload, limits)
-        if request.applies and not self._data_holders(peer):
-            raise NotADataHolder("only this run's data holders may apply gradients here")
         shape = (request.samples, request.tokens, limits.n_embd)
         tensors, received = await read_tensors(reader, request.frames, request.tensor_names(), shape, limits)
         self.stats.bytes_received += len(payload) + received
@@ -160,6 +158,11 @@ class StageServer(StreamService):
                 raise ProtocolError(f"expected TARGETS, got {kind.name}")
             targets = decode_targets(payload, request.samples, request.tokens, limits.vocab_size)
             self.stats.bytes_received += len(payload)
+        # checked after the whole request is read (it is bounded like any forward, which anyone may send):
+        # refusing mid-request would reset a stream the client is still writing, and it would see a
+        # broken pipe instead of the reason
+        if request.applies and not self._data_holders(peer):
+            raise NotADataHolder("only this run's data holders may apply gradients here")
         return request, tensors, targets
 
     async def _compute(self, peer: str, request: Request, tensors: dict, targets: object) -> Outcome | None:
