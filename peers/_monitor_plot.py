@@ -6,6 +6,8 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from peers._monitor_table import shown
+
 Series = dict[str, tuple[list[float], list[float]]]
 
 SWARM_MEAN = "swarm mean"
@@ -29,7 +31,7 @@ def series(snapshots: list[dict[str, Any]], field: str, total_field: str) -> Ser
         for peer in snap.get("peers", []):
             value = _number(peer.get(field)) if isinstance(peer, dict) else None
             if value is not None and peer.get("role") != "bootstrap":
-                label = peer.get("public_name") or str(peer.get("peer_id", "?"))[-8:]
+                label = _label(peer.get("public_name") or str(peer.get("peer_id", "?"))[-8:])
                 out[label][0].append(minutes)
                 out[label][1].append(value)
         total = _number(snap.get("totals", {}).get(total_field))
@@ -83,3 +85,8 @@ def _number(value: object) -> float | None:
     if isinstance(value, bool) or not isinstance(value, int | float):
         return None
     return float(value) if value == value and abs(value) != float("inf") else None
+
+
+def _label(name: object) -> str:
+    """A peer's name as a legend label: its text, never matplotlib's ``$...$`` mathematics."""
+    return shown(str(name)).replace("$", r"\$")

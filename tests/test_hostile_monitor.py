@@ -106,3 +106,16 @@ def test_monitor_sinks_and_status_page_keep_serving_hostile_names(capsys) -> Non
     out = capsys.readouterr().out
     _assert_safe(out)
     assert "[/oops]" in out
+
+
+def test_plot_labels_are_text_never_matplotlib_mathematics() -> None:
+    """A public name like ``$\\alpha$`` would be typeset (or, malformed, raise) as a legend label."""
+    from peers._monitor_plot import series
+
+    snapshot = {
+        "time": 0.0,
+        "peers": [{"public_name": "$\\alpha$\x1b[31m", "role": "trainer", "loss": 2.0}],
+        "totals": {},
+    }
+    labels = list(series([snapshot], "loss", "loss"))
+    assert "\\$\\alpha\\$\\x1b[31m" in labels, labels
