@@ -37,6 +37,9 @@ def _sync_line(step: int, outcome: str, eval_loss: float | None) -> str:
         bytes_received=2048,
         drift=None,
         eval_bits_per_byte=eval_loss,
+        tokens_per_s=800.0,
+        mfu=None,
+        peak_memory_bytes=None,
     )
     return format_sync_line(report)
 

@@ -189,7 +189,8 @@ def serve_stream(
         reader.feed_data(data)
         if eof:
             reader.feed_eof()
-        info = SimpleNamespace(peer_id=peer or fresh_peer())
+        # addr: the remote address of the stream's connection, as the daemon reports it (a direct one)
+        info = SimpleNamespace(peer_id=peer or fresh_peer(), addr="/ip4/127.0.0.1/tcp/4001")
         await asyncio.wait_for(p2p.handlers[handler](info, reader, writer), CASE_TIMEOUT_S)
 
     service._loop.run(run(), timeout=CASE_TIMEOUT_S + 1)
