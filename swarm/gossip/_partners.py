@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import random
 import threading
@@ -187,3 +188,26 @@ def pick_order(partners: Sequence[PartnerInfo], rng: random.Random, max_attempts
     keyed = [(1.0 - rng.random()) ** (1.0 / (1.0 if p.relayed else DIRECT_PREFERENCE)) for p in partners]
     order = sorted(range(len(partners)), key=keyed.__getitem__, reverse=True)
     return [partners[i] for i in order[:max_attempts]]
+
+
+def consensus_order(peer_ids: Sequence[str], salt: str = "") -> list[str]:
+    """The live members in the order every peer computes alike: by ``sha256(salt + peer_id)`` (the run
+    id as salt, so that the order is not the same in every run), duplicates dropped."""
+    unique = set(peer_ids)
+    return sorted(unique, key=lambda peer: hashlib.sha256((salt + peer).encode()).hexdigest())
+
+
+def hypercube_partner(order: Sequence[str], me: str, round_: int) -> str | None:
+    """Our scheduled partner in dimension exchange: in round ``r`` the member at position ``i`` of the
+    shared ``order`` meets the one at ``i XOR 2^(r mod d)``, ``d = ceil(log2 N)``.
+
+    For N a power of two, d rounds of it average the N models exactly (each round halves the
+    dimensions left to agree on). None when we are not in ``order``, are alone, or the position does not
+    exist (N not a power of two): the caller falls back to a random partner then, as it does when the
+    scheduled one is busy or gone.
+    """
+    if me not in order or len(order) < 2:
+        return None
+    dims = (len(order) - 1).bit_length()
+    index = list(order).index(me) ^ (1 << (round_ % dims))
+    return order[index] if index < len(order) else None
