@@ -87,9 +87,7 @@ def meet(outers: list[OuterOptimizer], group: list[int], exchange: str, codec: s
     seen = {i: _seen(models[i], codec) for i in group}
     result = {}
     for i in group:  # our own model exactly, the others' as they arrived
-        mean = {
-            n: (models[i][n] + sum(seen[j][n] for j in group if j != i)) / len(group) for n in models[i]
-        }
+        mean = {n: (models[i][n] + sum(seen[j][n] for j in group if j != i)) / len(group) for n in models[i]}
         result[i] = {n: outers[i].anchor[n] - mean[n] for n in mean}
     return result
 

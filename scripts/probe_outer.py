@@ -234,9 +234,9 @@ RULES: dict[str, dict] = {
     "model, random pairs": {"exchange": "model", "codec": "int8"},
     "model, hypercube": {"exchange": "model", "codec": "int8", "schedule": "hypercube"},
     "model, hypercube, lag 1": {"exchange": "model", "codec": "int8", "schedule": "hypercube", "lag": 1},
-    "model, random groups of 4": {"exchange": "model", "codec": "int8", "group": 4},
 }
-"""The rules ``--scaling`` compares (``Probe`` fields over the gossip mode)."""
+"""The rules ``--scaling`` compares (``Probe`` fields over the gossip mode); groups larger than two
+(``--group``) run one at a time."""
 DEFAULT_RULE = "model, hypercube, lag 1"
 """The gossip trainer's default: model averaging in one int8 tensor, hypercube partners, applied one
 round late on top of the local progress (the trainer overlaps its exchange with the next round)."""
@@ -248,18 +248,26 @@ def scaling_plan(
 ) -> list[tuple]:
     """``(rule, peers, probe)`` for the scaling table: one device, ideal data-parallel (one device with
     batch N) and every rule at every N, each over ``samples`` samples in all with a full cosine schedule."""
+
     def base(n: int) -> Probe:
         steps = samples // n
         every = max(sync_every, (steps // 24) // sync_every * sync_every)
         return Probe(
-            peers=n, steps=steps, sync_every=sync_every, cosine=True, eval_every=every, eval_batches=2,
+            peers=n,
+            steps=steps,
+            sync_every=sync_every,
+            cosine=True,
+            eval_every=every,
+            eval_batches=2,
             target=target,
         )
 
     plan = [("one device", 1, replace(base(1), mode="solo"))]
     for n in peers:
         plan.append(("data-parallel", n, replace(base(n), mode="solo", batch=n)))
-        plan += [(rule, n, replace(base(n), **{"mode": "gossip", **fields})) for rule, fields in RULES.items()]
+        plan += [
+            (rule, n, replace(base(n), **{"mode": "gossip", **fields})) for rule, fields in RULES.items()
+        ]
     return plan
 
 

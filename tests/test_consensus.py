@@ -9,6 +9,7 @@ side the :class:`~swarm.gossip.Committed` the averager would.
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 
@@ -59,7 +60,9 @@ def exchange(a: Peer, b: Peer) -> bool:
         return False
     sent = [a.sent(offers[0].tensors), b.sent(offers[1].tensors)]
     for side, (peer, mine, theirs) in enumerate(((a, 0, 1), (b, 1, 0))):
-        mixed = mix(offers[mine].tensors, sent[mine], offers[mine].weight, sent[theirs], offers[theirs].weight)
+        mixed = mix(
+            offers[mine].tensors, sent[mine], offers[mine].weight, sent[theirs], offers[theirs].weight
+        )
         result = SyncResult(SyncOutcome.OK, [b, a][side].name, 0, 0, 0.0, mixed.weight)
         committed = Committed(mixed.tensors, offers[theirs].weight, side == 0, result, offers[theirs].probe)
         peer.offers.committed(offers[mine], committed)
@@ -113,7 +116,7 @@ def spreads(peers: list[Peer], rounds: int, seed: int = 0) -> list[float]:
 
 def shrinks_geometrically(history: list[float], per_round: float, floor: float = 1e-6) -> bool:
     """Each round ends at most ``per_round`` times the spread it started from (or below ``floor``)."""
-    return all(after <= max(per_round * before, floor) for before, after in zip(history, history[1:]))
+    return all(after <= max(per_round * before, floor) for before, after in itertools.pairwise(history))
 
 
 @pytest.mark.parametrize("count", [4, 8])
@@ -159,8 +162,10 @@ def test_int8_with_error_feedback_keeps_the_pair_mean_within_the_codec_error() -
     a, b = Peer(0, "model", codec="int8"), Peer(1, "model", codec="int8")
     for round_ in range(6):
         for peer, seed in ((a, round_), (b, 100 + round_)):  # a real step of each, so the models move
-            moves = {n: torch.randn(p.shape, generator=torch.Generator().manual_seed(seed)) * 0.01
-                     for n, p in peer.model.named_parameters()}
+            moves = {
+                n: torch.randn(p.shape, generator=torch.Generator().manual_seed(seed)) * 0.01
+                for n, p in peer.model.named_parameters()
+            }
             with peer.live.updating(), torch.no_grad():
                 for n, p in peer.model.named_parameters():
                     p.add_(moves[n])
@@ -211,7 +216,9 @@ def test_the_schedule_is_a_perfect_matching_that_degrades_gracefully() -> None:
         assert all(partners[partners[me]] == me != partners[me] for me in order)
     seven = order[:7]  # N not a power of two: the position without a partner gets None (a random one)
     assert [hypercube_partner(seven, me, 0) is None for me in seven].count(True) == 1
-    assert hypercube_partner(order, "stranger", 0) is None and hypercube_partner(order[:1], order[0], 0) is None
+    assert (
+        hypercube_partner(order, "stranger", 0) is None and hypercube_partner(order[:1], order[0], 0) is None
+    )
 
 
 def test_a_partner_round_is_believed_only_when_it_is_a_sane_count() -> None:

@@ -61,9 +61,9 @@ class GossipAverager(StreamService):
     lock (at most one exchange of the two at a time); ``respect_bans_of`` makes it also refuse the peers
     another averager has banned; ``preferred_partner`` names the partner to try first in each
     initiated exchange (a schedule such as :func:`~swarm.gossip.hypercube_partner`; the others follow in
-    random order when it is missing, banned or busy). In a private swarm (``swarm_key``, by default the key ``dht`` was
-    started with) every stream starts with the swarm key handshake (:mod:`swarm.p2p`); a peer that
-    fails it is dropped before its HELLO.
+    random order when it is missing, banned or busy). In a private swarm (``swarm_key``, by default
+    the key ``dht`` was started with) every stream starts with the swarm key handshake
+    (:mod:`swarm.p2p`); a peer that fails it is dropped before its HELLO.
 
     With an ``offerer`` the averager runs in offer mode (:mod:`swarm.gossip._offer`): each exchange,
     initiated or served, uses a fresh snapshot from ``offerer.offer()`` and reports its committed

@@ -73,8 +73,8 @@ class Update:
     ``shift``, applied after the outer step. ``kind="anchor"``: ``shift`` is how far the exchange moved
     our anchor snapshot. ``kind="model"``: ``gradient`` is the pair's mean model and ``consumed`` our
     snapshot of the parameters it averaged, with its ``steps``; the outer step goes along ``anchor -
-    mean`` and the steps taken since the snapshot stay on top. ``kind="solo"``: an outer step on our own, whole
-    pseudo-gradient (no partner). ``info`` is for the round's report.
+    mean`` and the steps taken since the snapshot stay on top. ``kind="solo"``: an outer step on our
+    own, whole pseudo-gradient (no partner). ``info`` is for the round's report.
     """
 
     kind: str

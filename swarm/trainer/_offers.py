@@ -11,9 +11,12 @@ pair is ``x' = (w x + v y) / (w + v)``; the outer gradient each side applies is 
 (Δ_a + Δ_b) / 2``: the pair's mean pseudo-gradient, in sum units, so every sample counts once.
 
 A partner's stated weight is its own claim: nothing we receive proves it. Where it scales what we
-apply, it counts at most as much as ours (``min(partner_weight, own_weight)``), so a HELLO claiming
-1e29 samples cannot blow up our update; an honest partner that did take more steps is undercounted,
-never overcounted.
+apply it is capped (:func:`checked_weight`): a model offer's honest weight is 1, like ours, so a
+partner counts at most as much as we do; a pseudo-gradient's weight is its samples, and a partner
+counts at most :data:`MAX_WEIGHT_RATIO` times our samples (peers on one run take comparable numbers
+of steps a round; one that claims more is undercounted, never overcounted). A HELLO claiming 1e29
+samples therefore scales our outer step by at most ``(1 + MAX_WEIGHT_RATIO) / 2``, and the robust clip
+bounds the direction.
 
 With ``averaging.exchange: model`` (:class:`ModelOffers`, the default) the offer is a copy of our
 parameters at weight 1 and the mix is the pair's mean model: one tensor each way carries both the
@@ -26,9 +29,9 @@ mean pseudo-gradient and the anchors' pull, applied together as one update.
 
 from __future__ import annotations
 
-from swarm.gossip import Committed, MixedPart, Offer, Part
 import math
 
+from swarm.gossip import Committed, MixedPart, Offer, Part
 from swarm.trainer._live import LiveModel, Tensors, Update, probe_distance, relative_norm
 
 
@@ -58,7 +61,8 @@ class DeltaOffers:
 
     def committed(self, offer: Offer, exchange: Committed) -> None:
         snapshot = offer.token
-        pair_weight = (offer.weight + checked_weight(exchange.partner_weight, offer.weight)) / 2
+        capped = checked_weight(exchange.partner_weight, offer.weight, MAX_WEIGHT_RATIO)
+        pair_weight = (offer.weight + capped) / 2
         gradient = {name: t.mul_(pair_weight) for name, t in exchange.mixed.items()}
         consumed = {name: t.mul_(snapshot.samples) for name, t in snapshot.mean.items()}
         shift: Tensors = {}
@@ -117,9 +121,13 @@ def partner_round(probe: tuple[float, ...]) -> int:
     return int(probe[0]) if probe[0] == int(probe[0]) else 0
 
 
-def checked_weight(partner_weight: float, own_weight: float) -> float:
-    """A partner's stated weight, counted at most as much as ours: the claim is unchecked."""
-    return min(partner_weight, own_weight)
+MAX_WEIGHT_RATIO = 4.0
+"""A partner's pseudo-gradient counts at most this many times our samples (:func:`checked_weight`)."""
+
+
+def checked_weight(partner_weight: float, own_weight: float, ratio: float = 1.0) -> float:
+    """A partner's stated weight, counted at most ``ratio`` times ours: the claim is unchecked."""
+    return min(partner_weight, ratio * own_weight)
 
 
 def equal_share(ours: Tensors, mixed: Tensors, own_weight: float, partner_weight: float) -> Tensors:
