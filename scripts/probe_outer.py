@@ -1,23 +1,29 @@
 """In-process probe of DiLoCo outer rules: how many inner steps N batch-1 peers need to reach a target.
 
 No network and no processes: N models, optimizers and data shards in one process, stepped in lock
-step, with the averaging done exactly (or by random pairs) in memory. It separates what the averaging
-*rule* costs in samples from what the network and the machine cost, which the testbed report
-(`scripts/bench_report.py`) measures together. docs/benchmarks.md, "Choosing the regime", quotes it.
+step, with the averaging done in memory (``scripts/_probe_rules.py``). It separates what the
+averaging *rule* costs in samples from what the network and the machine cost, which the testbed
+report (``scripts/bench_report.py``) measures together. docs/gossip.md, "The trainer's rule", quotes it.
 
     .venv/bin/python scripts/probe_outer.py --mode solo                    # one device, batch 1
     .venv/bin/python scripts/probe_outer.py --mode solo --batch 4          # ideal data-parallel, 4 devices
     .venv/bin/python scripts/probe_outer.py --mode allreduce --peers 4 --sync-every 5
-    .venv/bin/python scripts/probe_outer.py --mode gossip --peers 4 --sync-every 5 --anchor-pull 1
-    .venv/bin/python scripts/probe_outer.py --grid --jobs 2 --json         # the table in the docs
+    .venv/bin/python scripts/probe_outer.py --mode gossip --peers 8 --sync-every 5 \
+        --exchange model --codec int8 --schedule hypercube --lag 1        # the trainer's default rule
+    .venv/bin/python scripts/probe_outer.py --grid --jobs 2 --json         # the older table
+    .venv/bin/python scripts/probe_outer.py --scaling --jobs 2 --samples 1600 --target 4.0 --sync-every 5
 
 Modes: ``solo`` (one trainer of ``--batch``), ``allreduce`` (every ``--sync-every`` steps all peers
-apply the exact mean pseudo-gradient: OpenDiLoCo), ``gossip`` (a random perfect matching; each pair
-applies its mean pseudo-gradient, as the gossip trainer does, and with ``--anchor-pull P`` first moves
-the two anchors a fraction P of the way together, every ``--pull-every`` rounds, each side seeing the
-other's anchor through ``--pull-codec`` and only 1 / ``--pull-fragments`` of the tensors moving per
-round; P = 1 with outer lr 1 and no momentum is pairwise model averaging). The loss is the peers'
-mean held-out loss, evaluated every ``--eval-every`` steps on ``--eval-batches`` batches of 32 windows.
+apply the exact mean pseudo-gradient: OpenDiLoCo), ``gossip`` (the peers meet in pairs, or groups of
+``--group``, by ``--schedule``: random or hypercube; each group applies its mean pseudo-gradient
+(``--exchange pseudo-gradient``) or averages its models through ``--codec`` (``--exchange model``);
+with ``--lag L`` a result lands L rounds later on top of the local progress made meanwhile). With
+``--anchor-pull P`` a pseudo-gradient pair first moves its anchors a fraction P of the way together,
+every ``--pull-every`` rounds, through ``--pull-codec``, 1 / ``--pull-fragments`` of the tensors per
+round. The loss is the peers' mean held-out loss, evaluated every ``--eval-every`` steps on
+``--eval-batches`` batches of 32 windows; the loss of the peers' averaged model is reported beside it.
+``--cosine true`` runs a full cosine schedule over ``--steps``. ``--scaling`` prints one JSON row per
+rule and N (``RULES``; docs/gossip.md explains the fields).
 """
 
 from __future__ import annotations
@@ -321,8 +327,11 @@ def main(argv: list[str] | None = None) -> int:
     if flags["scaling"]:
         peers = tuple(int(n) for n in flags["scaling_peers"].split(","))
         plan = scaling_plan(flags["samples"], args["sync_every"], peers, args["target"])
+        results = []
         with ProcessPoolExecutor(max_workers=max(1, flags["jobs"])) as pool:
-            results = list(pool.map(run, [probe for _, _, probe in plan]))
+            for (rule, n, _), result in zip(plan, pool.map(run, [p for _, _, p in plan]), strict=True):
+                results.append(result)
+                print(json.dumps({"rule": rule, "peers": n, **result}), file=sys.stderr, flush=True)
         for row in scaling_rows(plan, results):
             print(json.dumps(row), flush=True)
         return 0
