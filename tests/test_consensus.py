@@ -20,6 +20,7 @@ from swarm.compression import ErrorFeedback, get_codec
 from swarm.gossip import Committed, SyncOutcome, SyncResult, consensus_order, hypercube_partner
 from swarm.gossip._exchange import mix
 from swarm.gossip._protocol import Hello
+from swarm.trainer._gossip import GossipBackend
 from swarm.trainer._live import LiveModel
 from swarm.trainer._offers import DeltaOffers, ModelOffers, partner_round
 from swarm.training import OuterOptimizer
@@ -232,3 +233,47 @@ def test_an_older_protocol_version_is_refused_with_a_clear_message() -> None:
     ours = Hello(version=4, **fields)
     reason = ours.mismatch(Hello(version=3, **fields))
     assert reason is not None and "protocol version 3 is not spoken here" in reason
+
+
+class _Record:
+    role, protocol_version, config_hash = "trainer", 4, "cfg"
+    client_mode, state, reachability = False, "training", "direct"
+
+
+class _Member:
+    def __init__(self, peer_id: str) -> None:
+        self.peer_id, self.record = peer_id, _Record()
+
+
+class _Node:
+    def __init__(self, me: str, everyone: list[str]) -> None:
+        self.peer_id, self._everyone = me, everyone
+
+    def members(self) -> list[_Member]:
+        return [_Member(peer) for peer in self._everyone]
+
+
+def _backend(me: str, everyone: list[str], round_: int) -> GossipBackend:
+    """The gossip backend's schedule state, without its network (only what the schedule reads)."""
+    backend = GossipBackend.__new__(GossipBackend)
+    backend._node, backend._run_id, backend._models = _Node(me, everyone), "run", True
+    backend._context = type("Context", (), {"group": None})()
+    model = torch.nn.Linear(1, 1)
+    backend._model_offers = ModelOffers(LiveModel(model, OuterOptimizer(model, lr=1.0, momentum=0.0), 1))
+    backend._model_offers.round = round_
+    return backend
+
+
+@pytest.mark.parametrize("count", [4, 6])
+def test_of_each_scheduled_pair_exactly_one_trainer_dials(count: int) -> None:
+    everyone = [f"peer-{i}" for i in range(count)]
+    for round_ in range(3):
+        backends = {me: _backend(me, everyone, round_) for me in everyone}
+        waits = {me: backend._schedule_says_wait() for me, backend in backends.items()}
+        scheduled = {me: backend._scheduled for me, backend in backends.items()}
+        for me, partner in scheduled.items():
+            if partner is None:  # N not a power of two: no scheduled partner, so it dials a random one
+                assert not waits[me] and count & (count - 1)
+                continue
+            assert scheduled[partner] == me  # mutual
+            assert waits[me] != waits[partner]  # one dials, the other waits to be dialled
