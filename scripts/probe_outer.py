@@ -1,23 +1,29 @@
 """In-process probe of DiLoCo outer rules: how many inner steps N batch-1 peers need to reach a target.
 
 No network and no processes: N models, optimizers and data shards in one process, stepped in lock
-step, with the averaging done exactly (or by random pairs) in memory. It separates what the averaging
-*rule* costs in samples from what the network and the machine cost, which the testbed report
-(`scripts/bench_report.py`) measures together. docs/benchmarks.md, "Choosing the regime", quotes it.
+step, with the averaging done in memory (``scripts/_probe_rules.py``). It separates what the
+averaging *rule* costs in samples from what the network and the machine cost, which the testbed
+report (``scripts/bench_report.py``) measures together. docs/gossip.md, "The trainer's rule", quotes it.
 
     .venv/bin/python scripts/probe_outer.py --mode solo                    # one device, batch 1
     .venv/bin/python scripts/probe_outer.py --mode solo --batch 4          # ideal data-parallel, 4 devices
     .venv/bin/python scripts/probe_outer.py --mode allreduce --peers 4 --sync-every 5
-    .venv/bin/python scripts/probe_outer.py --mode gossip --peers 4 --sync-every 5 --anchor-pull 1
-    .venv/bin/python scripts/probe_outer.py --grid --jobs 2 --json         # the table in the docs
+    .venv/bin/python scripts/probe_outer.py --mode gossip --peers 8 --sync-every 5 \
+        --exchange model --codec int8 --schedule hypercube --lag 1        # the trainer's default rule
+    .venv/bin/python scripts/probe_outer.py --grid --jobs 2 --json         # the older table
+    .venv/bin/python scripts/probe_outer.py --scaling --jobs 2 --samples 1600 --target 4.0 --sync-every 5
 
 Modes: ``solo`` (one trainer of ``--batch``), ``allreduce`` (every ``--sync-every`` steps all peers
-apply the exact mean pseudo-gradient: OpenDiLoCo), ``gossip`` (a random perfect matching; each pair
-applies its mean pseudo-gradient, as the gossip trainer does, and with ``--anchor-pull P`` first moves
-the two anchors a fraction P of the way together, every ``--pull-every`` rounds, each side seeing the
-other's anchor through ``--pull-codec`` and only 1 / ``--pull-fragments`` of the tensors moving per
-round; P = 1 with outer lr 1 and no momentum is pairwise model averaging). The loss is the peers'
-mean held-out loss, evaluated every ``--eval-every`` steps on ``--eval-batches`` batches of 32 windows.
+apply the exact mean pseudo-gradient: OpenDiLoCo), ``gossip`` (the peers meet in pairs, or groups of
+``--group``, by ``--schedule``: random or hypercube; each group applies its mean pseudo-gradient
+(``--exchange pseudo-gradient``) or averages its models through ``--codec`` (``--exchange model``);
+with ``--lag L`` a result lands L rounds later on top of the local progress made meanwhile). With
+``--anchor-pull P`` a pseudo-gradient pair first moves its anchors a fraction P of the way together,
+every ``--pull-every`` rounds, through ``--pull-codec``, 1 / ``--pull-fragments`` of the tensors per
+round. The loss is the peers' mean held-out loss, evaluated every ``--eval-every`` steps on
+``--eval-batches`` batches of 32 windows; the loss of the peers' averaged model is reported beside it.
+``--cosine true`` runs a full cosine schedule over ``--steps``. ``--scaling`` prints one JSON row per
+rule and N (``RULES``; docs/gossip.md explains the fields).
 """
 
 from __future__ import annotations
@@ -45,6 +51,11 @@ from swarm.training import (
     open_source,
 )
 
+try:  # imported as scripts.probe_outer (tests) or run as python scripts/probe_outer.py
+    from scripts._probe_rules import Pending, groups_of, land, meet, spread
+except ImportError:
+    from _probe_rules import Pending, groups_of, land, meet, spread
+
 CONFIG = Path(__file__).resolve().parent.parent / "configs" / "local-tiny.yaml"
 
 
@@ -57,68 +68,94 @@ class Probe:
     sync_every: int = 20
     outer_lr: float = 1.0
     outer_momentum: float = 0.0
+    exchange: str = "pseudo-gradient"
+    schedule: str = "random"
+    group: int = 2
+    lag: int = 0
+    codec: str = "fp32"
     anchor_pull: float = 0.0
     pull_every: int = 1
     pull_fragments: int = 1
     pull_codec: str = "fp32"
     steps: int = 1600
+    cosine: bool = False
     eval_every: int = 40
     eval_batches: int = 4
     target: float = 3.6
     seed: int = 0
 
 
+@torch.no_grad()
 def _pull(outers: list[OuterOptimizer], a: int, b: int, probe: Probe, round_: int) -> None:
-    """Move the anchors of ``a`` and ``b`` a fraction ``anchor_pull`` of the way together; each side sees
-    the other's anchor through ``pull_codec``, and only the tensors of this round's fragment move."""
+    """Move the anchors (and the models with them) of ``a`` and ``b`` a fraction ``anchor_pull`` of the
+    way together; each side sees the other's anchor through ``pull_codec``, and only the tensors of this
+    round's fragment move."""
     codec = get_codec(probe.pull_codec)
     for index, (name, anchor_a) in enumerate(outers[a].anchor.items()):
         if index % probe.pull_fragments != round_ % probe.pull_fragments:
             continue
         anchor_b = outers[b].anchor[name]
         seen_by_a, seen_by_b = codec.roundtrip(anchor_b).clone(), codec.roundtrip(anchor_a).clone()
-        anchor_a.add_((seen_by_a - anchor_a) * (probe.anchor_pull / 2))
-        anchor_b.add_((seen_by_b - anchor_b) * (probe.anchor_pull / 2))
-
-
-def _pair_round(outers: list[OuterOptimizer], probe: Probe, round_: int, rng: random.Random) -> None:
-    grads = [outer.pseudo_gradient() for outer in outers]
-    order = list(range(len(outers)))
-    rng.shuffle(order)
-    for a, b in zip(order[0::2], order[1::2], strict=False):
-        if probe.anchor_pull and round_ % probe.pull_every == 0:
-            _pull(outers, a, b, probe, round_)
-        mean = {name: (grads[a][name] + grads[b][name]) / 2 for name in grads[a]}
-        outers[a].apply(mean)
-        outers[b].apply(mean)
-    if len(order) % 2:
-        outers[order[-1]].apply(grads[order[-1]])
-
-
-def _spread(outers: list[OuterOptimizer]) -> float:
-    """RMS relative distance of the peers' anchors to their mean."""
-    names = list(outers[0].anchor)
-    mean = {name: sum(outer.anchor[name] for outer in outers) / len(outers) for name in names}
-    num = sum(float((o.anchor[n] - mean[n]).pow(2).sum()) for o in outers for n in names) / len(outers)
-    den = sum(float(mean[n].pow(2).sum()) for n in names)
-    return (num / den) ** 0.5
+        for outer, anchor, seen in ((outers[a], anchor_a, seen_by_a), (outers[b], anchor_b, seen_by_b)):
+            shift = (seen - anchor) * (probe.anchor_pull / 2)
+            anchor.add_(shift)
+            outer._params[name].add_(shift)
 
 
 @torch.no_grad()
-def _sync(outers: list[OuterOptimizer], probe: Probe, round_: int, rng: random.Random) -> None:
+def _sync(
+    outers: list[OuterOptimizer],
+    probe: Probe,
+    round_: int,
+    rng: random.Random,
+    pending: dict[int, Pending] | None = None,
+) -> None:
+    """One round at the end of round ``round_``: the updates due land, then the free peers meet; what
+    they compute lands ``probe.lag`` rounds later (at once with lag 0)."""
+    pending = {} if pending is None else pending
+    for peer in [peer for peer, update in pending.items() if update.due <= round_]:
+        land(outers[peer], pending.pop(peer))
+    free = [peer for peer in range(len(outers)) if peer not in pending]
     if probe.mode == "allreduce":
-        grads = [outer.pseudo_gradient() for outer in outers]
-        mean = {name: sum(grad[name] for grad in grads) / len(grads) for name in grads[0]}
-        for outer in outers:
-            outer.apply(mean)
-    elif probe.mode == "gossip":
-        _pair_round(outers, probe, round_, rng)
+        groups = [free]
+    else:
+        groups = groups_of(free, probe.schedule, probe.group, round_, rng)
+    for group in groups:
+        if len(group) == 1:  # nobody to meet: an outer step on its own pseudo-gradient
+            grads = {group[0]: outers[group[0]].pseudo_gradient()}
+        else:
+            grads = meet(outers, group, probe.exchange, probe.codec)
+            if probe.anchor_pull and len(group) == 2 and round_ % probe.pull_every == 0:
+                _pull(outers, group[0], group[1], probe, round_)
+        for peer in group:
+            snapshot = {n: p.detach().clone() for n, p in outers[peer]._params.items()}
+            pending[peer] = Pending(grads[peer], snapshot, round_ + probe.lag)
+    if probe.lag == 0:
+        for peer in list(pending):
+            land(outers[peer], pending.pop(peer))
+
+
+def _average_into(model: torch.nn.Module, trainers: list[InnerTrainer]) -> torch.nn.Module:
+    """``model`` with the mean of the peers' parameters: the one model an export would produce."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.copy_(sum(dict(t.model.named_parameters())[name] for t in trainers) / len(trainers))
+    return model
+
+
+def _check(probe: Probe) -> None:
+    if probe.mode not in ("solo", "allreduce", "gossip"):
+        raise ValueError(f"unknown mode {probe.mode!r}: solo, allreduce or gossip")
+    if probe.exchange not in ("pseudo-gradient", "model"):
+        raise ValueError(f"unknown exchange {probe.exchange!r}: pseudo-gradient or model")
+    if probe.group < 2 or probe.lag < 0:
+        raise ValueError(f"need group >= 2 and lag >= 0, got {probe.group} and {probe.lag}")
 
 
 def run(probe: Probe) -> dict:
-    """Train until the mean held-out loss reaches ``probe.target`` or ``probe.steps`` pass."""
-    if probe.mode not in ("solo", "allreduce", "gossip"):
-        raise ValueError(f"unknown mode {probe.mode!r}: solo, allreduce or gossip")
+    """Train until the mean held-out loss reaches ``probe.target`` or ``probe.steps`` pass; with
+    ``cosine``, run all the steps (a full cosine schedule) and report the final losses too."""
+    _check(probe)
     torch.set_num_threads(1)
     sets = [
         f"train.batch_size={probe.batch}",
@@ -138,24 +175,35 @@ def run(probe: Probe) -> dict:
         batches.append(
             TrainBatches(source, config.model.block_size, probe.batch, f"peer-{index}", config.run.seed)
         )
+    averaged = build_model(config.model, seed=config.run.seed)
     rng = random.Random(probe.seed)
-    curve: list[tuple[int, float, float]] = []
+    pending: dict[int, Pending] = {}
+    curve: list[tuple[int, float, float, float]] = []
+    reached = None
     for step in range(1, probe.steps + 1):
-        lr = lr_at((step - 1) * peers * probe.batch, config.train, None)  # the swarm's warm-up, then flat
+        if probe.cosine:  # every device's own schedule over its steps: warm-up, then cosine to the end
+            lr = lr_at((step - 1) * probe.batch, config.train, probe.steps * probe.batch)
+        else:  # the swarm's warm-up, then flat
+            lr = lr_at((step - 1) * peers * probe.batch, config.train, None)
         for trainer, batch in zip(trainers, batches, strict=True):
             trainer.step(batch, lr=lr)
-        if step % probe.sync_every == 0:
-            _sync(outers, probe, step // probe.sync_every, rng)
-        if step % probe.eval_every == 0:
+        if step % probe.sync_every == 0 and peers > 1:
+            _sync(outers, probe, step // probe.sync_every, rng, pending)
+        if step % probe.eval_every == 0 or step == probe.steps:
             loss = sum(evaluate(t.model, eval_set, batches=probe.eval_batches) for t in trainers) / peers
-            curve.append((step, round(loss, 4), round(_spread(outers), 4)))
-            if loss <= probe.target:
-                break
-    reached = curve[-1][0] if curve and curve[-1][1] <= probe.target else None
+            mean_model = evaluate(_average_into(averaged, trainers), eval_set, batches=probe.eval_batches)
+            spread_now = round(spread(outers), 4) if peers > 1 else 0.0
+            curve.append((step, round(loss, 4), round(mean_model, 4), spread_now))
+            if reached is None and loss <= probe.target:
+                reached = step
+                if not probe.cosine:
+                    break
     return {
         "probe": asdict(probe),
         "steps_to_target": reached,
         "samples_to_target": reached and reached * peers * probe.batch,
+        "final_loss": curve[-1][1] if curve else None,
+        "final_loss_averaged_model": curve[-1][2] if curve else None,
         "curve": curve,
     }
 
@@ -182,7 +230,82 @@ def _label(probe: Probe) -> str:
     if probe.anchor_pull and (probe.pull_fragments > 1 or probe.pull_codec != "fp32"):
         pull += f" ({probe.pull_codec}, 1/{probe.pull_fragments} of the tensors a round)"
     outer = f"outer lr {probe.outer_lr:g}, momentum {probe.outer_momentum:g}"
-    return f"{probe.mode} x{probe.peers}, H = {probe.sync_every}, {outer}{pull}"
+    rule = f"{probe.exchange} ({probe.codec}), {probe.schedule} groups of {probe.group}, lag {probe.lag}"
+    return f"{probe.mode} x{probe.peers}, H = {probe.sync_every}, {rule}, {outer}{pull}"
+
+
+RULES: dict[str, dict] = {
+    "allreduce": {"mode": "allreduce"},
+    "pairs": {"exchange": "pseudo-gradient"},
+    "model, random pairs": {"exchange": "model", "codec": "int8"},
+    "model, hypercube": {"exchange": "model", "codec": "int8", "schedule": "hypercube"},
+    "model, hypercube, lag 1": {"exchange": "model", "codec": "int8", "schedule": "hypercube", "lag": 1},
+}
+"""The rules ``--scaling`` compares (``Probe`` fields over the gossip mode); groups larger than two
+(``--group``) run one at a time."""
+DEFAULT_RULE = "model, hypercube, lag 1"
+"""The gossip trainer's default: model averaging in one int8 tensor, hypercube partners, applied one
+round late on top of the local progress (the trainer overlaps its exchange with the next round)."""
+SCALING_PEERS = (2, 4, 8, 16)
+
+
+def scaling_plan(
+    samples: int, sync_every: int, peers: tuple[int, ...] = SCALING_PEERS, target: float = 3.6
+) -> list[tuple]:
+    """``(rule, peers, probe)`` for the scaling table: one device, ideal data-parallel (one device with
+    batch N) and every rule at every N, each over ``samples`` samples in all with a full cosine schedule."""
+
+    def base(n: int) -> Probe:
+        steps = samples // n
+        every = max(sync_every, (steps // 24) // sync_every * sync_every)
+        return Probe(
+            peers=n,
+            steps=steps,
+            sync_every=sync_every,
+            cosine=True,
+            eval_every=every,
+            eval_batches=2,
+            target=target,
+        )
+
+    plan = [("one device", 1, replace(base(1), mode="solo"))]
+    for n in peers:
+        plan.append(("data-parallel", n, replace(base(n), mode="solo", batch=n)))
+        plan += [
+            (rule, n, replace(base(n), **{"mode": "gossip", **fields})) for rule, fields in RULES.items()
+        ]
+    return plan
+
+
+def scaling_rows(plan: list[tuple], results: list[dict]) -> list[dict]:
+    """The JSON rows of ``--scaling``: speed-up over one device as a share of data-parallel's at the same
+    N, and the final loss of the peers' mean model against all-reduce's."""
+    by = {(rule, n): result for (rule, n, _), result in zip(plan, results, strict=True)}
+    solo = by[("one device", 1)]["steps_to_target"]
+    rows = []
+    for (rule, n, _probe), result in zip(plan, results, strict=True):
+        steps = result["steps_to_target"]
+        dp = by.get(("data-parallel", n), {}).get("steps_to_target")
+        share = None
+        if rule not in ("one device", "data-parallel") and steps and solo and dp:
+            share = round((solo / steps) / (solo / dp), 3)
+        final = result["final_loss_averaged_model"]
+        reference = by.get(("allreduce", n), {}).get("final_loss_averaged_model")
+        gap = round(final / reference - 1, 4) if final is not None and reference else None
+        row = {
+            "rule": rule,
+            "peers": n,
+            "steps_to_target": steps,
+            "samples_to_target": result["samples_to_target"],
+            "share_of_dataparallel": share,
+            "final_loss": final,
+            "final_loss_peers_mean": result["final_loss"],
+            "final_loss_gap_vs_allreduce": gap if rule not in ("one device", "data-parallel") else None,
+        }
+        if rule == DEFAULT_RULE:
+            row["default"] = True
+        rows.append(row)
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -191,12 +314,27 @@ def main(argv: list[str] | None = None) -> int:
     )
     defaults = Probe()
     for field, value in asdict(defaults).items():
-        parser.add_argument("--" + field.replace("_", "-"), type=type(value), default=value)
+        kind = (lambda text: text.lower() in ("1", "true", "yes")) if isinstance(value, bool) else type(value)
+        parser.add_argument("--" + field.replace("_", "-"), type=kind, default=value)
     parser.add_argument("--grid", action="store_true", help="run the docs' table instead of one probe")
+    parser.add_argument("--scaling", action="store_true", help="every rule at N = 2..16 (JSON rows)")
+    parser.add_argument("--samples", type=int, default=3200, help="samples per run with --scaling")
+    parser.add_argument("--scaling-peers", default="2,4,8,16", help="the N of --scaling")
     parser.add_argument("--jobs", type=int, default=1, help="probes run side by side with --grid")
     parser.add_argument("--json", action="store_true", help="print one JSON object per probe")
     args = vars(parser.parse_args(argv))
-    flags = {key: args.pop(key) for key in ("grid", "jobs", "json")}
+    flags = {key: args.pop(key) for key in ("grid", "scaling", "samples", "scaling_peers", "jobs", "json")}
+    if flags["scaling"]:
+        peers = tuple(int(n) for n in flags["scaling_peers"].split(","))
+        plan = scaling_plan(flags["samples"], args["sync_every"], peers, args["target"])
+        results = []
+        with ProcessPoolExecutor(max_workers=max(1, flags["jobs"])) as pool:
+            for (rule, n, _), result in zip(plan, pool.map(run, [p for _, _, p in plan]), strict=True):
+                results.append(result)
+                print(json.dumps({"rule": rule, "peers": n, **result}), file=sys.stderr, flush=True)
+        for row in scaling_rows(plan, results):
+            print(json.dumps(row), flush=True)
+        return 0
     probes = grid(args["peers"], args["steps"]) if flags["grid"] else [Probe(**args)]
     with ProcessPoolExecutor(max_workers=max(1, flags["jobs"])) as pool:
         for probe, result in zip(probes, pool.map(run, probes), strict=True):

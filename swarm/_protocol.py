@@ -4,7 +4,10 @@ Peers announce it in their records; a peer with another version is never chosen 
 monitor flags it. Bump it on any incompatible change to what crosses the network.
 """
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 """2: both sides of a gossip exchange use it (offer mode); HELLO may carry an anchor probe.
 3: records carry losses in bits (``loss_unit``), ``eval_bits_per_byte`` and ``rollbacks``; a peer
-going away says ``leaving`` (its record, and BUSY "leaving")."""
+going away says ``leaving`` (its record, and BUSY "leaving").
+4: a gossip exchange averages the pair's models by default (``averaging.exchange: model``) and a
+model offer's probe carries its schedule round; a version-3 peer would read those parameters as a
+pseudo-gradient, so the two never exchange."""

@@ -51,8 +51,9 @@ def test_meta_count_equals_a_real_model_and_wire_bytes_equal_encoded_bytes() -> 
 
 
 def test_a_folded_anchor_pull_sends_the_anchor_every_round_and_holds_both_parts_at_once() -> None:
-    separate = estimate_peer(load_config("configs/local-tiny.yaml", ["averaging.param_codec=int8"], env={}))
-    overrides = ["averaging.param_codec=int8", "averaging.anchor_pull=folded", "averaging.param_sync_every=1"]
+    rule = ["averaging.exchange=pseudo-gradient", "averaging.param_codec=int8"]
+    separate = estimate_peer(load_config("configs/local-tiny.yaml", rule, env={}))
+    overrides = [*rule, "averaging.anchor_pull=folded", "averaging.param_sync_every=1"]
     folded = estimate_peer(load_config("configs/local-tiny.yaml", overrides, env={}))
     assert folded.wire_params == separate.wire_params  # the same int8 anchor ...
     assert separate.wire_per_sync == separate.wire_delta + separate.wire_params / 5  # ... every 5th round
@@ -60,6 +61,9 @@ def test_a_folded_anchor_pull_sends_the_anchor_every_round_and_holds_both_parts_
     # one exchange holds the pseudo-gradient's buffers (int8, error feedback: 5 copies) and the anchor's
     # (int8: 4) at once, plus the state being published (2)
     assert folded.exchange_buffers == (5 + 4 + 2) * 4 * folded.parameters > separate.exchange_buffers
+    # the default model exchange sends the model once, in the pseudo-gradient's codec, and nothing else
+    model = estimate_peer(load_config("configs/local-tiny.yaml", env={}))
+    assert model.wire_per_sync == model.wire_delta == separate.wire_delta
 
 
 def test_8bit_adam_state_is_a_quarter_for_large_tensors() -> None:

@@ -79,3 +79,60 @@ def test_a_short_probe_trains_and_reports_its_curve() -> None:
 def test_an_unknown_mode_is_refused() -> None:
     with pytest.raises(ValueError, match="unknown mode 'ring'"):
         probe_outer.run(probe_outer.Probe(mode="ring"))
+
+
+def test_a_model_exchange_is_the_pair_s_model_average_and_a_late_one_keeps_local_progress() -> None:
+    outers = _peers(2)
+    models = _models(outers)
+    probe = probe_outer.Probe(mode="gossip", exchange="model", lag=1)
+    pending: dict = {}
+    probe_outer._sync(outers, probe, 1, random.Random(0), pending)
+    assert set(pending) == {0, 1} and _close(outers[0].anchor, _models(outers)[0]) is False  # not yet
+    later = []
+    for outer in outers:  # the next round's local progress, made while the exchange runs
+        step = {n: torch.full_like(p, 0.01) for n, p in outer._params.items()}
+        with torch.no_grad():
+            for n, p in outer._params.items():
+                p.add_(step[n])
+        later.append(step)
+    probe_outer._sync(outers, probe, 2, random.Random(0), pending)  # lands, then the next exchange starts
+    for outer, step in zip(outers, later, strict=True):
+        assert _close(outer.anchor, _mean(models))  # outer lr 1: the pair's mean model
+        assert _close(dict(outer._params), {n: _mean(models)[n] + step[n] for n in step})
+
+
+def test_the_hypercube_schedule_averages_four_models_exactly_in_two_rounds() -> None:
+    outers = _peers(4)
+    models = _models(outers)
+    probe = probe_outer.Probe(mode="gossip", exchange="model", schedule="hypercube")
+    for round_ in range(2):
+        probe_outer._sync(outers, probe, round_, random.Random(0))
+    assert all(_close(outer.anchor, _mean(models)) for outer in outers)
+    random_pairs = _peers(4)
+    for round_ in range(2):  # random matchings: some pair meets twice, and the four stay apart
+        probe_outer._sync(
+            random_pairs, probe_outer.Probe(mode="gossip", exchange="model"), round_, random.Random(3)
+        )
+    assert probe_outer.spread(random_pairs) > 1e-3
+
+
+def test_scaling_rows_give_the_share_of_data_parallel_and_the_gap_to_all_reduce() -> None:
+    plan = [
+        ("one device", 1, None),
+        ("data-parallel", 4, None),
+        ("allreduce", 4, None),
+        ("model, hypercube, lag 1", 4, None),
+    ]
+    results = [
+        {
+            "steps_to_target": steps,
+            "samples_to_target": None,
+            "final_loss": loss,
+            "final_loss_averaged_model": loss,
+        }
+        for steps, loss in ((400, 4.0), (125, 3.6), (160, 3.8), (200, 3.9))
+    ]
+    rows = {row["rule"]: row for row in probe_outer.scaling_rows(plan, results)}
+    assert rows["model, hypercube, lag 1"]["share_of_dataparallel"] == round(125 / 200, 3)
+    assert rows["model, hypercube, lag 1"]["final_loss_gap_vs_allreduce"] == round(3.9 / 3.8 - 1, 4)
+    assert rows["model, hypercube, lag 1"]["default"] is True and "default" not in rows["allreduce"]

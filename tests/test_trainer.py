@@ -112,7 +112,12 @@ def _record_commits(peer: TrainingPeer) -> list[_Commit]:
 def test_joiner_adopts_live_parameters_and_slow_fast_peers_both_contribute(tmp_path) -> None:
     """A fresh peer starts from a live peer's published state; then both peers' updates go into both
     models, the 3x slower peer's with less weight (its samples, as its partner received them)."""
-    base = _config(tmp_path, "averaging.sync_every_steps=1000", "averaging.sync_every_seconds=1.0")
+    base = _config(
+        tmp_path,
+        "averaging.sync_every_steps=1000",
+        "averaging.sync_every_seconds=1.0",
+        "averaging.exchange=pseudo-gradient",  # weights are samples only in the pseudo-gradient rule
+    )
     fast = _Runner(base, NetworkOptions())
     fast_commits = _record_commits(fast.peer)
     fast.start()

@@ -107,6 +107,20 @@ class AveragingSection(Section):
         "raw weights stalled training there (docs/benchmarks.md).",
     )
 
+    exchange: Literal["model", "pseudo-gradient"] = Field(
+        "model",
+        description="What a gossip exchange averages. 'model': the pair's models, in one tensor each "
+        "way (codec, param_clip_ratio); each side steps its anchor along anchor - mean, so with outer "
+        "lr 1 and no momentum the pair ends on its mean model and every exchange is a consensus step "
+        "(anchor_pull and the separate anchor exchange are then unused). 'pseudo-gradient': the pair's "
+        "mean pseudo-gradient, with anchor_pull closing the anchors' gap (docs/gossip.md, 'The rule').",
+    )
+    partners: Literal["hypercube", "random"] = Field(
+        "hypercube",
+        description="Whom a gossip round dials. 'hypercube': dimension exchange over the live trainers "
+        "in a shared hash order (round r: position i meets i XOR 2^(r mod log2 N)), a random live "
+        "partner when the scheduled one is missing or busy; 'random': a random live partner.",
+    )
     anchor_pull: Literal["separate", "folded"] = Field(
         "separate",
         description="How anchors are pulled together (gossip backend). 'separate': an anchor exchange of "

@@ -7,7 +7,12 @@ from swarm.gossip._averager import GossipAverager
 from swarm.gossip._metrics import GossipMetrics, SyncOutcome, SyncResult
 from swarm.gossip._offer import Committed, MixedPart, Offer, Offerer, Part
 from swarm.gossip._options import GossipOptions
-from swarm.gossip._partners import PartnerInfo, PartnerSource
+from swarm.gossip._partners import (
+    PartnerInfo,
+    PartnerSource,
+    consensus_order,
+    hypercube_partner,
+)
 from swarm.gossip._protocol import PROTOCOL_VERSION, handler_name
 from swarm.gossip._robust import centered_clip, centered_clip_named
 
@@ -27,5 +32,7 @@ __all__ = [
     "SyncResult",
     "centered_clip",
     "centered_clip_named",
+    "consensus_order",
     "handler_name",
+    "hypercube_partner",
 ]

@@ -61,9 +61,11 @@ class GossipAverager(StreamService):
     by keyword (``codec="fp16"``), overriding ``options``. ``robust_clip`` turns on the pairwise centred
     clip (``swarm.gossip._robust``) with its strikes; ``exclusive_with`` shares another averager's exchange
     lock (at most one exchange of the two at a time); ``respect_bans_of`` makes it also refuse the peers
-    another averager has banned. In a private swarm (``swarm_key``, by default the key ``dht`` was
-    started with) every stream starts with the swarm key handshake (:mod:`swarm.p2p`); a peer that
-    fails it is dropped before its HELLO.
+    another averager has banned; ``preferred_partner`` names the partner to try first in each
+    initiated exchange (a schedule such as :func:`~swarm.gossip.hypercube_partner`; the others follow in
+    random order when it is missing, banned or busy). In a private swarm (``swarm_key``, by default
+    the key ``dht`` was started with) every stream starts with the swarm key handshake
+    (:mod:`swarm.p2p`); a peer that fails it is dropped before its HELLO.
 
     With an ``offerer`` the averager runs in offer mode (:mod:`swarm.gossip._offer`): each exchange,
     initiated or served, uses a fresh snapshot from ``offerer.offer()`` and reports its committed
@@ -92,6 +94,7 @@ class GossipAverager(StreamService):
         initial_weight: float = 1.0,
         seed: int | None = None,
         swarm_key: SwarmKey | None = None,
+        preferred_partner: Callable[[], str | None] | None = None,
         _hooks: ExchangeHooks | None = None,
         **tuning: Any,
     ) -> None:
@@ -111,6 +114,7 @@ class GossipAverager(StreamService):
         self.run_id = run_id
         self.config_hash = config_hash
         self._partner_source = partner_source
+        self._preferred_partner = preferred_partner
         self._offerer = offerer
         self._schema_hash = ""  # of the last tensors we exchanged: error feedback restarts when it changes
         self._spec = opts.exchange_spec(_hooks)
@@ -463,7 +467,8 @@ class GossipAverager(StreamService):
             return self._result(SyncOutcome.NO_PARTNER, None, None, 0.0, "no eligible partner")
         channels: list[Channel] = []
         try:
-            order = pick_order(eligible, self._rng, self.options.max_attempts)
+            first = self._preferred_partner() if self._preferred_partner is not None else None
+            order = pick_order(eligible, self._rng, self.options.max_attempts, first=first)
             result = await self._try_partners(order, local, channels, turn)
         finally:
             for channel in channels:

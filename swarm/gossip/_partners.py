@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import random
 import threading
@@ -175,15 +176,43 @@ DIRECT_PREFERENCE = 4.0
 """How much likelier a direct partner is than a relayed one to come first in :func:`pick_order`."""
 
 
-def pick_order(partners: Sequence[PartnerInfo], rng: random.Random, max_attempts: int) -> list[PartnerInfo]:
+def pick_order(
+    partners: Sequence[PartnerInfo], rng: random.Random, max_attempts: int, first: str | None = None
+) -> list[PartnerInfo]:
     """A random order of at most ``max_attempts`` distinct partners to try, weighted towards direct ones.
 
     Each partner draws the key ``u ** (1 / weight)`` (u uniform in (0, 1]; weight 1 for relayed
     partners, :data:`DIRECT_PREFERENCE` for direct ones) and the largest keys go first: a weighted
     sample without replacement. Among partners of one kind every order is equally likely, and a
     relayed partner is never left out, only tried later on average: its traffic costs the relay's
-    bandwidth and crosses two links instead of one.
+    bandwidth and crosses two links instead of one. ``first`` (a scheduled partner's id) goes first
+    when it is among ``partners``.
     """
     keyed = [(1.0 - rng.random()) ** (1.0 / (1.0 if p.relayed else DIRECT_PREFERENCE)) for p in partners]
     order = sorted(range(len(partners)), key=keyed.__getitem__, reverse=True)
-    return [partners[i] for i in order[:max_attempts]]
+    ranked = [partners[i] for i in order]
+    ranked.sort(key=lambda p: p.peer_id != first)  # stable: the scheduled partner first, the rest as drawn
+    return ranked[:max_attempts]
+
+
+def consensus_order(peer_ids: Sequence[str], salt: str = "") -> list[str]:
+    """The live members in the order every peer computes alike: by ``sha256(salt + peer_id)`` (the run
+    id as salt, so that the order is not the same in every run), duplicates dropped."""
+    unique = set(peer_ids)
+    return sorted(unique, key=lambda peer: hashlib.sha256((salt + peer).encode()).hexdigest())
+
+
+def hypercube_partner(order: Sequence[str], me: str, round_: int) -> str | None:
+    """Our scheduled partner in dimension exchange: in round ``r`` the member at position ``i`` of the
+    shared ``order`` meets the one at ``i XOR 2^(r mod d)``, ``d = ceil(log2 N)``.
+
+    For N a power of two, d rounds of it average the N models exactly (each round halves the
+    dimensions left to agree on). None when we are not in ``order``, are alone, or the position does not
+    exist (N not a power of two): the caller falls back to a random partner then, as it does when the
+    scheduled one is busy or gone.
+    """
+    if me not in order or len(order) < 2:
+        return None
+    dims = (len(order) - 1).bit_length()
+    index = list(order).index(me) ^ (1 << (round_ % dims))
+    return order[index] if index < len(order) else None

@@ -175,7 +175,12 @@ class Hello:
 
     def mismatch(self, other: Hello) -> str | None:
         """Why ``other`` cannot exchange with us, or None if it can."""
-        for name in ("version", "run_id", "config_hash", "schema_hash", "codec", "block_size"):
+        if self.version != other.version:
+            return (
+                f"version differs (ours {self.version!r}, theirs {other.version!r}): protocol version "
+                f"{other.version} is not spoken here; run the same swarm release on every peer"
+            )
+        for name in ("run_id", "config_hash", "schema_hash", "codec", "block_size"):
             mine, theirs = getattr(self, name), getattr(other, name)
             if mine != theirs:
                 return f"{name} differs (ours {mine!r}, theirs {theirs!r})"

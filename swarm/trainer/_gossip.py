@@ -1,16 +1,24 @@
 """``averaging.backend: gossip``: quantized gossip DiLoCo with overlapped, mass-conserving exchanges.
 
 A round ends after ``sync_every_steps`` inner steps (or ``sync_every_seconds``). Then the sync worker
-exchanges our pseudo-gradient with one random live partner in the background while the training
-thread goes on with the next round; the result is applied one round late, keeping the local progress
-made meanwhile (:mod:`swarm.trainer._live`). A partner that dials us gets a snapshot and we apply the
-result too (:mod:`swarm.trainer._offers`): every exchange is a round for both sides. The device waits
-only when our own exchange lags more than ``averaging.max_lag_rounds`` rounds behind (0: a blocking
-sync). Every ``param_sync_every`` rounds, and every round while drifting, the worker also averages
-anchors with a partner, which measures the drift and pulls it back; with ``averaging.anchor_pull:
-folded`` every pseudo-gradient exchange carries the anchors instead, and that second exchange is never
-run (its averager stays, for a joiner that adopts a partner's anchor). The backend also owns the state
-server that joiners download from, and joining itself.
+exchanges with one live partner in the background while the training thread goes on with the next
+round; the result is applied when it lands, keeping the local progress made meanwhile
+(:mod:`swarm.trainer._live`). A partner that dials us gets a snapshot and we apply the result too
+(:mod:`swarm.trainer._offers`): every exchange is a round for both sides. The device waits only when
+our own exchange lags more than ``averaging.max_lag_rounds`` rounds behind (0: a blocking sync).
+
+With ``averaging.exchange: model`` (the default) an exchange averages the pair's models in one
+tensor each way, so every exchange is a consensus step, and ``averaging.partners: hypercube`` picks
+the partner by dimension exchange over the live trainers (docs/gossip.md, "The rule"): of a scheduled
+pair, the member earlier in the shared order dials and the other waits a moment to be dialled before
+it dials anyone itself.
+
+With ``averaging.exchange: pseudo-gradient`` the pair averages pseudo-gradients; every
+``param_sync_every`` rounds, and every round while drifting, the worker also averages anchors with a
+partner, which measures the drift and pulls it back; with ``averaging.anchor_pull: folded`` every
+pseudo-gradient exchange carries the anchors instead, and that second exchange is never run. The
+anchor averager stays in every mode, for a joiner that adopts a partner's anchor. The backend also
+owns the state server that joiners download from, and joining itself.
 """
 
 from __future__ import annotations
@@ -25,7 +33,14 @@ from typing import Any, cast
 import torch
 
 from swarm._device import map_large_allocations
-from swarm.gossip import GossipAverager, GossipMetrics, PartnerInfo, SyncOutcome
+from swarm.gossip import (
+    GossipAverager,
+    GossipMetrics,
+    PartnerInfo,
+    SyncOutcome,
+    consensus_order,
+    hypercube_partner,
+)
 from swarm.state import StateServer, StateTransferError, download_state, initial_peer_ids
 from swarm.trainer._backend import (
     BackendContext,
@@ -37,18 +52,22 @@ from swarm.trainer._backend import (
 )
 from swarm.trainer._joining import adopt, choose_donors, progress_of, snapshot_of, state_limits
 from swarm.trainer._live import LiveModel, Update
-from swarm.trainer._offers import ANCHOR_WEIGHT, AnchorOffers, DeltaOffers
+from swarm.trainer._offers import ANCHOR_WEIGHT, AnchorOffers, DeltaOffers, ModelOffers
 from swarm.trainer._sync import SyncWorker, make_averager
 from swarm.training import OuterOptimizer, all_finite
 
 logger = logging.getLogger(__name__)
+
+SCHEDULE_GRACE = 0.5
+"""Of a scheduled pair, the member that waits to be dialled waits at most this share of the last
+round's duration (and a quarter of ``exchange_timeout_s``) before it dials a partner itself."""
 
 JOIN_WEIGHT = 1e-9
 """A joiner's weight in its first anchor exchange: it takes over its partner's parameters."""
 
 
 class GossipBackend:
-    """Pseudo-gradient gossip with random partners, outer Nesterov steps, anchor consensus."""
+    """Model (or pseudo-gradient) gossip with scheduled partners, outer Nesterov steps, consensus."""
 
     def __init__(self, context: BackendContext) -> None:
         self._context, self._config, self._node = context, context.config, context.node
@@ -58,12 +77,17 @@ class GossipBackend:
         map_large_allocations()  # an exchange's copies go back to the system when freed
         self.outer = OuterOptimizer.from_config(context.model, avg, state_device=outer_state_device(context))
         self.live = LiveModel(context.model, self.outer, context.config.train.batch_size)
-        self._folded = avg.anchor_pull == "folded"
+        self._models = avg.exchange == "model"
+        self._folded = avg.anchor_pull == "folded" and not self._models
+        self._model_offers = ModelOffers(self.live)
         self._delta_offers = DeltaOffers(self.live, with_anchor=self._folded)
         self._anchor_offers = AnchorOffers(self.live)
         self._every_steps, self._every_seconds = avg.sync_every_steps, avg.sync_every_seconds
         self._max_lag = avg.max_lag_rounds
         self._last_request = time.monotonic()
+        self._last_own_round: float | None = None
+        self._round_seconds = 0.0
+        self._scheduled: str | None = None
         self._own_rounds = 0
         self._rounds = dict.fromkeys(("initiator", "responder", "local"), 0)
         self.stalled_seconds = 0.0
@@ -85,14 +109,17 @@ class GossipBackend:
     def _make_averagers(self, client_mode: bool | None) -> None:
         config, dht = self._config, self._node.dht
         space = self._namespace
+        scheduled = config.averaging.partners == "hypercube"
         self.deltas = make_averager(
             config,
             dht,
             self._partners,
-            self._delta_offers,
+            self._model_offers if self._models else self._delta_offers,
             namespace=space,
             client_mode=client_mode,
             with_anchor=self._folded,
+            models=self._models,
+            preferred_partner=(lambda: self._scheduled) if scheduled else None,
         )
         self.params = make_averager(
             config,
@@ -269,8 +296,15 @@ class GossipBackend:
     # ------------------------------------------------------------------ our own round (sync worker)
 
     def _own_round(self) -> None:
-        """One pseudo-gradient exchange as initiator; an outer step on our own when nobody took part."""
+        """One exchange as initiator; an outer step on our own when nobody took part."""
         self._own_rounds += 1
+        now = time.monotonic()
+        if self._last_own_round is not None:
+            self._round_seconds = now - self._last_own_round
+        self._last_own_round = now
+        if self._config.averaging.partners == "hypercube" and self._schedule_says_wait():
+            grace = min(SCHEDULE_GRACE * self._round_seconds, self._config.averaging.exchange_timeout_s / 4)
+            self.live.wait_queued(grace)  # then sync() finds nothing to offer: the partner's exchange did it
         result = self._averagers()[0].sync()
         if result.outcome is SyncOutcome.SKIPPED:
             logger.debug("own round skipped: %s", result.reason)  # a partner's exchange used our steps
@@ -284,10 +318,22 @@ class GossipBackend:
         if self._anchor_exchange_due():
             self._averagers()[1].sync()
 
+    def _schedule_says_wait(self) -> bool:
+        """Set this round's scheduled partner (:func:`~swarm.gossip.hypercube_partner` over the dialable
+        live trainers and us, in the run's hash order); True if we are the member that waits to be
+        dialled (the later one in the order), so that the two do not dial each other at once."""
+        me = self._node.peer_id
+        ids = [p.peer_id for p in self._partners() if not (p.client_mode or p.leaving)] + [me]
+        order = consensus_order(ids, salt=self._run_id)
+        schedule_round = self._model_offers.round if self._models else self._own_rounds
+        self._scheduled = hypercube_partner(order, me, schedule_round)
+        return self._scheduled is not None and order.index(self._scheduled) < order.index(me)
+
     def _anchor_exchange_due(self) -> bool:
         """A separate anchor exchange: every ``param_sync_every`` own rounds, and every round while the
-        drift exceeds ``max_drift``; never with a folded pull (every exchange pulled the anchors)."""
-        if self._folded:
+        drift exceeds ``max_drift``; never with a folded pull or a model exchange (every exchange
+        pulled the anchors)."""
+        if self._folded or self._models:
             return False
         avg, drift = self._config.averaging, self._context.progress.drift
         return (drift is not None and drift > avg.max_drift) or self._own_rounds % avg.param_sync_every == 0

@@ -55,6 +55,15 @@ class DeltaSnapshot:
     anchor: Tensors | None = None
 
 
+@dataclass(frozen=True)
+class ModelSnapshot:
+    """A copy of our parameters (float32, on the anchor's device) and the inner steps since the anchor
+    that they hold: what a model exchange (``averaging.exchange: model``) averages."""
+
+    params: Tensors
+    steps: int
+
+
 @dataclass
 class Update:
     """A committed exchange's result, waiting for the training thread.
@@ -62,8 +71,10 @@ class Update:
     ``kind="delta"``: ``gradient`` is the outer gradient (the pair's mean pseudo-gradient in sum units)
     and ``consumed`` our snapshot's pseudo-gradient with its ``steps``; with a folded anchor pull also
     ``shift``, applied after the outer step. ``kind="anchor"``: ``shift`` is how far the exchange moved
-    our anchor snapshot. ``kind="solo"``: an outer step on our own, whole
-    pseudo-gradient (no partner). ``info`` is for the round's report.
+    our anchor snapshot. ``kind="model"``: ``gradient`` is the pair's mean model and ``consumed`` our
+    snapshot of the parameters it averaged, with its ``steps``; the outer step goes along ``anchor -
+    mean`` and the steps taken since the snapshot stay on top. ``kind="solo"``: an outer step on our
+    own, whole pseudo-gradient (no partner). ``info`` is for the round's report.
     """
 
     kind: str
@@ -87,6 +98,11 @@ class LiveModel:
         self._samples_per_step = samples_per_step
         self._pending: list[Update] = []
         self._pending_kinds: set[str] = set()
+        self._queued = threading.Condition(self.lock)
+
+    @property
+    def samples_per_step(self) -> int:
+        return self._samples_per_step
 
     @contextlib.contextmanager
     def updating(self) -> Iterator[None]:
@@ -105,7 +121,7 @@ class LiveModel:
         of the probe (None also while an anchor update waits, or when the anchor is not finite).
         """
         with self.lock:
-            waiting = {"delta", "solo", "anchor"} if with_anchor else {"delta", "solo"}
+            waiting = {"delta", "solo", "model", "anchor"} if with_anchor else {"delta", "solo", "model"}
             if self._pending_kinds & waiting or self.steps == 0:
                 return None
             samples = self.steps * self._samples_per_step
@@ -127,6 +143,21 @@ class LiveModel:
             for value in self.outer.anchor[name].reshape(-1)[positions].tolist()
         )
 
+    def model_snapshot(self) -> ModelSnapshot | None:
+        """A copy of our parameters, or None while an update waits to be applied (its exchange has
+        already averaged these parameters) or when they are not finite. Unlike a pseudo-gradient, a
+        model may be averaged again with no new steps: that is one more consensus step."""
+        with self.lock:
+            if self._pending_kinds & {"delta", "solo", "model", "anchor"}:
+                return None
+            params = {
+                name: param.detach().to(self.outer.anchor[name].device, torch.float32, copy=True)
+                for name, param in self._params.items()
+            }
+            if not all_finite(params.values()):  # never served: the training thread rolls back
+                return None
+            return ModelSnapshot(params, self.steps)
+
     def anchor_snapshot(self) -> Tensors | None:
         """A copy of our anchor, or None while an anchor update waits to be applied."""
         with self.lock:
@@ -141,6 +172,13 @@ class LiveModel:
         with self.lock:
             self._pending.append(update)
             self._pending_kinds.add(update.kind)
+            self._queued.notify_all()
+
+    def wait_queued(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for an update to be queued (a scheduled partner's exchange
+        with us committed); True if one is waiting."""
+        with self._queued:
+            return self._queued.wait_for(lambda: bool(self._pending), max(0.0, timeout))
 
     def has_pending(self) -> bool:
         with self.lock:
@@ -159,7 +197,11 @@ class LiveModel:
         return updates
 
     def _apply(self, update: Update) -> None:
-        if update.kind == "delta":
+        if update.kind == "model":  # the delta form: gradient anchor - mean, consumed anchor - snapshot
+            for tensors in (update.gradient, update.consumed):
+                for name, tensor in tensors.items():
+                    tensor.neg_().add_(self.outer.anchor[name])
+        if update.kind in ("delta", "model"):
             moves = self.outer.advance(update.gradient)
             update.gradient = {}  # used: let it go before the parameters move
             for name, shift in update.shift.items():  # a folded anchor pull: anchor and model move alike

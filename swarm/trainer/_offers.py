@@ -10,12 +10,26 @@ took different numbers of steps are comparable (the robust clip compares their n
 pair is ``x' = (w x + v y) / (w + v)``; the outer gradient each side applies is ``x' (w + v) / 2 =
 (Δ_a + Δ_b) / 2``: the pair's mean pseudo-gradient, in sum units, so every sample counts once.
 
+A partner's stated weight is its own claim: nothing we receive proves it. Where it scales what we
+apply it is capped (:func:`checked_weight`): a model offer's honest weight is 1, like ours, so a
+partner counts at most as much as we do; a pseudo-gradient's weight is its samples, and a partner
+counts at most :data:`MAX_WEIGHT_RATIO` times our samples (peers on one run take comparable numbers
+of steps a round; one that claims more is undercounted, never overcounted). A HELLO claiming 1e29
+samples therefore scales our outer step by at most ``(1 + MAX_WEIGHT_RATIO) / 2``, and the robust clip
+bounds the direction.
+
+With ``averaging.exchange: model`` (:class:`ModelOffers`, the default) the offer is a copy of our
+parameters at weight 1 and the mix is the pair's mean model: one tensor each way carries both the
+pseudo-gradients and the anchors' gap (docs/gossip.md, "The rule").
+
 With ``averaging.anchor_pull: folded`` the pseudo-gradient offer carries a copy of the anchor as its
 companion part (weight 1, ``param_codec``, ``param_clip_ratio``): one exchange gives both the pair's
 mean pseudo-gradient and the anchors' pull, applied together as one update.
 """
 
 from __future__ import annotations
+
+import math
 
 from swarm.gossip import Committed, MixedPart, Offer, Part
 from swarm.trainer._live import LiveModel, Tensors, Update, probe_distance, relative_norm
@@ -47,7 +61,8 @@ class DeltaOffers:
 
     def committed(self, offer: Offer, exchange: Committed) -> None:
         snapshot = offer.token
-        pair_weight = (offer.weight + exchange.partner_weight) / 2
+        capped = checked_weight(exchange.partner_weight, offer.weight, MAX_WEIGHT_RATIO)
+        pair_weight = (offer.weight + capped) / 2
         gradient = {name: t.mul_(pair_weight) for name, t in exchange.mixed.items()}
         consumed = {name: t.mul_(snapshot.samples) for name, t in snapshot.mean.items()}
         shift: Tensors = {}
@@ -60,6 +75,78 @@ class DeltaOffers:
                 "delta", gradient=gradient, consumed=consumed, steps=snapshot.steps, shift=shift, info=info
             )
         )
+
+
+class ModelOffers:
+    """Offers a copy of our parameters; a committed exchange becomes a ``model`` update: the outer step
+    along ``anchor - mean`` (with outer lr 1 and no momentum: the pair's mean model), keeping the steps
+    taken since the snapshot.
+
+    ``round`` is our position in the partner schedule: every exchange, either side, counts one, and
+    the offer's probe carries it so that the pair leaves with the same count (the larger one plus
+    one), which keeps a swarm's hypercube rounds aligned after joins and missed exchanges.
+    """
+
+    def __init__(self, live: LiveModel) -> None:
+        self._live = live
+        self.round = 0
+
+    def offer(self) -> Offer | None:
+        snapshot = self._live.model_snapshot()
+        if snapshot is None:
+            return None
+        return Offer(
+            tensors=snapshot.params, weight=ANCHOR_WEIGHT, token=snapshot, probe=(float(self.round),)
+        )
+
+    def committed(self, offer: Offer, exchange: Committed) -> None:
+        snapshot = offer.token
+        self.round = max(self.round, partner_round(exchange.partner_probe)) + 1
+        mean = equal_share(offer.tensors, exchange.mixed, offer.weight, exchange.partner_weight)
+        drift = _pair_distance(offer.tensors, mean, exchange.clip_scale)
+        info = _info(exchange, weight=float(snapshot.steps * self._live.samples_per_step), drift=drift)
+        self._live.queue(
+            Update("model", gradient=mean, consumed=dict(offer.tensors), steps=snapshot.steps, info=info)
+        )
+
+
+MAX_ROUND = 2**40
+"""A partner's stated schedule round above this (or not a whole number) is ignored."""
+
+
+def partner_round(probe: tuple[float, ...]) -> int:
+    """The schedule round a model offer's probe states, or 0 if it states none we believe."""
+    if len(probe) != 1 or not math.isfinite(probe[0]) or not 0 <= probe[0] <= MAX_ROUND:
+        return 0
+    return int(probe[0]) if probe[0] == int(probe[0]) else 0
+
+
+MAX_WEIGHT_RATIO = 4.0
+"""A partner's pseudo-gradient counts at most this many times our samples (:func:`checked_weight`)."""
+
+
+def checked_weight(partner_weight: float, own_weight: float, ratio: float = 1.0) -> float:
+    """A partner's stated weight, counted at most ``ratio`` times ours: the claim is unchecked."""
+    return min(partner_weight, ratio * own_weight)
+
+
+def equal_share(ours: Tensors, mixed: Tensors, own_weight: float, partner_weight: float) -> Tensors:
+    """The mix as if the partner's weight were :func:`checked_weight`: its pull ``mixed - ours`` scaled
+    from share ``v / (w + v)`` to ``min(v, w) / (w + min(v, w))`` (in place on ``mixed``)."""
+    capped = checked_weight(partner_weight, own_weight)
+    scale = (capped / (own_weight + capped)) / (partner_weight / (own_weight + partner_weight))
+    if scale != 1.0:
+        for name, before in ours.items():
+            mixed[name].sub_(before).mul_(scale).add_(before)
+    return mixed
+
+
+def _pair_distance(ours: Tensors, mean: Tensors, clip_scale: float) -> float:
+    """The distance of the two models before the exchange, relative to ours: twice our move to the
+    pair's mean (over the clip's factor)."""
+    num = sum(float((mean[n].double() - t.double()).pow(2).sum()) for n, t in ours.items())
+    den = sum(float(t.double().pow(2).sum()) for t in ours.values())
+    return 2 * math.sqrt(num) / max(math.sqrt(den) * clip_scale, 1e-12)
 
 
 class AnchorOffers:

@@ -36,6 +36,8 @@ def make_averager(
     client_mode: bool | None = None,
     respect_bans_of: GossipAverager | None = None,
     with_anchor: bool = False,
+    models: bool = False,
+    preferred_partner: Callable[[], str | None] | None = None,
 ) -> GossipAverager:
     """A gossip averager in offer mode, configured from the run config; ``suffix`` separates
     independent exchanges (``.params`` for the anchors), ``namespace`` a group of peers that averages
@@ -44,7 +46,9 @@ def make_averager(
     ``client_mode`` overrides ``network.client_mode`` (a peer that nobody could dial back);
     ``respect_bans_of`` makes this averager honour another one's bans and share its exchange lock
     (docs/gossip.md); ``with_anchor`` makes every exchange carry the offer's anchor as its companion
-    part, in ``param_codec`` and clipped by ``param_clip_ratio`` (``averaging.anchor_pull: folded``)."""
+    part, in ``param_codec`` and clipped by ``param_clip_ratio`` (``averaging.anchor_pull: folded``);
+    ``models``: the exchange averages parameters (``averaging.exchange: model``), clipped by
+    ``param_clip_ratio`` like anchors; ``preferred_partner``: the schedule's partner, dialled first."""
     avg, comp = config.averaging, config.compression
     return GossipAverager(
         run_id=config.run.run_id + namespace + suffix,
@@ -66,7 +70,7 @@ def make_averager(
         ban_max_s=avg.ban_max_s,
         # anchors are clipped relative to the parameters' norm, so by a much smaller ratio
         robust_clip=avg.robust_clip,
-        clip_ratio=avg.param_clip_ratio if suffix else avg.clip_ratio,
+        clip_ratio=avg.param_clip_ratio if suffix or models else avg.clip_ratio,
         clip_hard_factor=avg.clip_hard_factor,
         clip_strikes=avg.clip_strikes,
         respect_bans_of=respect_bans_of,
@@ -75,6 +79,7 @@ def make_averager(
         companion_codec=avg.param_codec if with_anchor else None,
         companion_clip_ratio=avg.param_clip_ratio,
         client_mode=config.network.client_mode if client_mode is None else client_mode,
+        preferred_partner=preferred_partner,
     )
 
 

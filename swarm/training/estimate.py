@@ -120,7 +120,11 @@ class PeerEstimate:
         the peer started it or was dialled), plus the anchor exchange amortised over its period (a peer
         starts one every ``param_sync_every`` of its own rounds, about every other round is its own, and
         it is dialled for about as many as it starts). With a folded anchor pull every exchange carries
-        the anchor: both, every round, and no exchange of its own for the anchors."""
+        the anchor: both, every round, and no exchange of its own for the anchors. A model exchange
+        (``anchor_pull`` "model", ``averaging.exchange: model``) sends the model in the pseudo-gradient's
+        codec, and nothing else."""
+        if self.anchor_pull == "model":
+            return self.wire_delta
         if self.anchor_pull == "folded":
             return self.wire_delta + self.wire_params
         return self.wire_delta + self.wire_params / self.param_sync_every
@@ -260,7 +264,7 @@ def estimate_peer(config: RunConfig, device: str = "cuda", *, eight_bit: bool | 
         wire_delta=wire_bytes(model, comp.codec, comp.block_size),
         wire_params=wire_bytes(model, avg.param_codec, comp.block_size),
         param_sync_every=avg.param_sync_every,
-        anchor_pull=avg.anchor_pull,
+        anchor_pull="model" if avg.exchange == "model" else avg.anchor_pull,
         autocast_weights=half * params,
         accumulation=(4 + half) * largest if config.train.batch_size > 1 else 0,
         evaluation=evaluation_bytes(shape, half),
