@@ -31,6 +31,7 @@ from typing import Any
 from pydantic import ValidationError
 from torch import nn
 
+from swarm._atomic import replace_directory, write_json_synced
 from swarm._errors import SwarmError
 from swarm._tokenizer import load_tokenizer
 from swarm.config import ModelSection, RunConfig
@@ -158,10 +159,10 @@ def export_model(exported: ExportedModel, out: str | os.PathLike[str], *, overwr
             from safetensors.torch import save_file
 
             save_file(to_gpt2(exported.model.state_dict()), str(temporary / MODEL_FILE), {"format": "pt"})
-            _write_json(temporary / CONFIG_FILE, gpt2_config(exported.model_config))
+            write_json_synced(temporary / CONFIG_FILE, gpt2_config(exported.model_config))
         _save_tokenizer(exported, temporary)
-        _write_json(temporary / SWARM_FILE, exported.metadata())
-        _replace_directory(temporary, target)
+        write_json_synced(temporary / SWARM_FILE, exported.metadata())
+        replace_directory(temporary, target)
     except BaseException:
         shutil.rmtree(temporary, ignore_errors=True)
         raise
@@ -179,31 +180,6 @@ def _save_tokenizer(exported: ExportedModel, directory: Path) -> None:
             return
     if tokenizer is not None:
         tokenizer.save_pretrained(str(directory))
-
-
-def _write_json(path: Path, data: dict[str, Any]) -> None:
-    with open(path, "w", encoding="utf-8") as handle:
-        json.dump(data, handle, indent=2, sort_keys=True)
-        handle.write("\n")
-        handle.flush()
-        os.fsync(handle.fileno())
-
-
-def _replace_directory(new: Path, target: Path) -> None:
-    """Rename ``new`` to ``target``; a non-empty ``target`` is moved aside first and removed after."""
-    old = None
-    if target.is_dir() and any(target.iterdir()):
-        old = target.parent / f".{target.name}.{os.getpid()}.old"
-        shutil.rmtree(old, ignore_errors=True)
-        os.rename(target, old)
-    os.replace(new, target)  # onto an empty directory, or a free name
-    fd = os.open(target.parent, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
 
 
 def load_exported(directory: str | os.PathLike[str]) -> ExportedModel:

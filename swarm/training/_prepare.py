@@ -10,7 +10,6 @@ so preparing needs memory for one file or one batch of documents, not for the co
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from pathlib import Path
@@ -18,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from swarm._atomic import replace_directory, write_json_synced
 from swarm._tokenizer import Tokenizer, load_tokenizer
 from swarm.config import DataSection
 from swarm.training._hf_stream import HFStreamSource
@@ -113,8 +113,8 @@ def prepare_tokens(
             **entries,
             "checksum": content_checksum(dtype, entries["train"], entries["eval"]),
         }
-        _write_json(temporary / INDEX_FILE, index)
-        _replace_directory(temporary, target)
+        write_json_synced(temporary / INDEX_FILE, index, indent=1)
+        replace_directory(temporary, target)
     except BaseException:
         shutil.rmtree(temporary, ignore_errors=True)
         raise
@@ -178,23 +178,3 @@ def _write_stream(
     if not kept:
         raise ValueError(f"{source.name}: no held-out documents; raise data.eval_fraction")
     held_out.write(np.asarray(source.eval_from(kept))[:MAX_EVAL_TOKENS])
-
-
-def _write_json(path: Path, data: dict[str, Any]) -> None:
-    with open(path, "w", encoding="utf-8") as handle:
-        json.dump(data, handle, indent=1, sort_keys=True)
-        handle.write("\n")
-        handle.flush()
-        os.fsync(handle.fileno())
-
-
-def _replace_directory(new: Path, target: Path) -> None:
-    """Rename ``new`` to ``target``; a non-empty ``target`` is moved aside first and removed after."""
-    old = None
-    if target.is_dir() and any(target.iterdir()):
-        old = target.parent / f".{target.name}.{os.getpid()}.old"
-        shutil.rmtree(old, ignore_errors=True)
-        os.rename(target, old)
-    os.replace(new, target)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
