@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from swarm._tokenizer import Tokenizer
+from swarm.config import DataSection
 from swarm.training._windows import encode, hash64, is_held_out
 
 ENCODE_BATCH = 256
@@ -72,6 +73,19 @@ class HFStreamSource:
         stream = datasets.load_dataset(dataset_name, name=hf_config, split=split, streaming=True)
         label = dataset_name if hf_config is None else f"{dataset_name}/{hf_config}"
         return cls(stream, eval_fraction, name=f"{label}[{split}]", **options)
+
+    @classmethod
+    def from_section(cls, data: DataSection, tokenizer: Tokenizer | None) -> HFStreamSource:
+        """The stream a ``data.source: hf`` section names (dataset, subset, split, text field)."""
+        assert data.hf_dataset is not None  # the config validator guarantees it
+        return cls.from_name(
+            data.hf_dataset,
+            data.eval_fraction,
+            hf_config=data.hf_config,
+            split=data.split,
+            text_field=data.text_field,
+            tokenizer=tokenizer,
+        )
 
     def _text_of(self, record: Any) -> bytes | None:
         """A document's text with its newline, None for a document without text (a null field)."""

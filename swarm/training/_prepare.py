@@ -146,15 +146,7 @@ def _write_stream(
     data: DataSection, tokenizer: Tokenizer | None, train: TokenWriter, held_out: TokenWriter, budget: _Budget
 ) -> None:
     """The hf stream's documents in stream order; its held-out split as the streamed source has it."""
-    assert data.hf_dataset is not None  # the config validator guarantees it
-    source = HFStreamSource.from_name(
-        data.hf_dataset,
-        data.eval_fraction,
-        hf_config=data.hf_config,
-        split=data.split,
-        text_field=data.text_field,
-        tokenizer=tokenizer,
-    )
+    source = HFStreamSource.from_section(data, tokenizer)
     kept: list[bytes] = []
     kept_bytes = 0
 

@@ -205,15 +205,7 @@ def open_source(data: DataSection) -> Corpus | HFStreamSource | TokenFile:
     """The token source ``data`` describes; an in-memory corpus or a token file is opened once per process."""
     tokenizer = load_tokenizer(data.tokenizer) if data.tokenizer is not None else None
     if data.source == "hf":
-        assert data.hf_dataset is not None  # the config validator guarantees it
-        return HFStreamSource.from_name(
-            data.hf_dataset,
-            data.eval_fraction,
-            hf_config=data.hf_config,
-            split=data.split,
-            text_field=data.text_field,
-            tokenizer=tokenizer,
-        )
+        return HFStreamSource.from_section(data, tokenizer)
     if data.source == "tokens":
         return open_token_file(data.paths[0], tokenizer=tokenizer, eval_fraction=data.eval_fraction)
     return _cached_corpus(data.source, tuple(data.paths), data.eval_fraction, tokenizer)
