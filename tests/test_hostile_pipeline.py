@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from swarm.pipeline import Router, StageClient, StageError, StageWorker, build_stage, plan_stages
-from swarm.pipeline._client import Reply
+from swarm.pipeline._client import CallFailed, Reply
 from swarm.pipeline._compute import (
     CLIP_FACTOR,
     CLIP_WARMUP,
@@ -63,9 +63,11 @@ def test_a_peer_that_is_no_data_holder_cannot_apply_gradients_to_a_stage(stage: 
         # a forward changes nothing: anyone may have one
         _call(stranger, s, Request("forward", mb, MICRO, TOKENS, False, False, True, 0), [("x", x)])
         before = s.grads()
-        with pytest.raises(StageError, match="data holders"):
+        # refused with the reason, or (on a loaded machine) the refused stream closes before the
+        # client reads the reason; either way nothing below may change
+        with pytest.raises((StageError, CallFailed), match=r"data holders|IncompleteReadError"):
             _call(stranger, s, Request("backward", mb, MICRO, TOKENS, False, False, True, 0), [("g", g)])
-        with pytest.raises(StageError, match="data holders"):
+        with pytest.raises((StageError, CallFailed), match=r"data holders|IncompleteReadError"):
             _call(
                 stranger, s, Request("forward", mb, MICRO, TOKENS, False, True, True, 0), [("x", x), ("g", g)]
             )
