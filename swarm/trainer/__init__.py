@@ -15,8 +15,9 @@ from swarm.trainer._backend import (
 )
 from swarm.trainer._factory import make_backend
 from swarm.trainer._ledger import SwarmLedger
-from swarm.trainer._peer import SyncReport, TrainingPeer
+from swarm.trainer._peer import TrainingPeer
 from swarm.trainer._progress import Progress
+from swarm.trainer._report import SyncReport
 
 __all__ = [
     "AveragingBackend",
