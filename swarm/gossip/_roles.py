@@ -1,0 +1,186 @@
+"""The two network roles of a :class:`~swarm.gossip.GossipAverager`: serving a partner's exchange and
+initiating our own. Both end in the averager's one data phase and commit (``_exchange``), so this
+mixin holds only what differs: the handshake side, the choice of partners and abort handling."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import random
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+from swarm.gossip._exchange import in_thread
+from swarm.gossip._gate import ExchangeGate, Turn
+from swarm.gossip._handshake import BANNED_REASON, Handshake
+from swarm.gossip._local import Local
+from swarm.gossip._metrics import MetricsRecorder, SyncOutcome, SyncResult, log_failure
+from swarm.gossip._offer import Offerer
+from swarm.gossip._options import GossipOptions
+from swarm.gossip._partners import PartnerInfo, eligible_partners, pick_order
+from swarm.gossip._protocol import PROTOCOL_VERSION, Channel, Hello, MsgKind, parse_json
+from swarm.gossip._reputation import Reputation
+
+if TYPE_CHECKING:
+    from hivemind.p2p import P2P
+
+logger = logging.getLogger("swarm.gossip._averager")
+
+
+class ExchangeRoles:
+    """Serving and initiating side of the averager; the state is the averager's (declared here)."""
+
+    if TYPE_CHECKING:
+        options: GossipOptions
+        config_hash: str
+        peer_id: str
+        _p2p: P2P
+        _handshake: Handshake
+        _metrics: MetricsRecorder
+        _reputation: Reputation
+        _gate: ExchangeGate
+        _lock: threading.Lock
+        _local: Local | None
+        _offerer: Offerer | None
+        _last_partner: str | None
+        _preferred_partner: Callable[[], str | None] | None
+        _rng: random.Random
+        _aborted: bool
+        _inflight: asyncio.Task[SyncResult] | None
+        _serving: asyncio.Task[None] | None
+
+        def _offered(self, offerer: Offerer) -> Local | None: ...
+        async def _exchange(
+            self, partner: str, channel: Channel, local: Local, theirs: Hello, turn: Turn, *, initiator: bool
+        ) -> SyncResult: ...
+        def _result(
+            self,
+            outcome: SyncOutcome,
+            partner: str | None,
+            channel: Channel | None,
+            latency: float,
+            reason: str,
+        ) -> SyncResult: ...
+
+    # ------------------------------------------------------------------ serving side
+
+    async def _handle(self, peer: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        channel = self._handshake.channel(reader, writer)
+        try:
+            await self._serve_exchange(peer, channel)
+        finally:
+            self._metrics.add_bytes(channel.bytes_sent, channel.bytes_received)
+
+    async def _serve_exchange(self, peer: str, channel: Channel) -> None:
+        _, payload = await channel.recv_expect(MsgKind.HELLO)
+        theirs = Hello.from_json(parse_json(payload))
+        if self._reputation.is_banned(peer):
+            await channel.send_json(MsgKind.REJECT, {"reason": BANNED_REASON})
+            return
+        if self._aborted:
+            await channel.send_json(MsgKind.BUSY, {"reason": "leaving"})
+            return
+        if not self._gate.try_serve():
+            await channel.send_json(MsgKind.BUSY, {"reason": "in another exchange"})
+            return
+        self._serving = asyncio.current_task()
+        try:
+            taken = await self._serving_offer()
+            if taken is None:
+                await channel.send_json(MsgKind.BUSY, {"reason": "nothing to offer yet"})
+                return
+            local, turn = taken
+            ours = self._handshake.hello(*local.stated())
+            mismatch = ours.mismatch(theirs)
+            if mismatch is not None:
+                await channel.send_json(MsgKind.REJECT, {"reason": mismatch})
+                return
+            await channel.send_json(MsgKind.ACCEPT, ours.to_json())
+            result = await self._exchange(peer, channel, local, theirs, turn, initiator=False)
+            logger.debug("served exchange with %s: %s %s", peer, result.outcome.value, result.reason)
+        finally:
+            self._serving = None
+            self._gate.served()
+
+    async def _serving_offer(self) -> tuple[Local, Turn] | None:
+        """What we serve and its turn, taken under the exchange lock; None if there is nothing to
+        offer or the lock is held (``paused()``, or a commit: the partner gets BUSY)."""
+        if not self._lock.acquire(blocking=False):
+            return None
+        try:
+            local = self._local if self._offerer is None else await in_thread(self._offered, self._offerer)
+            return None if local is None else (local, Turn(self._gate, self._gate.generation()))
+        finally:
+            self._lock.release()
+
+    # ------------------------------------------------------------------ initiating side
+
+    async def _initiate_abortable(
+        self, local: Local, candidates: Sequence[PartnerInfo], turn: Turn
+    ) -> SyncResult:
+        """:meth:`_initiate` as a task that :meth:`abort` can cancel; a cancelled one returns CANCELLED."""
+        cancelled = self._result(SyncOutcome.CANCELLED, None, None, 0.0, "aborted: shutting down")
+        if self._aborted:
+            return cancelled
+        self._inflight = asyncio.ensure_future(self._initiate(local, candidates, turn))
+        try:
+            return await self._inflight
+        except asyncio.CancelledError:
+            if not self._inflight.cancelled():
+                raise  # we were cancelled ourselves (loop shutdown), not just the exchange
+            self._metrics.count("failed")
+            return cancelled
+        finally:
+            self._inflight = None
+
+    async def _initiate(self, local: Local, candidates: Sequence[PartnerInfo], turn: Turn) -> SyncResult:
+        """Try random eligible partners until one accepts; that exchange's outcome is the result."""
+        eligible = eligible_partners(
+            candidates,
+            self_id=self.peer_id,
+            protocol_version=PROTOCOL_VERSION,
+            config_hash=self.config_hash,
+            banned=self._reputation.is_banned,
+            last_partner=self._last_partner,
+        )
+        if not eligible:
+            self._metrics.count("no_partner")
+            return self._result(SyncOutcome.NO_PARTNER, None, None, 0.0, "no eligible partner")
+        channels: list[Channel] = []
+        try:
+            first = self._preferred_partner() if self._preferred_partner is not None else None
+            order = pick_order(eligible, self._rng, self.options.max_attempts, first=first)
+            result = await self._try_partners(order, local, channels, turn)
+        finally:
+            for channel in channels:
+                channel.close()
+            sent = sum(channel.bytes_sent for channel in channels)
+            received = sum(channel.bytes_received for channel in channels)
+            self._metrics.add_bytes(sent, received)
+        return dataclasses.replace(result, bytes_sent=sent, bytes_received=received)
+
+    async def _try_partners(
+        self, order: Sequence[PartnerInfo], local: Local, channels: list[Channel], turn: Turn
+    ) -> SyncResult:
+        deadline = time.monotonic() + self.options.exchange_timeout_s
+        busy, reason = 0, ""
+        for info in order:
+            if time.monotonic() >= deadline:
+                break
+            hello = self._handshake.hello(*local.stated())
+            reply = await self._handshake.propose(self._p2p, info.peer_id, hello, channels)
+            if reply.kind is MsgKind.ACCEPT and reply.channel is not None and reply.hello is not None:
+                return await self._exchange(
+                    info.peer_id, reply.channel, local, reply.hello, turn, initiator=True
+                )
+            self._reputation.answered(info.peer_id, reply)
+            busy += reply.kind is MsgKind.BUSY
+            if reply.kind is not MsgKind.BUSY:
+                outcome = SyncOutcome.FAILED if reply.kind is None else SyncOutcome.REJECTED
+                log_failure("initiator", info.peer_id, "handshake", outcome, reply.reason or reply.describe())
+            reason = f"{info.peer_id}: {reply.describe()}"
+        outcome = SyncOutcome.BUSY if busy else SyncOutcome.FAILED
+        return self._result(outcome, None, None, 0.0, reason)
