@@ -277,3 +277,16 @@ def test_of_each_scheduled_pair_exactly_one_trainer_dials(count: int) -> None:
                 continue
             assert scheduled[partner] == me  # mutual
             assert waits[me] != waits[partner]  # one dials, the other waits to be dialled
+
+
+def test_a_model_offer_states_our_progress_since_the_anchor() -> None:
+    """What a partner's model is judged against (``Offer.blame_norm``): our own measured progress,
+    ``||params - anchor||``, zero before any step and after an exchange that left nothing pending."""
+    peer = Peer(5, "model")
+    offer = peer.offers.offer()
+    assert offer is not None and offer.blame_norm == 0.0
+    with peer.live.updating():
+        peer.model.weight.data.add_(0.5)
+    offer = peer.offers.offer()
+    assert offer is not None
+    assert offer.blame_norm == pytest.approx(0.5 * math.sqrt(peer.model.weight.numel()), rel=1e-5)

@@ -198,3 +198,30 @@ def test_centered_clip_named_per_tensor_and_counters_from_the_first() -> None:
     states.append({"w": torch.full((3,), 1e6), "n": torch.tensor(9)})
     out = centered_clip_named(states)
     assert float(out["w"].max()) < 10 and int(out["n"]) == 1
+
+
+def test_a_model_offer_is_judged_against_our_progress_not_the_parameters_norm() -> None:
+    """A model exchange clips by the parameters' ratio but blames by our progress since the anchor
+    (``blame_norm``, ``blame_ratio``): an honest partner 15% away while we moved 9% is ordinary, though
+    it is over the parameters' radius; a push of 30 times our progress is hard, though it is only 3% of
+    the parameters' norm."""
+    models = ClipPolicy(clip_ratio=0.1, hard_factor=10.0, blame_ratio=2.0)
+    anchors = ClipPolicy(clip_ratio=0.1, hard_factor=10.0)  # judged by the parameters' norm
+    ours = _state(13, scale=10.0)
+    direction = _state(14)
+    unit = {n: t / _norm(direction) for n, t in direction.items()}
+
+    def at(distance: float) -> dict[str, torch.Tensor]:
+        return {n: ours[n] + distance * _norm(ours) * unit[n] for n in ours}
+
+    progress = 0.09 * _norm(ours)
+    honest = clip_scale(ours, at(0.15), models, blame_norm=progress)
+    by_parameters = clip_scale(ours, at(0.15), anchors)
+    assert by_parameters.excess > 1 and honest.excess < 1 and not honest.hard
+    assert honest.scale == by_parameters.scale < 1  # the shared clip is the parameters' either way
+    assert honest.own_norm == pytest.approx(progress)  # what the reputation keeps as its reference
+    small_progress = 0.001 * _norm(ours)
+    pushed = clip_scale(ours, at(0.03), models, blame_norm=small_progress)
+    assert pushed.hard and not clip_scale(ours, at(0.03), anchors).hard
+    with pytest.raises(ValueError, match="blame_ratio"):
+        ClipPolicy(blame_ratio=0.0)

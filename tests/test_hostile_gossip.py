@@ -34,8 +34,9 @@ from swarm.gossip._metrics import MetricsRecorder
 from swarm.gossip._options import GossipOptions
 from swarm.gossip._protocol import Channel, MsgKind
 from swarm.gossip._reputation import Reputation
-from swarm.gossip._robust import ClipPolicy, ClipStats, centered_clip_named, clip_scale, robust_mix
+from swarm.gossip._robust import Blame, ClipPolicy, ClipStats, centered_clip_named, clip_scale, robust_mix
 from swarm.gossip._validation import NormPolicy, tensor_norm, validate_received
+from swarm.trainer._live import progress_norm, relative_norm
 from tests._processes import wait_until
 from tests.workers.gossip_pool import adversary_hooks, p2pd_pids, wait_no_leak
 
@@ -372,8 +373,8 @@ def test_the_exchange_path_uses_no_float64(monkeypatch) -> None:
         a, b = await _channel_pair()
         try:
             await asyncio.gather(
-                run_exchange(a, ours, (3.0, 5.0), spec, None, 1.0),
-                run_exchange(b, theirs, (5.0, 3.0), spec, None, 1.0),
+                run_exchange(a, ours, (3.0, 5.0), spec, None, Blame(1.0)),
+                run_exchange(b, theirs, (5.0, 3.0), spec, None, Blame(1.0, own=2.0)),
             )
         finally:
             a.close()
@@ -387,6 +388,8 @@ def test_the_exchange_path_uses_no_float64(monkeypatch) -> None:
         mix(ours, ours, 3.0, theirs, 5.0)
         centered_clip_named([ours, theirs, ours])
         asyncio.run(exchange())
+        # the trainer's side of a model exchange: its progress and the pair's distance
+        assert progress_norm(theirs, ours) > 0 and relative_norm(theirs, ours) > 0
     with pytest.raises(AssertionError, match="float64"), _NoFloat64():
         torch.ones(3).double()  # the guard does catch it
 

@@ -40,6 +40,7 @@ from swarm.gossip._options import GossipOptions
 from swarm.gossip._partners import PartnerSource
 from swarm.gossip._protocol import Channel, Hello, handler_name
 from swarm.gossip._reputation import Reputation
+from swarm.gossip._robust import Blame
 from swarm.gossip._roles import ExchangeRoles
 from swarm.gossip._validation import schema_hash, schema_of
 from swarm.p2p import P2PFactory, StreamService
@@ -319,13 +320,12 @@ class GossipAverager(ExchangeRoles, StreamService):
         """Run the data phase under the exchange deadline, without the exchange lock; commit (under
         it) if ``turn`` got the reservation and both sides ACKed, or leave everything untouched."""
         started, before = time.monotonic(), (channel.bytes_sent, channel.bytes_received)
-        norm_reference = self._reputation.norm_reference()
+        own = local.offer.blame_norm if local.offer is not None else None
+        blame = Blame(self._reputation.norm_reference(), own)
         weights = (local.weight, theirs.weight)
         companion = companion_of(local, theirs, self._companion_spec)
         ef = self._ef.fork() if self._ef is not None else None  # its pending residuals are its own
-        exchange = run_exchange(
-            channel, local.tensors, weights, self._spec, ef, norm_reference, companion, turn
-        )
+        exchange = run_exchange(channel, local.tensors, weights, self._spec, ef, blame, companion, turn)
         try:
             deadline = self._deadlines.exchange_s(partner, local.total_nbytes)
             ended = await settle(exchange, deadline, partner)

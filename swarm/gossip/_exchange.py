@@ -39,7 +39,7 @@ from swarm.gossip._deadlines import Sending, SlowPartner, rate_floor
 from swarm.gossip._gate import NOT_COMMITTED_REASON, Turn
 from swarm.gossip._metrics import SyncOutcome
 from swarm.gossip._protocol import Channel, MsgKind, ProtocolError, parse_json
-from swarm.gossip._robust import ClipPolicy, ClipStats, robust_mix
+from swarm.gossip._robust import NO_BLAME, Blame, ClipPolicy, ClipStats, robust_mix
 from swarm.gossip._validation import NormPolicy, Schema, ValidationError, validate_received
 from swarm.p2p import PEER_FAULTS
 
@@ -147,13 +147,13 @@ async def run_exchange(
     weights: tuple[float, float],
     spec: ExchangeSpec,
     error_feedback: ErrorFeedback | None,
-    norm_reference: float = 0.0,
+    blame: Blame = NO_BLAME,
     companion: Companion | None = None,
     turn: Turn | None = None,
 ) -> Mixed:
     """Send ours and receive theirs concurrently, validate, mix, then swap ACKs.
 
-    ``norm_reference`` (robust mixing only): our recent own norm, for blaming the partner.
+    ``blame`` (robust mixing only): the norms the partner's difference is judged against.
     ``companion``: a second part, sent and received after the first on the same stream.
     ``turn``: reserved before our ACK (:mod:`swarm.gossip._gate`); the caller releases it.
 
@@ -180,10 +180,10 @@ async def run_exchange(
     except BaseException:
         await _cancel(sender)
         raise
-    mixed = await in_thread(_mix, spec, local, sent[0], weights, received[0], norm_reference)
+    mixed = await in_thread(_mix, spec, local, sent[0], weights, received[0], blame)
     if companion is not None:
         other = await in_thread(
-            _mix, companion.spec, companion.tensors, sent[1], companion.weights, received[1], 0.0
+            _mix, companion.spec, companion.tensors, sent[1], companion.weights, received[1], NO_BLAME
         )
         mixed = dataclasses.replace(mixed, companion=other)
     refusal = turn.reserve() if turn is not None else None
@@ -343,11 +343,13 @@ def _mix(
     sent: Mapping[str, torch.Tensor],
     weights: tuple[float, float],
     received: Mapping[str, torch.Tensor],
-    norm_reference: float,
+    blame: Blame,
 ) -> Mixed:
     if spec.clip is None:
         return mix(local, sent, weights[0], received, weights[1])
-    tensors, stats = robust_mix(local, sent, weights[0], received, weights[1], spec.clip, norm_reference)
+    tensors, stats = robust_mix(
+        local, sent, weights[0], received, weights[1], spec.clip, blame.reference, blame.own
+    )
     return Mixed(tensors=tensors, weight=weights[0], clip=stats)
 
 

@@ -56,6 +56,9 @@ class Offer:
     probe: tuple[float, ...] = ()
     companion: Part | None = None
     """Required by an averager with a companion codec, refused by one without."""
+    blame_norm: float | None = None
+    """How far an honest partner's tensors may plausibly be from ours, in norm, per unit of the clip's
+    blame ratio (None: the norm of ours); see :mod:`swarm.gossip._robust`. Our own measurement."""
 
 
 @dataclass(frozen=True)

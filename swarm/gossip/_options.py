@@ -30,9 +30,12 @@ class GossipOptions:
     """Longest bound on one whole exchange; a value below exchange_timeout_s counts as that."""
     chunk_timeout_s: float = 10.0
     """Bound on dialling, the handshake, and on any pause in a transfer (nothing sent or received)."""
-    min_rate_bytes_s: float = 32 * 1024
+    min_rate_bytes_s: float = 16 * 1024
     """Rate floor of a transfer, each way: a partner that sends or reads less than this many bytes per
-    second, over any window of ``chunk_timeout_s`` while data is still due, is dropped (0: no floor)."""
+    second, over any window of ``chunk_timeout_s`` while data is still due, is dropped (0: no floor).
+    An eighth of a 1 Mbit/s uplink: libp2p streams both ways at once over such a link were measured
+    at 30-60 KB/s each way, so a higher floor drops honest home peers; a trickler (64 KiB every 10 s,
+    6.5 KB/s) is still far below it."""
     max_norm_ratio: float = 100.0
     """A received tensor may be at most this many times the norm of ours (docs/gossip.md)."""
     norm_floor: float = 1.0
@@ -61,6 +64,10 @@ class GossipOptions:
     exchanged in the same handshake, mixed on its own and never with error feedback (None: no part)."""
     companion_clip_ratio: float = 0.1
     """The robust clip's ratio for the companion part (``clip_ratio`` is the first part's)."""
+    blame_ratio: float | None = None
+    """The first part's radius multiple when judging the partner (None: ``clip_ratio``); a model
+    exchange clips by the parameters' ratio but judges by the pseudo-gradients'
+    (:mod:`swarm.gossip._robust`)."""
 
     def __post_init__(self) -> None:
         if self.chunk_bytes < 4096:
@@ -81,7 +88,7 @@ class GossipOptions:
 
     def exchange_spec(self, hooks: ExchangeHooks | None = None) -> ExchangeSpec:
         """What every exchange of the averager uses: codec, chunking, norm checks, clip policy."""
-        return self._spec(self.codec, self.clip_ratio, hooks)
+        return self._spec(self.codec, self.clip_ratio, hooks, self.blame_ratio)
 
     def companion_spec(self) -> ExchangeSpec | None:
         """The same for the companion part (its codec and clip ratio, no test hooks), or None."""
@@ -89,10 +96,12 @@ class GossipOptions:
             return None
         return self._spec(self.companion_codec, self.companion_clip_ratio, None)
 
-    def _spec(self, codec: str, clip_ratio: float, hooks: ExchangeHooks | None) -> ExchangeSpec:
+    def _spec(
+        self, codec: str, clip_ratio: float, hooks: ExchangeHooks | None, blame_ratio: float | None = None
+    ) -> ExchangeSpec:
         clip = None
         if self.robust_clip:
-            clip = ClipPolicy(clip_ratio, self.clip_floor, self.clip_hard_factor)
+            clip = ClipPolicy(clip_ratio, self.clip_floor, self.clip_hard_factor, blame_ratio=blame_ratio)
         return ExchangeSpec(
             codec=get_codec(codec, block_size=self.block_size),
             chunk_bytes=self.chunk_bytes,

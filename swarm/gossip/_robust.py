@@ -18,7 +18,13 @@ accumulated in blocks (:func:`swarm.gossip._validation.tensor_norm`): no float64
 Blame is local and judged per stated sample: ``excess`` is ``||d||`` over the radius that our own norms
 and the two stated sample counts (weights ``w``, ``v``) make plausible::
 
-    radius = clip_ratio * max(||q||, reference, clip_floor) * sqrt((1 + w / v) / 2)
+    radius = blame_ratio * max(own, reference, clip_floor) * sqrt((1 + w / v) / 2)
+
+``own`` is ``||q||`` unless the offer states what an honest partner's tensors may differ from ours by
+(``blame_norm``): a model exchange sends parameters, whose norm says nothing about how far two honest
+models are apart, so it is judged against our own progress since the last consensus, ``||theta -
+anchor||``, with the pseudo-gradient's ratio (two honest models differ by about the difference of
+their progress, as two pseudo-gradients do). ``blame_ratio`` is ``clip_ratio`` unless set.
 
 Both tensors are per-sample means; the noise of a mean over ``n`` samples shrinks as ``1 / sqrt(n)``, so
 with ``||q||^2 >= noise^2 / w`` the difference of two honest means is at most about
@@ -53,8 +59,12 @@ class ClipPolicy:
     """An exchange where one side states a weight of at most this is a joiner taking over its
     partner's tensors, not an average: it is not clipped. (The other side moves by at most that weight's
     share; a partner claiming a *huge* weight instead is clipped as usual.)"""
+    blame_ratio: float | None = None
+    """The radius's multiple of our own norm when judging the partner (None: ``clip_ratio``)."""
 
     def __post_init__(self) -> None:
+        if self.blame_ratio is not None and not self.blame_ratio > 0:
+            raise ValueError(f"need blame_ratio > 0, got {self.blame_ratio}")
         if not (self.clip_ratio > 0 and self.clip_floor >= 0 and self.hard_factor >= 1):
             raise ValueError(
                 f"need clip_ratio > 0, clip_floor >= 0, hard_factor >= 1; got {self.clip_ratio}, "
@@ -68,7 +78,8 @@ class ClipStats:
 
     ``scale`` is ``s`` (1.0: nothing clipped); ``excess`` is ``||d||`` over the radius our own norms and
     the stated sample counts make plausible (module docstring); ``hard`` is ``excess > hard_factor``:
-    the partner is suspect. ``own_norm`` is ``||q||``, for the caller's reference. ``judged`` is False
+    the partner is suspect. ``own_norm`` is the norm blamed against (``||q||`` or the offer's
+    ``blame_norm``), for the caller's reference. ``judged`` is False
     when no clip was computed (a joiner's weight, :func:`robust_mix`): then the exchange says nothing
     about the partner either way.
     """
@@ -82,6 +93,18 @@ class ClipStats:
     @property
     def clipped(self) -> bool:
         return self.scale < 1.0
+
+
+@dataclass(frozen=True)
+class Blame:
+    """What one exchange's partner is judged against: ``reference``, the largest norm we were judged
+    against in recent exchanges, and ``own``, the offer's ``blame_norm`` (None: the norm we sent)."""
+
+    reference: float = 0.0
+    own: float | None = None
+
+
+NO_BLAME = Blame()
 
 
 def plausible_spread(weights: tuple[float, float]) -> float:
@@ -99,16 +122,20 @@ def clip_scale(
     policy: ClipPolicy,
     reference: float = 0.0,
     weights: tuple[float, float] = (1.0, 1.0),
+    blame_norm: float | None = None,
 ) -> ClipStats:
     """The shared clip factor ``s`` of an exchange (identical on both sides) and our local suspicion,
-    judged per stated sample of ``weights`` (ours, the partner's)."""
+    judged per stated sample of ``weights`` (ours, the partner's) against ``blame_norm`` (None:
+    ``||q||``) or ``reference``, whichever is larger (module docstring)."""
     own, theirs = norm_of(sent), norm_of(received)
     diff = distance(sent, received)
     tau = policy.clip_ratio * max(min(own, theirs), policy.clip_floor)
     scale = 1.0 if diff <= tau else tau / diff
-    own_radius = policy.clip_ratio * max(own, reference, policy.clip_floor) * plausible_spread(weights)
+    blamed = own if blame_norm is None else blame_norm
+    ratio = policy.clip_ratio if policy.blame_ratio is None else policy.blame_ratio
+    own_radius = ratio * max(blamed, reference, policy.clip_floor) * plausible_spread(weights)
     excess = diff / own_radius if own_radius > 0 else (math.inf if diff > 0 else 0.0)
-    return ClipStats(scale=scale, excess=excess, hard=excess > policy.hard_factor, own_norm=own)
+    return ClipStats(scale=scale, excess=excess, hard=excess > policy.hard_factor, own_norm=blamed)
 
 
 def robust_mix(
@@ -119,12 +146,15 @@ def robust_mix(
     remote_weight: float,
     policy: ClipPolicy,
     reference: float = 0.0,
+    blame_norm: float | None = None,
 ) -> tuple[dict[str, torch.Tensor], ClipStats]:
-    """``x' = x + s v/(w+v) (p - q)`` in float32, rounded once to the local dtype; weights unchanged."""
+    """``x' = x + s v/(w+v) (p - q)`` in float32, rounded once to the local dtype; weights unchanged.
+    ``reference`` and ``blame_norm``: what the partner is judged against (:func:`clip_scale`)."""
     if min(local_weight, remote_weight) <= policy.join_weight:
-        stats = ClipStats(scale=1.0, excess=0.0, hard=False, own_norm=norm_of(sent), judged=False)
+        own = norm_of(sent) if blame_norm is None else blame_norm
+        stats = ClipStats(scale=1.0, excess=0.0, hard=False, own_norm=own, judged=False)
     else:
-        stats = clip_scale(sent, remote, policy, reference, (local_weight, remote_weight))
+        stats = clip_scale(sent, remote, policy, reference, (local_weight, remote_weight), blame_norm)
     factor = stats.scale * remote_weight / (local_weight + remote_weight)
     out = {}
     for name, mine in local.items():

@@ -25,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import math
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -62,6 +62,8 @@ class ModelSnapshot:
 
     params: Tensors
     steps: int
+    progress_norm: float = 0.0
+    """``||params - anchor||``: how far we moved since the anchor, what a partner is judged against."""
 
 
 @dataclass
@@ -156,7 +158,7 @@ class LiveModel:
             }
             if not all_finite(params.values()):  # never served: the training thread rolls back
                 return None
-            return ModelSnapshot(params, self.steps)
+            return ModelSnapshot(params, self.steps, progress_norm(params, self.outer.anchor))
 
     def anchor_snapshot(self) -> Tensors | None:
         """A copy of our anchor, or None while an anchor update waits to be applied."""
@@ -286,7 +288,20 @@ def probe_distance(ours: tuple[float, ...], theirs: tuple[float, ...]) -> float 
 
 
 def relative_norm(shift: Tensors, reference: Tensors) -> float:
-    """``||shift|| / ||reference||`` over all tensors (float64 sums)."""
-    num = sum(float(t.double().pow(2).sum()) for t in shift.values())
-    den = sum(float(t.double().pow(2).sum()) for t in reference.values())
-    return math.sqrt(num) / max(math.sqrt(den), 1e-12)
+    """``||shift|| / ||reference||`` over all tensors."""
+    return norm(shift.values()) / max(norm(reference.values()), 1e-12)
+
+
+def progress_norm(params: Tensors, anchor: Tensors) -> float:
+    """``||params - anchor||`` over all tensors, one tensor's difference at a time."""
+    squares = (_norm(params[name].to(a.device, torch.float32) - a) ** 2 for name, a in anchor.items())
+    return math.sqrt(sum(squares))
+
+
+def norm(tensors: Iterable[torch.Tensor]) -> float:
+    """The L2 norm over all ``tensors``: float32 per tensor (MPS has no float64), summed in Python."""
+    return math.sqrt(sum(_norm(t) ** 2 for t in tensors))
+
+
+def _norm(t: torch.Tensor) -> float:
+    return float(torch.linalg.vector_norm(t, dtype=torch.float32))

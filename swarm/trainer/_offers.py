@@ -32,7 +32,15 @@ from __future__ import annotations
 import math
 
 from swarm.gossip import Committed, MixedPart, Offer, Part
-from swarm.trainer._live import LiveModel, Tensors, Update, probe_distance, relative_norm
+from swarm.trainer._live import (
+    LiveModel,
+    Tensors,
+    Update,
+    norm,
+    probe_distance,
+    progress_norm,
+    relative_norm,
+)
 
 
 class DeltaOffers:
@@ -96,7 +104,11 @@ class ModelOffers:
         if snapshot is None:
             return None
         return Offer(
-            tensors=snapshot.params, weight=ANCHOR_WEIGHT, token=snapshot, probe=(float(self.round),)
+            tensors=snapshot.params,
+            weight=ANCHOR_WEIGHT,
+            token=snapshot,
+            probe=(float(self.round),),
+            blame_norm=snapshot.progress_norm,
         )
 
     def committed(self, offer: Offer, exchange: Committed) -> None:
@@ -144,9 +156,7 @@ def equal_share(ours: Tensors, mixed: Tensors, own_weight: float, partner_weight
 def _pair_distance(ours: Tensors, mean: Tensors, clip_scale: float) -> float:
     """The distance of the two models before the exchange, relative to ours: twice our move to the
     pair's mean (over the clip's factor)."""
-    num = sum(float((mean[n].double() - t.double()).pow(2).sum()) for n, t in ours.items())
-    den = sum(float(t.double().pow(2).sum()) for t in ours.values())
-    return 2 * math.sqrt(num) / max(math.sqrt(den) * clip_scale, 1e-12)
+    return 2 * progress_norm(mean, ours) / max(norm(ours.values()) * clip_scale, 1e-12)
 
 
 class AnchorOffers:

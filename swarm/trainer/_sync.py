@@ -71,6 +71,8 @@ def make_averager(
         # anchors are clipped relative to the parameters' norm, so by a much smaller ratio
         robust_clip=avg.robust_clip,
         clip_ratio=avg.param_clip_ratio if suffix or models else avg.clip_ratio,
+        # a model offer is judged against our progress since the anchor, like a pseudo-gradient
+        blame_ratio=avg.clip_ratio if models else None,
         clip_hard_factor=avg.clip_hard_factor,
         clip_strikes=avg.clip_strikes,
         respect_bans_of=respect_bans_of,
