@@ -148,12 +148,20 @@ def _converge(
     return states, true_mean, results
 
 
+MASS_DRIFT = 1e-4
+"""How far the weighted mean may move in a lossless run. Every committed exchange conserves it to
+float32 rounding, but an exchange whose last ACK is lost (a deadline under load) commits on one side
+only, which no protocol can make atomic: late in convergence that moves the mean by about the pair's
+remaining distance over the number of peers (9e-6 seen once in a full-suite run). A mix that does not
+conserve the pair's mass moves it by the order of the initial spread (about 1)."""
+
+
 def test_fp32_eight_peers_converge_to_the_mean(pool: PeerPool) -> None:
     states, true_mean, results = _converge(pool, "fp32", 1_000_000, target=1e-3)
     print(f"fp32: converged after {max(len(peer) for peer in results)} syncs per peer")
     assert all(any(r[0] == "ok" for r in peer) for peer in results), results
     assert _spread(states, true_mean) < 1e-3
-    assert _rel(_mass_mean(states), true_mean) < 1e-6
+    assert _rel(_mass_mean(states), true_mean) < MASS_DRIFT
     metrics = [s["metrics"] for s in states]
     assert sum(m.exchanges_rejected for m in metrics) == 0
     assert all(m.bytes_sent > 4_000_000 and m.mean_latency_s > 0 for m in metrics)
@@ -197,7 +205,7 @@ def test_unequal_weights_converge_to_the_weighted_mean(pool: PeerPool) -> None:
             break
     plain = sum(vectors) / len(vectors)
     assert _spread(states, weighted) < 1e-3
-    assert _rel(_mass_mean(states), weighted) < 1e-6
+    assert _rel(_mass_mean(states), weighted) < MASS_DRIFT
     assert _rel(states[0]["tensor"], plain) > 0.1  # really the weighted, not the plain mean
     assert math.isclose(sum(s["weight"] for s in states), sum(weights), rel_tol=1e-9)
 
@@ -231,7 +239,7 @@ def test_adversaries_are_rejected_and_banned_honest_peers_converge(pool: PeerPoo
         reasons = [s["ban_reasons"][adversary].lower() for s in states]
         assert any(kind in reason for reason in reasons), (kind, reasons)
     assert _spread(states, honest_mean) < 1e-3
-    assert _rel(_mass_mean(states), honest_mean) < 1e-6
+    assert _rel(_mass_mean(states), honest_mean) < MASS_DRIFT
 
 
 def test_a_poisoned_anchor_is_clipped_and_its_sender_banned(pool: PeerPool) -> None:

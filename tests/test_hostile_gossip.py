@@ -198,6 +198,42 @@ def test_a_trickling_partner_is_dropped_by_the_rate_floor() -> None:
     assert len(trickled) < len(frames) // 2, (len(trickled), len(frames))
 
 
+def test_byte_counts_move_with_each_piece_of_a_large_message() -> None:
+    """The rate floor reads the channel's counts mid-message: a 1 MiB chunk takes 10-30 s over a home
+    link, and a count that moved only once a message was whole read as 0 bytes per window, which
+    dropped honest slow partners. Pieces arrive at a steady pace; the count must follow them."""
+    payload = bytes(1 << 20)
+    seen: list[int] = []
+
+    async def scenario() -> None:
+        a, b = await _channel_pair()
+        try:
+            b._writer.write(bytes([MsgKind.DATA]) + len(payload).to_bytes(4, "big"))
+            reading = asyncio.create_task(a.recv())
+            for start in range(0, len(payload), 1 << 17):
+                b._writer.write(payload[start : start + (1 << 17)])
+                await b._writer.drain()
+                sent = start + (1 << 17)
+                await wait_async(lambda sent=sent: a.bytes_received >= sent, "the piece to be counted")
+                seen.append(a.bytes_received)
+            kind, got = await reading
+            assert kind is MsgKind.DATA and len(got) == len(payload)
+        finally:
+            a.close()
+            b.close()
+
+    asyncio.run(scenario())
+    assert len(seen) == 8 and seen == sorted(seen) and seen[0] < len(payload) // 4, seen
+
+
+async def wait_async(condition: Callable[[], bool], what: str, timeout: float = 3.0) -> None:
+    """Yield to the event loop until ``condition()`` holds, or fail naming ``what``."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.01)
+
+
 def test_a_partner_reading_slowly_is_dropped_by_the_rate_floor() -> None:
     """The other direction: the partner sends its part at once but reads ours at 4 KiB a second."""
     codec = get_codec("fp32")

@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from swarm._protocol import PROTOCOL_VERSION
-from swarm.p2p import HEADER_LEN, ProtocolError, dump_json, parse_json, read_message, write_message
+from swarm.p2p import ProtocolError, dump_json, parse_json, read_message, write_message
 
 __all__ = [
     "CONTROL_MAX_BYTES",
@@ -67,7 +67,8 @@ def handler_name(run_id: str) -> str:
 
 
 class Channel:
-    """A framed, byte-counted, timeout-guarded view of one bidirectional p2p stream."""
+    """A framed, byte-counted, timeout-guarded view of one bidirectional p2p stream. The byte counts
+    move with every piece of a message, not once it is whole: the rate floor reads them mid-message."""
 
     def __init__(
         self,
@@ -85,16 +86,20 @@ class Channel:
         self.bytes_received = 0
 
     async def send(self, kind: MsgKind, payload: bytes | memoryview = b"") -> None:
-        self.bytes_sent += await write_message(self._writer, kind, payload, self._timeout)
+        await write_message(self._writer, kind, payload, self._timeout, self._sent)
 
     async def send_json(self, kind: MsgKind, obj: dict[str, Any]) -> None:
         await self.send(kind, dump_json(obj))
 
     async def recv(self) -> tuple[MsgKind, bytes]:
         """Read one message; raises ProtocolError on an unknown kind or an oversized length."""
-        kind, payload = await read_message(self._reader, MsgKind, self._limit, self._timeout)
-        self.bytes_received += HEADER_LEN + len(payload)
-        return kind, payload
+        return await read_message(self._reader, MsgKind, self._limit, self._timeout, self._received)
+
+    def _sent(self, nbytes: int) -> None:
+        self.bytes_sent += nbytes
+
+    def _received(self, nbytes: int) -> None:
+        self.bytes_received += nbytes
 
     def _limit(self, kind: MsgKind) -> int:
         return self._max_data_bytes if kind is MsgKind.DATA else CONTROL_MAX_BYTES

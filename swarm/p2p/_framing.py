@@ -41,28 +41,49 @@ class StalledError(TimeoutError):
     """The other side moved no piece of a message within the timeout (it stopped sending or reading)."""
 
 
+Progress = Callable[[int], None]
+"""Called with the bytes of each header and piece as it moves: a caller's byte count that keeps up
+with a large message (a 1 MiB chunk takes tens of seconds over a home link)."""
+
+
+def _ignore(_: int) -> None:
+    pass
+
+
 async def write_message(
-    writer: asyncio.StreamWriter, kind: enum.IntEnum, payload: bytes | memoryview, timeout: float
+    writer: asyncio.StreamWriter,
+    kind: enum.IntEnum,
+    payload: bytes | memoryview,
+    timeout: float,
+    progress: Progress = _ignore,
 ) -> int:
     """Send one message; return the bytes it put on the stream. Raises :class:`StalledError` when a
     piece of it cannot be handed on within ``timeout`` seconds (the reader stopped reading)."""
     view = memoryview(payload).cast("B")
     writer.write(bytes([kind]) + len(view).to_bytes(4, "big"))
+    progress(HEADER_LEN)
     for start in range(0, len(view), PROGRESS_BYTES):
-        writer.write(view[start : start + PROGRESS_BYTES])
+        piece = view[start : start + PROGRESS_BYTES]
+        writer.write(piece)
         await _within(writer.drain(), timeout, "sent")
+        progress(len(piece))
     if not len(view):
         await _within(writer.drain(), timeout, "sent")
     return HEADER_LEN + len(view)
 
 
 async def read_message(
-    reader: asyncio.StreamReader, kinds: type[K], limit: Callable[[K], int], timeout: float
+    reader: asyncio.StreamReader,
+    kinds: type[K],
+    limit: Callable[[K], int],
+    timeout: float,
+    progress: Progress = _ignore,
 ) -> tuple[K, bytes]:
     """Read one message whose kind is a member of ``kinds`` and whose payload is within ``limit(kind)``.
 
     Raises :class:`StalledError` when no piece of it arrives within ``timeout`` seconds."""
     header = await _within(reader.readexactly(HEADER_LEN), timeout, "received")
+    progress(HEADER_LEN)
     try:
         kind = kinds(header[0])
     except ValueError:
@@ -71,12 +92,15 @@ async def read_message(
     if length > limit(kind):
         raise ProtocolError(f"{kind.name} message of {length} bytes exceeds the limit of {limit(kind)}")
     if length <= PROGRESS_BYTES:
-        return kind, await _within(reader.readexactly(length), timeout, "received") if length else b""
+        payload = await _within(reader.readexactly(length), timeout, "received") if length else b""
+        progress(length)
+        return kind, payload
     pieces, received = [], 0
     while received < length:
         piece = await _within(reader.readexactly(min(PROGRESS_BYTES, length - received)), timeout, "received")
         pieces.append(piece)
         received += len(piece)
+        progress(len(piece))
     return kind, b"".join(pieces)  # one copy of the payload (a growing bytearray, then bytes(), took two)
 
 
