@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import random
 import sys
 from concurrent.futures import ProcessPoolExecutor
@@ -250,16 +251,22 @@ SCALING_PEERS = (2, 4, 8, 16)
 
 
 def scaling_plan(
-    samples: int, sync_every: int, peers: tuple[int, ...] = SCALING_PEERS, target: float = 3.6
+    samples: int,
+    sync_every: int,
+    peers: tuple[int, ...] = SCALING_PEERS,
+    target: float = 3.6,
+    lrs: tuple[float, ...] = (Probe.lr,),
 ) -> list[tuple]:
     """``(rule, peers, probe)`` for the scaling table: one device, ideal data-parallel (one device with
-    batch N) and every rule at every N, each over ``samples`` samples in all with a full cosine schedule."""
+    batch N) and every rule at every N, each over ``samples`` samples in all with a full cosine
+    schedule, at every inner learning rate of ``lrs`` (:func:`best_per_rule` keeps each one's best)."""
 
-    def base(n: int) -> Probe:
+    def base(n: int, lr: float) -> Probe:
         steps = samples // n
         every = max(sync_every, (steps // 24) // sync_every * sync_every)
         return Probe(
             peers=n,
+            lr=lr,
             steps=steps,
             sync_every=sync_every,
             cosine=True,
@@ -268,13 +275,32 @@ def scaling_plan(
             target=target,
         )
 
-    plan = [("one device", 1, replace(base(1), mode="solo"))]
+    plan = [("one device", 1, replace(base(1, lr), mode="solo")) for lr in lrs]
     for n in peers:
-        plan.append(("data-parallel", n, replace(base(n), mode="solo", batch=n)))
-        plan += [
-            (rule, n, replace(base(n), **{"mode": "gossip", **fields})) for rule, fields in RULES.items()
-        ]
+        for lr in lrs:
+            plan.append(("data-parallel", n, replace(base(n, lr), mode="solo", batch=n)))
+            plan += [
+                (rule, n, replace(base(n, lr), **{"mode": "gossip", **fields}))
+                for rule, fields in RULES.items()
+            ]
     return plan
+
+
+def best_per_rule(plan: list[tuple], results: list[dict]) -> tuple[list[tuple], list[dict]]:
+    """Of the runs of one rule at one N at several inner learning rates, the one that reached the target
+    in the fewest steps (then the lowest final loss), with its ``lr`` added: every rule, the baselines
+    included, is compared at the inner lr it wants (Charles et al. find it grows with the peers)."""
+    best: dict[tuple, tuple[tuple, dict]] = {}
+    for entry, result in zip(plan, results, strict=True):
+        rule, n, probe = entry
+        kept = best.get((rule, n))
+        if kept is None or _rank(result) < _rank(kept[1]):
+            best[(rule, n)] = (entry, {**result, "lr": probe.lr if probe is not None else None})
+    return [entry for entry, _ in best.values()], [result for _, result in best.values()]
+
+
+def _rank(result: dict) -> tuple[float, float]:
+    return (result["steps_to_target"] or math.inf, result["final_loss_averaged_model"] or math.inf)
 
 
 def scaling_rows(plan: list[tuple], results: list[dict]) -> list[dict]:
@@ -295,6 +321,7 @@ def scaling_rows(plan: list[tuple], results: list[dict]) -> list[dict]:
         row = {
             "rule": rule,
             "peers": n,
+            **({"lr": result["lr"]} if "lr" in result else {}),
             "steps_to_target": steps,
             "samples_to_target": result["samples_to_target"],
             "share_of_dataparallel": share,
@@ -320,19 +347,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--scaling", action="store_true", help="every rule at N = 2..16 (JSON rows)")
     parser.add_argument("--samples", type=int, default=3200, help="samples per run with --scaling")
     parser.add_argument("--scaling-peers", default="2,4,8,16", help="the N of --scaling")
+    parser.add_argument(
+        "--scaling-lrs", default=None, help="inner lrs of --scaling (0.001,0.002): each rule at its best"
+    )
     parser.add_argument("--jobs", type=int, default=1, help="probes run side by side with --grid")
     parser.add_argument("--json", action="store_true", help="print one JSON object per probe")
     args = vars(parser.parse_args(argv))
-    flags = {key: args.pop(key) for key in ("grid", "scaling", "samples", "scaling_peers", "jobs", "json")}
+    names = ("grid", "scaling", "samples", "scaling_peers", "scaling_lrs", "jobs", "json")
+    flags = {key: args.pop(key) for key in names}
     if flags["scaling"]:
         peers = tuple(int(n) for n in flags["scaling_peers"].split(","))
-        plan = scaling_plan(flags["samples"], args["sync_every"], peers, args["target"])
+        lrs = tuple(float(lr) for lr in (flags["scaling_lrs"] or str(args["lr"])).split(","))
+        plan = scaling_plan(flags["samples"], args["sync_every"], peers, args["target"], lrs)
         results = []
         with ProcessPoolExecutor(max_workers=max(1, flags["jobs"])) as pool:
             for (rule, n, _), result in zip(plan, pool.map(run, [p for _, _, p in plan]), strict=True):
                 results.append(result)
                 print(json.dumps({"rule": rule, "peers": n, **result}), file=sys.stderr, flush=True)
-        for row in scaling_rows(plan, results):
+        for row in scaling_rows(*best_per_rule(plan, results)):
             print(json.dumps(row), flush=True)
         return 0
     probes = grid(args["peers"], args["steps"]) if flags["grid"] else [Probe(**args)]

@@ -136,3 +136,27 @@ def test_scaling_rows_give_the_share_of_data_parallel_and_the_gap_to_all_reduce(
     assert rows["model, hypercube, lag 1"]["share_of_dataparallel"] == round(125 / 200, 3)
     assert rows["model, hypercube, lag 1"]["final_loss_gap_vs_allreduce"] == round(3.9 / 3.8 - 1, 4)
     assert rows["model, hypercube, lag 1"]["default"] is True and "default" not in rows["allreduce"]
+
+
+def test_each_rule_is_compared_at_the_inner_lr_it_wants() -> None:
+    """With several ``--scaling-lrs`` every rule at every N keeps its best run (fewest steps to the
+    target, a missed target counting as worst), the baselines included, and the row says which lr."""
+    plan = probe_outer.scaling_plan(800, 5, peers=(4,), target=4.0, lrs=(1e-3, 2e-3))
+    assert {probe.lr for _, _, probe in plan} == {1e-3, 2e-3}
+    steps = {("one device", 1e-3): 340, ("one device", 2e-3): 360, ("data-parallel", 1e-3): 160}
+    steps |= {("data-parallel", 2e-3): 180, ("allreduce", 1e-3): 240, ("allreduce", 2e-3): 180}
+    results = [
+        {
+            "steps_to_target": steps.get((rule, probe.lr), None if rule == "pairs" else 300),
+            "samples_to_target": None,
+            "final_loss": 3.9,
+            "final_loss_averaged_model": 3.9,
+        }
+        for rule, _, probe in plan
+    ]
+    rows = {row["rule"]: row for row in probe_outer.scaling_rows(*probe_outer.best_per_rule(plan, results))}
+    lrs = [rows[rule]["lr"] for rule in ("one device", "data-parallel", "allreduce")]
+    assert lrs == [1e-3, 1e-3, 2e-3]
+    assert rows["allreduce"]["share_of_dataparallel"] == round((340 / 180) / (340 / 160), 3)
+    assert rows["pairs"]["steps_to_target"] is None and rows["pairs"]["share_of_dataparallel"] is None
+    assert len(rows) == 2 + len(probe_outer.RULES)
