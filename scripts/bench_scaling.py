@@ -201,7 +201,8 @@ SWEEP: list[dict[str, float]] = [
     {"sync_every_steps": 20, "outer_lr": 1.0, "outer_momentum": 0.0},
     {"sync_every_steps": 5, "outer_lr": 0.7, "outer_momentum": 0.9},
 ]
-"""Overrides of ``GOSSIP`` tried for gossip in the bench regime (the second is local-tiny's own H and outer step)."""
+"""Overrides of ``GOSSIP`` tried for gossip in the bench regime (the second is local-tiny's own H and
+outer step)."""
 
 
 def sweep_label(overrides: dict[str, float]) -> str:
