@@ -61,12 +61,29 @@ def check(
     estimate: bool = typer.Option(
         True, "--estimate/--no-estimate", help="Also print memory per peer and wire bytes per sync."
     ),
+    device_memory: str | None = typer.Option(
+        None,
+        "--device-memory",
+        help="Say whether a peer fits this much GPU memory, e.g. 12GiB (exit 1 if not).",
+    ),
+    host_memory: str | None = typer.Option(
+        None,
+        "--host-memory",
+        help="Say whether a peer fits this much host memory, e.g. 16GiB (exit 1 if not).",
+    ),
 ) -> None:
     """Validate a config: print OK and its hash (exit 0), or every error to stderr (exit 2).
 
     Then estimate what one peer needs: GPU memory (CPU memory when run on the CPU) and bytes on the
-    wire per sync, see docs/hosting.md.
+    wire per sync, see docs/hosting.md. With ``--device-memory``/``--host-memory``, also say whether
+    the peer fits that machine, in which layout, and what to change if not (exit 1 if not).
     """
+    from swarm.training.fit import parse_memory_size
+
+    try:
+        limits = [None if size is None else parse_memory_size(size) for size in (device_memory, host_memory)]
+    except ValueError as exc:
+        common.fail(str(exc))
     config = common.load_config_or_exit(file, set_ or ())
     from swarm.pipeline import plan_stages
     from swarm.training.model import hf_model_config
@@ -89,6 +106,21 @@ def check(
             typer.echo(line)
         for line in describe_stages(config, device):  # pipelined runs: what each stage peer needs
             typer.echo(line)
+    if limits != [None, None]:
+        _check_fit(config, *limits)
+
+
+def _check_fit(config: RunConfig, device_bytes: int | None, host_bytes: int | None) -> None:
+    """Print whether one peer fits the machine; exit 1 if it does not."""
+    from swarm.training.estimate import estimate_peer
+    from swarm.training.fit import describe_fit, fit_peer
+
+    device = "cpu" if config.train.device == "cpu" else "cuda"
+    fit = fit_peer(config, estimate_peer(config, device), device_bytes, host_bytes)
+    for line in describe_fit(fit, device_bytes, host_bytes):
+        typer.echo(line)
+    if not fit.fits:
+        raise typer.Exit(1)
 
 
 _KEY_FILE_HELP = "A private swarm's key file (as network.swarm_key_file; or set SWARM_KEY)."

@@ -136,3 +136,64 @@ def test_the_estimate_matches_the_measured_peak_memory(spawn, tmp_path: Path) ->
     # evaluation peak, the autocast copies). Measured runs sit at 0.70-0.72 of it on this model, so the
     # lower bound is 0.6: it still fails an estimate that doubles a whole-model term.
     assert 0.6 * expected < measured < 1.4 * expected
+
+
+# ------------------------------------------------------------- `config check --device-memory --host-memory`
+
+
+def test_memory_sizes_parse_in_binary_units_and_garbage_is_named() -> None:
+    from swarm.training.fit import parse_memory_size
+
+    assert parse_memory_size("12GiB") == parse_memory_size("12 GB") == parse_memory_size("12g") == 12 << 30
+    assert parse_memory_size("800MiB") == 800 << 20 and parse_memory_size("1048576") == 1 << 20
+    assert parse_memory_size("1.5 GiB") == 3 << 29
+    for bad in ("", "12 apples", "GiB", "-3GiB", "0", "12iB", "1e999GiB"):
+        with pytest.raises(ValueError, match="memory size"):
+            parse_memory_size(bad)
+
+
+def _llama(*overrides: str):
+    return load_config("configs/llama-1b.yaml", overrides=list(overrides), env={})
+
+
+def test_a_peer_fits_in_the_layout_the_trainer_would_take_and_else_is_told_what_to_change() -> None:
+    """Limits set around the estimate's own numbers: just above a layout's need it fits, just below it
+    does not, and the advice names the setting that would make it fit."""
+    from swarm.training.fit import DEVICE_HEADROOM, fit_peer
+
+    config = _llama()  # activation checkpointing on, outer_state_device auto
+    estimate = estimate_peer(config, "cuda")
+    on_device = estimate.device_memory(True)
+    split = estimate.device_memory(True, host_state=True)
+    host_need = estimate.host_memory(host_state=True)
+
+    roomy = fit_peer(config, estimate, int(on_device / DEVICE_HEADROOM) + 1, None)
+    assert roomy.fits and not roomy.layout.host_state  # auto keeps the outer state on a large device
+    mid = fit_peer(config, estimate, int(on_device / DEVICE_HEADROOM) - 1, host_need)
+    assert mid.fits and mid.layout.host_state and mid.layout.device_bytes == split  # auto moves it
+    short_host = fit_peer(config, estimate, int(on_device / DEVICE_HEADROOM) - 1, host_need - 1)
+    assert not short_host.fits and any("host memory" in line for line in short_host.advice)
+    tiny_device = fit_peer(config, estimate, int(split / DEVICE_HEADROOM) - 1, None)
+    assert not tiny_device.fits and any("pipeline stages" in line for line in tiny_device.advice)
+
+    unchecked = _llama("train.activation_checkpointing=false")
+    plain = estimate_peer(unchecked, "cuda")
+    between = int(split / DEVICE_HEADROOM) + 1  # enough with checkpointing, too little without it
+    assert plain.device_memory(False, host_state=True) > DEVICE_HEADROOM * between
+    advice = fit_peer(unchecked, plain, between, None).advice
+    assert advice and "train.activation_checkpointing: true" in advice[0]
+    pinned = _llama("averaging.outer_state_device=device")
+    pinned_fit = fit_peer(pinned, estimate_peer(pinned, "cuda"), int(on_device / DEVICE_HEADROOM) - 1, None)
+    assert not pinned_fit.fits and any("outer_state_device: auto" in line for line in pinned_fit.advice)
+
+
+def test_config_check_exits_1_when_the_peer_does_not_fit_and_0_when_it_does() -> None:
+    small = runner.invoke(app, ["config", "check", "configs/llama-1b.yaml", "--device-memory", "12GiB"])
+    assert small.exit_code == 1, small.output
+    assert "does NOT fit" in small.output and "pipeline stages" in small.output
+    large = runner.invoke(
+        app, ["config", "check", "configs/llama-1b.yaml", "--device-memory", "80GiB", "--host-memory", "1TiB"]
+    )
+    assert large.exit_code == 0 and "this peer fits" in large.output, large.output
+    garbage = runner.invoke(app, ["config", "check", "configs/llama-1b.yaml", "--host-memory", "lots"])
+    assert garbage.exit_code == 2 and "not a memory size: 'lots'" in garbage.output

@@ -316,15 +316,18 @@ def describe_estimate(estimate: PeerEstimate, checkpointing: bool = False) -> li
         f"  outer state: anchor and momentum {b(e.outer_state)} + error feedback {b(e.residuals)}"
         f" + exchange buffers {b(e.exchange_buffers)}; host memory for the state served to joiners "
         f"{b(e.served_state)} + a checkpoint's copy {b(e.checkpoint_copy)}",
-        f"wire per sync per peer, each direction: {b(e.wire_per_sync)} "
-        f"(pseudo-gradient {b(e.wire_delta)} per round, initiated or served; {_anchor_wire(e)})",
+        f"wire per sync per peer, each direction: {b(e.wire_per_sync)} ({_exchange_wire(e)})",
     ]
 
 
-def _anchor_wire(e: PeerEstimate) -> str:
+def _exchange_wire(e: PeerEstimate) -> str:
+    per_round = f"{format_bytes(e.wire_delta)} per round, initiated or served"
+    if e.anchor_pull == "model":
+        return f"the model {per_round}, which carries the anchors' gap too"
     if e.anchor_pull == "folded":
-        return f"anchors {format_bytes(e.wire_params)} in the same exchange"
-    return f"anchors {format_bytes(e.wire_params)} every {e.param_sync_every} own rounds"
+        return f"pseudo-gradient {per_round}; anchors {format_bytes(e.wire_params)} in the same exchange"
+    every = f"anchors {format_bytes(e.wire_params)} every {e.param_sync_every} own rounds"
+    return f"pseudo-gradient {per_round}; {every}"
 
 
 def format_bytes(n: float) -> str:

@@ -1,0 +1,152 @@
+"""Whether one peer of a run fits a machine, in which layout, and what to change if it does not.
+
+``swarm config check FILE --device-memory 12GiB --host-memory 16GiB`` asks this of
+:func:`fit_peer`. The layouts are the trainer's own choices
+(:func:`swarm.training.estimate.outer_state_on_host`): the outer state (anchor, momentum, residuals,
+exchange buffers) on the device, or in host memory, with the config's activation checkpointing.
+``averaging.outer_state_device: auto`` takes the device layout when it needs at most
+:data:`DEVICE_HEADROOM` of the device, else the host layout; ``device`` and ``host`` take theirs.
+Host memory is counted besides the program itself (Python, torch and the CUDA context, a few GiB).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from swarm.config import RunConfig
+from swarm.training.estimate import PeerEstimate, format_bytes
+
+DEVICE_HEADROOM = 0.9
+"""The share of a device's memory a layout may need (the trainer's ``auto`` threshold): the rest is
+the allocator's fragmentation and the CUDA context."""
+
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+_SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
+
+
+def parse_memory_size(text: str) -> int:
+    """Bytes of a size such as ``12GiB``, ``16GB``, ``800MiB``, ``12G`` or ``1048576``: binary units
+    (``GB`` counts as ``GiB``, as memory is sold), whole bytes. Raises ValueError naming the input."""
+    match = _SIZE.match(text)
+    if match is None or ("i" in match.group(3).lower() and not match.group(2)):
+        raise ValueError(f"not a memory size: {text!r} (write e.g. 12GiB, 16GB, 800MiB)")
+    value = float(match.group(1)) * _UNITS[match.group(2).lower()]
+    if not 0 < value < 1 << 60:
+        raise ValueError(f"memory size out of range: {text!r}")
+    return int(value)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where the outer state lives, and what the peer then needs on the device and in host memory."""
+
+    host_state: bool
+    device_bytes: int
+    host_bytes: int
+
+    @property
+    def name(self) -> str:
+        return "outer state in host memory" if self.host_state else "outer state on the device"
+
+
+@dataclass(frozen=True)
+class Fit:
+    """The verdict: whether the layout the trainer would take fits, that layout, and advice."""
+
+    fits: bool
+    layout: Layout
+    advice: list[str]
+
+
+def layouts(estimate: PeerEstimate, checkpointing: bool, cpu: bool) -> list[Layout]:
+    """The peer's layouts: on a CPU peer the device is the host, so there is one."""
+    if cpu:
+        return [Layout(False, 0, estimate.memory(checkpointing))]
+    return [
+        Layout(
+            host,
+            estimate.device_memory(checkpointing, host_state=host),
+            estimate.host_memory(host_state=host),
+        )
+        for host in (False, True)
+    ]
+
+
+def fit_peer(
+    config: RunConfig, estimate: PeerEstimate, device_bytes: int | None, host_bytes: int | None
+) -> Fit:
+    """Whether one peer of ``config`` fits ``device_bytes`` of device and ``host_bytes`` of host
+    memory (None: not limited), in the layout the trainer would choose (module docstring)."""
+    cpu = estimate.device == "cpu"
+    checkpointing = config.train.activation_checkpointing
+    options = layouts(estimate, checkpointing, cpu)
+    layout = _chosen(options, config.averaging.outer_state_device, device_bytes)
+    fits = _fits(layout, device_bytes, host_bytes)
+    advice = [] if fits else _advice(config, estimate, layout, device_bytes, host_bytes)
+    return Fit(fits, layout, advice)
+
+
+def _chosen(options: list[Layout], choice: str, device_bytes: int | None) -> Layout:
+    if len(options) == 1 or choice == "device":
+        return options[0]
+    if choice == "host":
+        return options[1]
+    on_device = options[0]
+    return (
+        on_device
+        if device_bytes is None or on_device.device_bytes <= DEVICE_HEADROOM * device_bytes
+        else options[1]
+    )
+
+
+def _fits(layout: Layout, device_bytes: int | None, host_bytes: int | None) -> bool:
+    device_ok = device_bytes is None or layout.device_bytes <= DEVICE_HEADROOM * device_bytes
+    return device_ok and (host_bytes is None or layout.host_bytes <= host_bytes)
+
+
+def _advice(
+    config: RunConfig,
+    estimate: PeerEstimate,
+    layout: Layout,
+    device_bytes: int | None,
+    host_bytes: int | None,
+) -> list[str]:
+    """What to change, most specific first: a setting that makes it fit, else what is missing."""
+    cpu, checkpointing = estimate.device == "cpu", config.train.activation_checkpointing
+    advice = []
+    if not checkpointing and any(_fits(o, device_bytes, host_bytes) for o in layouts(estimate, True, cpu)):
+        advice.append("set train.activation_checkpointing: true (it then fits)")
+    choice = config.averaging.outer_state_device
+    if (
+        not cpu
+        and choice != "auto"
+        and any(_fits(o, device_bytes, host_bytes) for o in layouts(estimate, checkpointing, cpu))
+    ):
+        advice.append(f"set averaging.outer_state_device: auto (not {choice}): the other layout fits")
+    if device_bytes is not None and layout.device_bytes > DEVICE_HEADROOM * device_bytes:
+        smallest = min(o.device_bytes for o in layouts(estimate, True, cpu))
+        advice.append(
+            f"the device needs {format_bytes(layout.device_bytes)} in this layout, at most "
+            f"{DEVICE_HEADROOM:.0%} of {format_bytes(device_bytes)} may be used; the smallest layout needs "
+            f"{format_bytes(smallest)}: split the model over pipeline stages (docs/pipeline.md) or train a "
+            "smaller one"
+        )
+    if host_bytes is not None and layout.host_bytes > host_bytes:
+        advice.append(
+            f"host memory: {format_bytes(layout.host_bytes)} needed, {format_bytes(host_bytes)} given "
+            "(served state, a checkpoint's copy and, in this layout, the outer state: see docs/hosting.md)"
+        )
+    return advice
+
+
+def describe_fit(fit: Fit, device_bytes: int | None, host_bytes: int | None) -> list[str]:
+    """Lines for ``swarm config check``: the verdict, the layout, and the advice."""
+    limits = ", ".join(
+        f"{what} {format_bytes(n) if n is not None else 'not limited'}"
+        for what, n in (("device", device_bytes), ("host", host_bytes))
+    )
+    layout, verdict = fit.layout, "fits" if fit.fits else "does NOT fit"
+    device, host = format_bytes(layout.device_bytes), format_bytes(layout.host_bytes)
+    needs = f"{device} on the device, {host} of host memory"
+    return [f"this peer {verdict} ({limits}): {layout.name}, {needs}", *(f"  - {a}" for a in fit.advice)]
