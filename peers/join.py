@@ -39,6 +39,12 @@ def run_join(
     if stages > 1:
         from peers.stage import parse_stage, run_stage_peer
 
+        if resume:
+            fail(
+                f"--resume: pipeline stage peers (pipeline.num_stages is {stages}) keep no checkpoints "
+                "yet, so there is nothing to resume from; join without --resume"
+            )
+
         run_stage_peer(
             config,
             network,

@@ -392,6 +392,8 @@ def test_join_refuses_a_stage_the_run_does_not_have_before_touching_the_network(
     assert "the run has stages 0..1" in beyond
     unpipelined = refused_output([*args, "--stage", "1"])
     assert "has no pipeline" in unpipelined
+    resumed = refused_output([*args, "--set", "pipeline.num_stages=2", "--resume"])
+    assert "--resume: pipeline stage peers" in resumed and "nothing to resume" in resumed
 
 
 # ---------------------------------------------------------------- the monitor
