@@ -85,7 +85,7 @@ def run_join(
         relay = _maybe_relay(peer, network, reachable.status)
         with peer.aborting_on(stop):  # a stalled exchange while joining must not hold a shutdown either
             peer.join_swarm()
-        joined = peer.joined
+        joined = peer.join_result
         if joined.donors:
             meta = joined.meta
             typer.echo(

@@ -219,7 +219,7 @@ def test_a_peer_moves_to_the_bottleneck_stage_and_takes_over_its_state(swarm) ->
     stayer = next(p for p in servers if p is not mover)
     stage0 = plan_stages(server_config)[0].parameters
     assert mover.peer.stage == 0 and mover.peer.n_params == stage0
-    assert mover.peer.role.joined.donors == (holder.peer.node.peer_id,)  # stage 0's state, downloaded
+    assert mover.peer.role.join_result.donors == (holder.peer.node.peer_id,)  # stage 0's state, downloaded
     assert mover.peer.role.backend.status()["state_hash"]  # and served to later joiners
     at_move = holder.steps, mover.steps
     wait_until(lambda: holder.steps >= at_move[0] + 5 and mover.steps >= at_move[1] + 5, 120, "both holders")

@@ -139,8 +139,8 @@ def test_joiner_adopts_live_parameters_and_slow_fast_peers_both_contribute(tmp_p
         slow_commits = _record_commits(slow.peer)
         fresh_loss = 8.0  # an untrained byte model is near log2(256) bits per byte
         slow.peer.join_swarm()
-        assert slow.peer.joined.donors == (fast.peer.node.peer_id,)  # verified download, not the fallback
-        joined = slow.peer.joined.meta
+        assert slow.peer.join_result.donors == (fast.peer.node.peer_id,)  # verified download, not the fallback
+        joined = slow.peer.join_result.meta
         assert joined["step"] >= TRAINED_STEPS, joined
         adopted = evaluate(slow.peer.model, slow.peer.eval_set, 2)
         assert adopted < fresh_loss - 1.0, "the joiner did not take the live peer's parameters"

@@ -115,7 +115,7 @@ def test_a_joiner_takes_the_state_and_both_hold_the_same_anchor_after_a_round_to
         for peer in peers.values():
             peer.close()
     assert reports["a"][0].outcome == "solo"
-    assert peers["b"].joined.donors == (peers["a"].node.peer_id,)  # the joiner took a's state
+    assert peers["b"].join_result.donors == (peers["a"].node.peer_id,)  # the joiner took a's state
     group_id, both = next((g, found) for g, found in anchors.items() if len(found) == 2)
     (anchor_a, moved), (anchor_b, _) = both["a"], both["b"]
     apart = _distance(anchor_a, anchor_b)

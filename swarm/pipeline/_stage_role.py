@@ -65,13 +65,13 @@ class StageRole:
         )
         self.backend = make_backend(context, peer.node.network)
         self._last_step = time.perf_counter()
-        self.joined = JoinResult()
+        self.join_result = JoinResult()
 
     def join(self, fresh: bool) -> None:
         """Take over the stage's state from its peers (verified multi-donor download), then serve it."""
-        self.joined = self.backend.join(fresh)
-        if self.joined.donors:
-            logger.info("took over stage %d's state from %d donor(s)", self.stage, len(self.joined.donors))
+        self.join_result = self.backend.join(fresh)
+        if self.join_result.donors:
+            logger.info("took over stage %d's state from %d donor(s)", self.stage, len(self.join_result.donors))
 
     def inner_step(
         self, samples: int, loss: float | None, compute_s: float, device_s: float

@@ -87,11 +87,11 @@ class TrainingPeer:
         self.progress = Progress(loss_unit=self.eval_set.loss_unit)
         self.total_samples = total_samples_of(config.train, config.run.target_samples)
         self._backend: AveragingBackend | None = None
-        self.joined = JoinResult()
+        self.join_result = JoinResult()
         self.ledger = SwarmLedger()
         self._saved: tuple[tuple[int, int], Path] | None = None  # (step, round) of the newest checkpoint
         self._state: PeerState = "joining"
-        self._joined = False
+        self._has_joined = False
         self._stop: threading.Event | None = None
         self.stop_seen_at: float | None = None
         """``time.monotonic()`` when :meth:`abort` was first called: when this peer saw the stop."""
@@ -169,7 +169,7 @@ class TrainingPeer:
         """
         max_steps = max_steps or self.config.train.max_steps
         self._stop = stop
-        if not self._joined:
+        if not self._has_joined:
             self.join_swarm()
         self._state = "training"
         with self.aborting_on(stop):
@@ -189,9 +189,9 @@ class TrainingPeer:
 
         A resumed peer keeps its checkpoint's state; :meth:`run` calls this once by itself.
         """
-        self._joined = True
+        self._has_joined = True
         fresh = self.resumed_from is None and self.progress.step == 0
-        self.joined = self.backend.join(fresh)
+        self.join_result = self.backend.join(fresh)
         self.progress.swarm_samples = self._swarm_samples()
 
     def abort(self) -> None:
@@ -248,7 +248,7 @@ class TrainingPeer:
             self.inner.optimizer.state.clear()  # AdamW's moments may hold NaN as well
         if not self.backend.rollback():
             logger.warning("the last round's parameters are not finite either: taking the swarm's state")
-            self.joined = self.backend.join(fresh=True)
+            self.join_result = self.backend.join(fresh=True)
             if not all_finite(p.detach() for p in self.model.parameters()):
                 raise RuntimeError("training diverged and no finite state could be fetched from the swarm")
         self.node.announce_soon()
@@ -329,7 +329,7 @@ class TrainingPeer:
             if m.peer_id != self.node.peer_id and m.record.role == "trainer"
         ]
         others = self.ledger.observe(claims, self.progress.samples_total)
-        joined = self.joined.meta.get("samples_total", 0)
+        joined = self.join_result.meta.get("samples_total", 0)
         return max(others, joined) + self.progress.samples_total
 
     def gossip_metrics(self) -> GossipMetrics:
