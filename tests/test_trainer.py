@@ -139,7 +139,8 @@ def test_joiner_adopts_live_parameters_and_slow_fast_peers_both_contribute(tmp_p
         slow_commits = _record_commits(slow.peer)
         fresh_loss = 8.0  # an untrained byte model is near log2(256) bits per byte
         slow.peer.join_swarm()
-        assert slow.peer.join_result.donors == (fast.peer.node.peer_id,)  # verified download, not the fallback
+        # a verified download, not the fallback
+        assert slow.peer.join_result.donors == (fast.peer.node.peer_id,)
         joined = slow.peer.join_result.meta
         assert joined["step"] >= TRAINED_STEPS, joined
         adopted = evaluate(slow.peer.model, slow.peer.eval_set, 2)

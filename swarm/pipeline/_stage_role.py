@@ -71,7 +71,9 @@ class StageRole:
         """Take over the stage's state from its peers (verified multi-donor download), then serve it."""
         self.join_result = self.backend.join(fresh)
         if self.join_result.donors:
-            logger.info("took over stage %d's state from %d donor(s)", self.stage, len(self.join_result.donors))
+            logger.info(
+                "took over stage %d's state from %d donor(s)", self.stage, len(self.join_result.donors)
+            )
 
     def inner_step(
         self, samples: int, loss: float | None, compute_s: float, device_s: float
