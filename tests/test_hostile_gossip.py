@@ -149,6 +149,60 @@ def test_alternating_hard_clips_and_clean_exchanges_are_banned_and_not_forgiven(
     assert reputation.suspicion("attacker") > 0
 
 
+MODELS = ClipPolicy(clip_ratio=0.1, hard_factor=10.0, blame_ratio=2.0)
+"""A model exchange's clip (averaging.param_clip_ratio) and blame (clip_ratio), as the trainer sets them."""
+
+
+def _model_exchanges(
+    reputation: Reputation, ours: Tensors, partners: dict[str, Tensors], rounds: int
+) -> Tensors:
+    """``rounds`` rounds of model exchanges, ours with each partner in turn (both sides mix, as a real
+    pair does: the partner moves toward us by the step we took toward it), while our own progress
+    since the anchor is 0.1% of the parameters' norm. Returns our model at the end."""
+    for _ in range(rounds):
+        for name, theirs in partners.items():
+            progress = 1e-3 * tensor_norm(ours["x"])
+            blame = reputation.norm_reference()
+            mixed, stats = robust_mix(ours, ours, 1.0, theirs, 1.0, MODELS, blame, blame_norm=progress)
+            partners[name] = {"x": theirs["x"] - (mixed["x"] - ours["x"])}
+            ours = mixed
+            reputation.committed(name, stats)
+    return ours
+
+
+def test_a_healed_partition_merges_and_a_steady_model_push_is_banned() -> None:
+    """Two honest partners of the other half of a healed partition, 50% of the parameters' norm away
+    while we moved 0.1%: the first exchange is hard against our progress, and then our own consensus
+    steps are the reference, so the halves merge with no ban. (Against our progress alone, every far
+    exchange is hard and both are banned at once: a CI run's halves stayed apart for 300 s.) A partner
+    that pushes a fixed 5% off our model in every exchange keeps our steps large by itself, and is
+    banned all the same."""
+    g = torch.Generator().manual_seed(3)
+    ours = {"x": torch.randn(DIM, generator=g)}
+    apart = torch.nn.functional.normalize(torch.randn(DIM, generator=g), dim=0) * 0.5 * tensor_norm(ours["x"])
+    other_half = {
+        name: {"x": ours["x"] + apart + 0.01 * torch.randn(DIM, generator=g)} for name in ("b", "c")
+    }
+    reputation = Reputation(GossipOptions(clip_strikes=2), MetricsRecorder())
+    reputation.committed("warmup", clip_scale(ours, ours, MODELS, blame_norm=1e-3 * tensor_norm(ours["x"])))
+    merged = _model_exchanges(reputation, ours, other_half, rounds=12)
+    gaps = [tensor_norm(merged["x"] - t["x"]) / tensor_norm(merged["x"]) for t in other_half.values()]
+    assert max(gaps) < 0.05, gaps
+    assert reputation.banned() == {}, reputation.reasons()
+
+    pusher = Reputation(GossipOptions(clip_strikes=2), MetricsRecorder())
+    pusher.committed("warmup", clip_scale(ours, ours, MODELS, blame_norm=1e-3 * tensor_norm(ours["x"])))
+    direction = torch.nn.functional.normalize(torch.randn(DIM, generator=g), dim=0)
+    banned_at = None
+    for exchange in range(20):
+        pushed = {"attacker": {"x": ours["x"] + 0.05 * tensor_norm(ours["x"]) * direction}}
+        ours = _model_exchanges(pusher, ours, pushed, rounds=1)
+        if pusher.is_banned("attacker"):
+            banned_at = exchange
+            break
+    assert banned_at is not None and banned_at < 12, (banned_at, pusher.reasons())
+
+
 # ---------------------------------------------------------------------------- finding 9: the lock
 
 

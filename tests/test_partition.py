@@ -103,6 +103,15 @@ def _partners_since(trainers: list[Trainer], marks: list[int]) -> list[list[str]
     return [sorted(set(_ok_partners(t, m))) for t, m in zip(trainers, marks, strict=True)]
 
 
+def _bans_since(trainers: list[Trainer], marks: list[int]) -> list[list[str]]:
+    """The bans each trainer logged after its mark (for a failure's message: were the halves banning
+    each other?)."""
+    return [
+        [line for line in t.process.output().splitlines()[m:] if "banning peer" in line]
+        for t, m in zip(trainers, marks, strict=True)
+    ]
+
+
 def _relative_distance(a: dict, b: dict) -> float:
     num = sum(float((a[name].double() - b[name].double()).pow(2).sum()) for name in a)
     den = sum(float(a[name].double().pow(2).sum()) for name in a)
@@ -191,12 +200,13 @@ def test_both_halves_train_through_a_partition_and_drift_recovers_after_healing(
     except AssertionError:
         raise AssertionError(
             f"after healing: no exchange across the cut, or a cross-half pair still over {MAX_DRIFT}; "
-            f"distances {together}; partners since the heal {_partners_since(trainers, marks)}"
+            f"distances {together}; partners since the heal {_partners_since(trainers, marks)}; "
+            f"bans since the heal {_bans_since(trainers, marks)}"
         ) from None
     print(
         f"split {healed_at - split_at:.0f}s, halves apart {split_apart}; after healing, within {MAX_DRIFT} "
         f"in {recovered_s:.0f}s: { ({pair: round(d, 3) for pair, d in together.items()}) }; "
-        f"total {time.monotonic() - started:.0f}s"
+        f"total {time.monotonic() - started:.0f}s; bans since the heal {_bans_since(trainers, marks)}"
     )
     for process in [t.process for t in trainers] + [boot]:
         process.signal(signal.SIGTERM)

@@ -107,7 +107,8 @@ class Reputation:
         return {**held, **reasons}
 
     def norm_reference(self) -> float:
-        """The largest norm we sent in recent exchanges: what the robust clip blames relative to."""
+        """The largest norm we were judged against, or moved by a model exchange's mix, in recent
+        exchanges: what the robust clip blames relative to (``swarm.gossip._robust``)."""
         return max(self._own_norms, default=0.0)
 
     def failed(self, peer: str, reason: str) -> None:
@@ -145,7 +146,7 @@ class Reputation:
         """
         knows_own_norm = bool(self._own_norms)
         if clip is not None:
-            self._own_norms.append(clip.own_norm)
+            self._own_norms.append(max(clip.own_norm, clip.moved))
         clips = [(what, c) for what, c in (("update", clip), ("companion part", companion)) if c is not None]
         if not clips:
             self.bans.forgive(peer)

@@ -24,14 +24,21 @@ and the two stated sample counts (weights ``w``, ``v``) make plausible::
 (``blame_norm``): a model exchange sends parameters, whose norm says nothing about how far two honest
 models are apart, so it is judged against our own progress since the last consensus, ``||theta -
 anchor||``, with the pseudo-gradient's ratio (two honest models differ by about the difference of
-their progress, as two pseudo-gradients do). ``blame_ratio`` is ``clip_ratio`` unless set.
+their progress, as two pseudo-gradients do). ``blame_ratio`` is ``clip_ratio`` unless set. Such an
+exchange also reports how far its mix moved us (``ClipStats.moved``), which later exchanges are judged
+against too (``reference``): while the swarm is visibly out of consensus (a partition healing, a
+straggler catching up), our own consensus steps are large, and honest partners are as far from us as
+those steps say; in consensus they are small and the progress rules. A partner whose pushes alone
+keep our steps large meets an excess of about 1 in every exchange (the step is half the difference),
+over the median limit of ``swarm.gossip._suspicion``.
 
 Both tensors are per-sample means; the noise of a mean over ``n`` samples shrinks as ``1 / sqrt(n)``, so
 with ``||q||^2 >= noise^2 / w`` the difference of two honest means is at most about
 ``||q|| sqrt(1 + w / v)``. A partner stating few samples (it synced a step ago) may differ more; one
 stating many must be close to us. The last factor is 1 for equal weights. ``reference`` is the largest
-norm we sent in recent exchanges. The partner is *suspect* when ``excess`` exceeds ``hard_factor``;
-smaller excesses count too, accumulated over exchanges (``swarm.gossip._reputation``).
+``own`` (or, for a model exchange, step) of recent exchanges. The partner is *suspect* when ``excess``
+exceeds ``hard_factor``; smaller excesses count too, accumulated over exchanges
+(``swarm.gossip._reputation``).
 
 :func:`centered_clip` is the iterative CenteredClip of Karimireddy, He and Jaggi (2021) for three or
 more contributions (e.g. several donors' state snapshots).
@@ -89,6 +96,9 @@ class ClipStats:
     hard: bool
     own_norm: float
     judged: bool = True
+    moved: float = 0.0
+    """How far the mix moved our tensors, ``s v / (w + v) ||d||``, where the offer stated a
+    ``blame_norm`` (a model exchange; else 0): kept with ``own_norm`` as a reference for later ones."""
 
     @property
     def clipped(self) -> bool:
@@ -135,7 +145,11 @@ def clip_scale(
     ratio = policy.clip_ratio if policy.blame_ratio is None else policy.blame_ratio
     own_radius = ratio * max(blamed, reference, policy.clip_floor) * plausible_spread(weights)
     excess = diff / own_radius if own_radius > 0 else (math.inf if diff > 0 else 0.0)
-    return ClipStats(scale=scale, excess=excess, hard=excess > policy.hard_factor, own_norm=blamed)
+    ours_w, theirs_w = weights
+    share = theirs_w / (ours_w + theirs_w) if ours_w + theirs_w > 0 else 0.0
+    moved = 0.0 if blame_norm is None else scale * share * diff
+    hard = excess > policy.hard_factor
+    return ClipStats(scale=scale, excess=excess, hard=hard, own_norm=blamed, moved=moved)
 
 
 def robust_mix(
