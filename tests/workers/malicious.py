@@ -57,14 +57,43 @@ def random_update(named: NamedTensors) -> NamedTensors:
     return [(name, torch.randn_like(t)) for name, t in named]
 
 
-ATTACKS = {"scaled": scaled, "random": random_update}
+def negated(named: NamedTensors) -> NamedTensors:
+    """The attacker's own pseudo-gradient, negated: it undoes its partner's round."""
+    return [(name, -t) for name, t in named]
+
+
+ATTACKS = {"scaled": scaled, "random": random_update, "claim": negated}
+
+CLAIMED_WEIGHT = 1e29
+"""The weight (samples) the "claim" attacker states in every HELLO: below the protocol's cap of 1e30."""
+
+
+def _claim_weight(averager: Any) -> None:
+    """Make every offer of ``averager`` state :data:`CLAIMED_WEIGHT` samples (issue 28, finding 1)."""
+    offerer = averager._offerer
+    original = offerer.offer
+
+    def claimed() -> Any:
+        offer = original()
+        return None if offer is None else dataclasses.replace(offer, weight=CLAIMED_WEIGHT)
+
+    offerer.offer = claimed
 
 
 def _install_attack(peer: Any, attack: str) -> None:
+    """Patch the attack into the peer's pseudo-gradient averager: a tamper of what it sends ("claim"
+    also states a huge weight), or "stall": it stops after its first frame of every exchange, served
+    or initiated, and holds the stream open (issue 28, finding 9)."""
     from swarm.gossip._exchange import ExchangeHooks
 
     averager = peer.backend.deltas
-    averager._spec = dataclasses.replace(averager._spec, hooks=ExchangeHooks(tamper=ATTACKS[attack]))
+    if attack == "stall":
+        hooks = ExchangeHooks(stall_after_frames=1)
+    else:
+        hooks = ExchangeHooks(tamper=ATTACKS[attack])
+    if attack == "claim":
+        _claim_weight(averager)
+    averager._spec = dataclasses.replace(averager._spec, hooks=hooks)
 
 
 def _log_clips() -> None:
@@ -137,7 +166,10 @@ def peer_main(
                 peer.run(stop)
                 finished = time.monotonic()
                 write_summary(peer, Path(summary_path))
-                conn.send(("done", {"started": started, "finished": finished, "bans": ban_log.bans}, None))
+                result = peer.join_result
+                joined = {"donors": list(result.donors), "meta": result.meta, "digest": result.digest}
+                report = {"started": started, "finished": finished, "bans": ban_log.bans, "joined": joined}
+                conn.send(("done", report, None))
         except BaseException:
             conn.send(("error", traceback.format_exc(), None))
         finally:
@@ -160,6 +192,7 @@ class Swarm:
     procs: list[Any] = field(default_factory=list)
     conns: list[Any] = field(default_factory=list)
     peer_ids: list[str] = field(default_factory=list)
+    first_maddrs: list[str] = field(default_factory=list)
 
     @property
     def size(self) -> int:
@@ -181,12 +214,18 @@ class Swarm:
     def start_rest(self) -> None:
         """Start peers 1.. at once (each checks its identity file against the swarm for seconds)."""
         first_id, maddrs = self._reply(0, "ready", timeout=120)
-        self.peer_ids = [first_id]
+        self.peer_ids, self.first_maddrs = [first_id], maddrs
         for _ in range(1, self.size):
             self._spawn(maddrs)
 
     def wait_ready(self) -> None:
         self.peer_ids += [self._reply(i, "ready", timeout=120)[0] for i in range(1, self.size)]
+
+    def start_joining(self, initial_peers: list[str]) -> None:
+        """Start every peer at once through ``initial_peers`` (peers that join a running swarm)."""
+        for _ in range(self.size):
+            self._spawn(initial_peers)
+        self.peer_ids = [self._reply(i, "ready", timeout=120)[0] for i in range(self.size)]
 
     def go(self, directory: Path) -> list[Path]:
         paths = [directory / f"peer-{i}.json" for i in range(self.size)]
@@ -194,12 +233,13 @@ class Swarm:
             conn.send(str(path))
         return paths
 
-    def wait_done(self, timeout: float) -> list[dict[str, Any]]:
-        """Wait for every peer's "done"; return what each reported (start and finish times, bans)."""
+    def wait_done(self, timeout: float, indices: Sequence[int] | None = None) -> list[dict[str, Any]]:
+        """Wait for the "done" of every peer (or of those of ``indices``); return what each reported
+        (start and finish times, bans, the state it took over when it joined)."""
         deadline = time.monotonic() + timeout
         return [
             self._reply(index, "done", timeout=max(1.0, deadline - time.monotonic()))[0]
-            for index in range(self.size)
+            for index in (range(self.size) if indices is None else indices)
         ]
 
     def _reply(self, index: int, expected: str, timeout: float) -> tuple[Any, Any]:
