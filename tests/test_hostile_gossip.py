@@ -252,6 +252,40 @@ def test_a_trickling_partner_is_dropped_by_the_rate_floor() -> None:
     assert len(trickled) < len(frames) // 2, (len(trickled), len(frames))
 
 
+def test_our_own_slow_decoding_is_not_blamed_on_the_partner(monkeypatch) -> None:
+    """The partner sends everything at once, and our decoder takes 0.3 s a frame (a starved CPU):
+    windows of 0.1 s pass with no bytes received, but spent in our own work, not waiting on the
+    partner; the exchange commits. (Counting them dropped honest partners of a loaded peer.)"""
+    codec = get_codec("fp32")
+    spec = ExchangeSpec(
+        codec=codec, chunk_bytes=4096, policy=NormPolicy(), min_rate_bytes_s=64 * 1024, rate_window_s=0.1
+    )
+    ours, theirs = {"x": torch.randn(3000)}, {"x": torch.randn(3000)}
+    feed = exchange_module.TensorStreamDecoder.feed
+
+    def starved(self, payload) -> None:
+        threading.Event().wait(0.3)
+        feed(self, payload)
+
+    monkeypatch.setattr(exchange_module.TensorStreamDecoder, "feed", starved)
+
+    async def scenario() -> list[exchange_module.Settled]:
+        a, b = await _channel_pair()
+        try:
+            return list(
+                await asyncio.gather(
+                    settle(run_exchange(a, ours, (1.0, 1.0), spec, None), 30.0, "b"),
+                    settle(run_exchange(b, theirs, (1.0, 1.0), spec, None), 30.0, "a"),
+                )
+            )
+        finally:
+            a.close()
+            b.close()
+
+    for ended in asyncio.run(scenario()):
+        assert ended.outcome is SyncOutcome.OK, ended
+
+
 def test_byte_counts_move_with_each_piece_of_a_large_message() -> None:
     """The rate floor reads the channel's counts mid-message: a 1 MiB chunk takes 10-30 s over a home
     link, and a count that moved only once a message was whole read as 0 bytes per window, which

@@ -16,15 +16,18 @@ trainers alone, and an attacked one of the same 4 with, at the same time,
 Checked: every honest trainer, in both swarms, trains all its steps (the fake samples do not end the
 run); the mean held-out loss of the 4 honest trainers under attack is within ``LOSS_TOLERANCE`` of
 the clean swarm's; the config a joiner pulls through the organizer is the organizer's (in time: the
-alias bomb is never parsed); the joiner takes over the median of at least 3 trainers' states,
-never the poisoned digest nor its progress, and trains all its steps; no peer crashes; nothing outlives the
-test (processes, p2p daemons). The relay (finding 8) is not part of it: these trainers relay nothing
-(``tests/test_hostile_relay.py`` covers it).
+alias bomb is never parsed); the joiner takes over the median of at least 3 trainers' states (or,
+when they all move on under its download, a partner's model through a clipped exchange), never the
+poisoned digest nor its progress, and trains all its steps to a loss within the same bound; no peer
+crashes; nothing outlives the test (processes, p2p daemons). The relay (finding 8) is not part of
+it: these trainers relay nothing (``tests/test_hostile_relay.py`` covers it).
 
-Measured (one run on the shared 2-core machine, 92 s): mean held-out loss clean 4.731, attacked
-4.730; the 4 honest trainers' own losses spread over 4.63-4.80 in the clean swarm, so the 5% bound
-(0.24 bits per byte) holds clean-run noise of the mean of four with room, while an undefended
-attack drives the loss to Inf/NaN (docs/gossip.md).
+Measured on the shared 2-core machine: alone, 92 s, mean held-out loss clean 4.731, attacked 4.730;
+in a full suite run, 163 s, clean 4.828, attacked 4.655, joiner 4.792 (it adopted a partner's model:
+the donors moved on under each of its three attempts). The 4 honest trainers' own losses spread
+over 4.63-4.80 in the first clean swarm, so the 5% bound (0.24 bits per byte) holds clean-run noise
+of the mean of four with room, while an undefended attack drives the loss to Inf/NaN
+(docs/gossip.md).
 """
 
 from __future__ import annotations
@@ -172,11 +175,17 @@ def test_honest_trainers_train_through_every_attack_at_once(swarms, closing, tmp
         assert [peer["steps"] for peer in summaries[name]] == [STEPS] * len(HONEST), (name, report)
     # findings 1 and 9: the honest trainers' model is as good as without the attackers
     assert losses["attacked"] <= losses["clean"] * (1 + LOSS_TOLERANCE), report
-    # findings 2 and 7: the joiner took the median of at least 3 trainers' states (the attacking
-    # trainers' own models may be among them: they train on real data), none of the Sybils', and
-    # progress that some trainer really made; so it did not stop at once either
+    # findings 2 and 7: a joiner that took donors' states took the median of at least 3 trainers'
+    # (the attacking trainers' own models may be among them: they train on real data), none of the
+    # Sybils', and progress that some trainer really made. Under load the honest donors may all move
+    # on during its three attempts ("digest mismatch"): then it adopts a partner's model through a
+    # clipped exchange (docs/security.md), never the poison's
     donors = set(joined["donors"])
-    assert len(donors) >= 3 and donors <= set(attacked.peer_ids), report
-    assert joined["digest"] != hostile.poison.digest, report
-    assert joined["meta"]["samples_total"] <= STEPS * config.train.batch_size, report
+    if donors:
+        assert len(donors) >= 3 and donors <= set(attacked.peer_ids), report
+        assert joined["digest"] != hostile.poison.digest, report
+        assert joined["meta"]["samples_total"] <= STEPS * config.train.batch_size, report
+    # either way it trained every step (the poison's progress would stop it at once) to an honest
+    # model (the poison is 10 off in every coordinate, beyond what 40 steps of clipped exchanges undo)
     assert joiner_summary["steps"] == STEPS, report
+    assert joiner_summary["eval_loss"] <= losses["clean"] * (1 + LOSS_TOLERANCE), report

@@ -111,8 +111,10 @@ async def rate_floor(
     sending: Sending,
 ) -> T:
     """Wait for both transfers; raise :class:`SlowPartner` as soon as one that is still running moved
-    less than ``floor_bytes_s * window_s`` bytes in a window (a floor of 0: no check); our sending
-    counts only while ``sending.writing`` (we wait on the partner).
+    less than ``floor_bytes_s * window_s`` bytes in a window (a floor of 0: no check). Only the
+    partner's slowness counts: our sending only while ``sending.writing`` (we wait on it to read), our
+    receiving only in a window we spent at least half waiting on its bytes (``channel.read_wait_s``),
+    not decoding them on a starved CPU.
 
     A partner that trickles (64 KiB every 10 s passes the framing's stall timeout) is dropped within
     two windows, whatever its deadline: what a transfer costs the other side is bounded by the rate it
@@ -123,6 +125,7 @@ async def rate_floor(
     try:
         while not (sender.done() and receiver.done()):
             before = (channel.bytes_sent, channel.bytes_received)
+            waited_before = channel.read_wait_s()
             done, _ = await asyncio.wait(
                 [t for t in tasks if not t.done()],
                 timeout=window_s,
@@ -134,7 +137,8 @@ async def rate_floor(
             if budget <= 0:
                 continue
             received, sent = channel.bytes_received - before[1], channel.bytes_sent - before[0]
-            if not receiver.done() and received < budget:
+            waited = channel.read_wait_s() - waited_before
+            if not receiver.done() and received < budget and waited >= window_s / 2:
                 raise SlowPartner(_too_slow("received", received, floor_bytes_s, window_s))
             if not sender.done() and sending.writing and sent < budget:
                 raise SlowPartner(_too_slow("sent", sent, floor_bytes_s, window_s))

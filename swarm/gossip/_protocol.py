@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import math
+import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -68,7 +69,8 @@ def handler_name(run_id: str) -> str:
 
 class Channel:
     """A framed, byte-counted, timeout-guarded view of one bidirectional p2p stream. The byte counts
-    move with every piece of a message, not once it is whole: the rate floor reads them mid-message."""
+    move with every piece of a message, not once it is whole: the rate floor reads them mid-message,
+    along with :meth:`read_wait_s`, the time we spent waiting on the partner's bytes."""
 
     def __init__(
         self,
@@ -84,6 +86,8 @@ class Channel:
         self._max_data_bytes = max_data_bytes
         self.bytes_sent = 0
         self.bytes_received = 0
+        self._read_wait_s = 0.0
+        self._reading_since: float | None = None
 
     async def send(self, kind: MsgKind, payload: bytes | memoryview = b"") -> None:
         await write_message(self._writer, kind, payload, self._timeout, self._sent)
@@ -93,7 +97,18 @@ class Channel:
 
     async def recv(self) -> tuple[MsgKind, bytes]:
         """Read one message; raises ProtocolError on an unknown kind or an oversized length."""
-        return await read_message(self._reader, MsgKind, self._limit, self._timeout, self._received)
+        self._reading_since = time.monotonic()
+        try:
+            return await read_message(self._reader, MsgKind, self._limit, self._timeout, self._received)
+        finally:
+            self._read_wait_s += time.monotonic() - self._reading_since
+            self._reading_since = None
+
+    def read_wait_s(self) -> float:
+        """Seconds spent inside :meth:`recv` so far, a read in progress included: waiting on the
+        partner's bytes, not on our own work (decoding, mixing) between two reads."""
+        ongoing = 0.0 if self._reading_since is None else time.monotonic() - self._reading_since
+        return self._read_wait_s + ongoing
 
     def _sent(self, nbytes: int) -> None:
         self.bytes_sent += nbytes
