@@ -111,8 +111,10 @@ def test_a_long_exchange_over_a_slow_link_succeeds_and_a_stalled_partner_is_drop
         assert long_exchange["bytes_received"] > NUMEL  # the whole vector came
         # the scenario held: this exchange outlasted both fixed bounds, so a fixed averager drops it
         assert long_exchange["latency_s"] > 2 * FIXED_EXCHANGE_S
-        # the stalled partner was dropped by the stall check, not by the (long) exchange deadline
+        # the stalled partner was dropped by the stall check or the rate floor (whichever window ends
+        # first: its first frame crawls in over the shared link, then nothing comes), not by the
+        # (long) exchange deadline, whose reason says "timed out"
         assert stalled["outcome"] in ("timeout", "failed"), stalled
-        assert "stalled" in stalled["reason"], stalled
+        assert "stalled" in stalled["reason"] or "slow partner" in stalled["reason"], stalled
         for process in (dialer, staller, honest):
             assert terminate_and_wait(process, timeout=30) == 0, process.output()
