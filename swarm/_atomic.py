@@ -23,7 +23,8 @@ def write_json_synced(path: Path, data: dict[str, Any], indent: int = 2) -> None
 
 
 def replace_directory(new: Path, target: Path) -> None:
-    """Rename ``new`` to ``target``; a non-empty ``target`` is moved aside first and removed after.
+    """Rename ``new`` to ``target``; a non-empty ``target`` is moved aside first and removed after,
+    or moved back if the rename fails (``target`` is then as it was).
 
     The parent directory is synced after the rename, so the new name survives a crash."""
     old = None
@@ -31,7 +32,12 @@ def replace_directory(new: Path, target: Path) -> None:
         old = target.parent / f".{target.name}.{os.getpid()}.old"
         shutil.rmtree(old, ignore_errors=True)
         os.rename(target, old)
-    os.replace(new, target)  # onto an empty directory, or a free name
+    try:
+        os.replace(new, target)  # onto an empty directory, or a free name
+    except BaseException:
+        if old is not None:
+            os.rename(old, target)
+        raise
     fd = os.open(target.parent, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)
