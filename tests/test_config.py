@@ -260,6 +260,8 @@ def test_cross_field_errors_name_both_sources(tmp_path):
         ("compression.codec=int2", "compression.codec"),
         ("monitor.prometheus_port=70000", "monitor.prometheus_port"),
         ("emulation.slowdown=0.5", "emulation.slowdown"),
+        ("emulation.slowdown=inf", "emulation.slowdown"),
+        ("emulation.slowdown=1e9", "emulation.slowdown"),
         ("data.eval_fraction=0.5", "data.eval_fraction"),
         ("averaging.sync_every_seconds=0", "averaging.sync_every_seconds"),
         ("train.lr=.nan", "train.lr"),

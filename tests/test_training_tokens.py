@@ -186,6 +186,19 @@ def test_a_directory_of_another_config_is_refused(prepared: Path, tmp_path: Path
         TokenFile(tmp_path, tokenizer=None, eval_fraction=0.05)
 
 
+def test_an_output_that_holds_the_text_is_refused_and_the_text_kept(tmp_path: Path) -> None:
+    """``prepare --out corpus --overwrite`` with ``data.paths: [corpus]`` would replace the directory
+    it reads: refused before anything is written, the text untouched."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.txt").write_text("the text to train on\n" * 50)
+    for out in (corpus, tmp_path):
+        with pytest.raises(ValueError, match="is inside the output"):
+            prepare_tokens(files_data(corpus), out, overwrite=True)
+    assert (corpus / "a.txt").read_text() == "the text to train on\n" * 50
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus"]
+
+
 def test_prepared_bpe_tokens_match_the_tokenized_text(text_dir: Path, tmp_path: Path) -> None:
     pytest.importorskip("transformers")
     from tests.test_tokenizer import train_tokenizer

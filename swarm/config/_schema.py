@@ -260,8 +260,9 @@ class EmulationSection(Section):
     slowdown: float = Field(
         1.0,
         ge=1,
+        le=1000,
         description="Stretch the (emulated) device time by this factor: a slow peer on the same machine "
-        "(1 = off).",
+        "(1 = off; at most 1000, so that a step never sleeps for good).",
     )
 
 

@@ -82,6 +82,7 @@ def prepare_tokens(
         raise ValueError(f"{target} exists and is not a directory")
     if target.is_dir() and any(target.iterdir()) and not overwrite:
         raise ValueError(f"{target} exists and is not empty (overwrite it with --overwrite)")
+    _refuse_sources_inside(data, target)
     tokenizer = load_tokenizer(data.tokenizer) if data.tokenizer is not None else None
     vocab = tokenizer.vocab_size if tokenizer is not None else BYTE_VOCAB
     dtype = dtype_for(vocab)
@@ -119,6 +120,20 @@ def prepare_tokens(
         shutil.rmtree(temporary, ignore_errors=True)
         raise
     return TokenFile(target, tokenizer=tokenizer, eval_fraction=data.eval_fraction)
+
+
+def _refuse_sources_inside(data: DataSection, target: Path) -> None:
+    """The output replaces ``target`` whole: a text file of ``data.paths`` inside it would be deleted
+    by the very run that reads it."""
+    if data.source != "files":
+        return
+    out = target.resolve()
+    inside = [path for path in expand_paths(data.paths) if path.resolve().is_relative_to(out)]
+    if inside:
+        raise ValueError(
+            f"data.paths file {inside[0]} is inside the output {target}, which prepare replaces whole: "
+            "write the tokens elsewhere"
+        )
 
 
 def _write_files(
