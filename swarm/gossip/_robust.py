@@ -25,8 +25,9 @@ and the two stated sample counts (weights ``w``, ``v``) make plausible::
 models are apart, so it is judged against our own progress since the last consensus, ``||theta -
 anchor||``, with the pseudo-gradient's ratio (two honest models differ by about the difference of
 their progress, as two pseudo-gradients do). ``blame_ratio`` is ``clip_ratio`` unless set. Such an
-exchange also reports how far its mix moved us (``ClipStats.moved``), which later exchanges are judged
-against too (``reference``): while the swarm is visibly out of consensus (a partition healing, a
+exchange also reports how far its mix moves us toward an equal partner (``ClipStats.moved``: half the
+clipped difference, whatever weight the partner states), which later exchanges are judged against
+too (``reference``): while the swarm is visibly out of consensus (a partition healing, a
 straggler catching up), our own consensus steps are large, and honest partners are as far from us as
 those steps say; in consensus they are small and the progress rules. A partner whose pushes alone
 keep our steps large meets an excess of about 1 in every exchange (the step is half the difference),
@@ -97,8 +98,10 @@ class ClipStats:
     own_norm: float
     judged: bool = True
     moved: float = 0.0
-    """How far the mix moved our tensors, ``s v / (w + v) ||d||``, where the offer stated a
-    ``blame_norm`` (a model exchange; else 0): kept with ``own_norm`` as a reference for later ones."""
+    """Where the offer stated a ``blame_norm`` (a model exchange; else 0): how far the mix would move
+    us toward a partner of equal weight, ``s ||d|| / 2``, kept with ``own_norm`` as a reference for
+    later ones. Not the weighted step: a partner claiming a huge weight would double it, and with it
+    the radius its own pushes are judged by."""
 
     @property
     def clipped(self) -> bool:
@@ -145,9 +148,7 @@ def clip_scale(
     ratio = policy.clip_ratio if policy.blame_ratio is None else policy.blame_ratio
     own_radius = ratio * max(blamed, reference, policy.clip_floor) * plausible_spread(weights)
     excess = diff / own_radius if own_radius > 0 else (math.inf if diff > 0 else 0.0)
-    ours_w, theirs_w = weights
-    share = theirs_w / (ours_w + theirs_w) if ours_w + theirs_w > 0 else 0.0
-    moved = 0.0 if blame_norm is None else scale * share * diff
+    moved = 0.0 if blame_norm is None else scale * diff / 2
     hard = excess > policy.hard_factor
     return ClipStats(scale=scale, excess=excess, hard=hard, own_norm=blamed, moved=moved)
 
