@@ -39,7 +39,6 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import psutil
 import pytest
 
 from peers._compat_check import look_at_swarm
@@ -48,9 +47,8 @@ from swarm.config import load_config
 from swarm.membership import parse_config_text
 from swarm.network import ensure_identity
 from tests._processes import heavy_scenario, wait_until
-from tests.workers.gossip_pool import p2pd_pids, wait_no_leak
 from tests.workers.hostile import HOSTILE_STEP_TIME_S, HostileNodes, Organizer
-from tests.workers.malicious import Swarm
+from tests.workers.malicious import Swarm, swarms_stopped_cleanly
 from tests.workers.tiny import DRIFT_CONTROL, tiny
 
 HONEST = [0, 1, 2, 3]
@@ -75,15 +73,9 @@ LOSS_TOLERANCE = 0.05  # of the clean swarm's mean held-out loss
 
 @pytest.fixture
 def swarms() -> Iterator[list[Swarm]]:
-    """Swarms started by the test; stopped gracefully at teardown, after which nothing of theirs, nor
-    any p2p daemon of this process (the in-process nodes'), may be left."""
-    before = p2pd_pids()
-    started: list[Swarm] = []
-    yield started
-    outlived = [described for swarm in started for described in swarm.close()]
-    pgids = [pgid for swarm in started for pgid in swarm.pgids]
-    assert not outlived, f"processes outlived the swarms' graceful stop (then killed): {outlived}"
-    assert not wait_no_leak(before, pgids, parent=psutil.Process().pid)
+    """Swarms started by the test, stopped at teardown and checked for leaks."""
+    with swarms_stopped_cleanly() as started:
+        yield started
 
 
 @pytest.fixture

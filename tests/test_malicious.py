@@ -28,7 +28,6 @@ from pathlib import Path
 from typing import Any
 
 import hivemind
-import psutil
 import pytest
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.utils.crypto import RSAPrivateKey
@@ -38,8 +37,7 @@ from swarm import NetworkOptions, NodeInfo, PeerRecord, SwarmNode
 from swarm.membership import record_key
 from swarm.network import ensure_identity
 from tests._processes import heavy_scenario, wait_until
-from tests.workers.gossip_pool import p2pd_pids, wait_no_leak
-from tests.workers.malicious import Swarm
+from tests.workers.malicious import Swarm, swarms_stopped_cleanly
 from tests.workers.tiny import DRIFT_CONTROL, tiny
 
 SIZE = 5
@@ -55,15 +53,9 @@ LOSS_MARGIN = 0.5  # bits per byte: clean-run noise at this size and length, see
 
 @pytest.fixture
 def swarms() -> Iterator[list[Swarm]]:
-    """Swarms started by the test; at teardown they are stopped gracefully, and nothing of theirs may
-    outlive that (no p2pd either)."""
-    before = p2pd_pids()
-    started: list[Swarm] = []
-    yield started
-    outlived = [described for swarm in started for described in swarm.close()]
-    pgids = [pgid for swarm in started for pgid in swarm.pgids]
-    assert not outlived, f"processes outlived the swarms' graceful stop (then killed): {outlived}"
-    assert not wait_no_leak(before, pgids, parent=psutil.Process().pid)
+    """Swarms started by the test, stopped at teardown and checked for leaks."""
+    with swarms_stopped_cleanly() as started:
+        yield started
 
 
 def _run(swarms: list[Swarm], tmp_path: Path) -> dict[str, tuple[Swarm, list[dict], list[dict[str, Any]]]]:

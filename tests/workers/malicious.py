@@ -21,7 +21,7 @@ import signal
 import threading
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -262,3 +262,18 @@ class Swarm:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(proc.pid, signal.SIGTERM)
         return reap_workers(self.procs, self.pgids, time.monotonic() + timeout)
+
+
+@contextlib.contextmanager
+def swarms_stopped_cleanly() -> Iterator[list[Swarm]]:
+    """A list for the swarms a test starts; on exit every one is stopped gracefully, and nothing of
+    theirs may outlive that, nor any p2p daemon of this process (in-process nodes' included)."""
+    from tests.workers.gossip_pool import p2pd_pids, wait_no_leak
+
+    before = p2pd_pids()
+    started: list[Swarm] = []
+    yield started
+    outlived = [described for swarm in started for described in swarm.close()]
+    pgids = [pgid for swarm in started for pgid in swarm.pgids]
+    assert not outlived, f"processes outlived the swarms' graceful stop (then killed): {outlived}"
+    assert not wait_no_leak(before, pgids, parent=os.getpid())
