@@ -82,7 +82,7 @@ def prepare_tokens(
         raise ValueError(f"{target} exists and is not a directory")
     if target.is_dir() and any(target.iterdir()) and not overwrite:
         raise ValueError(f"{target} exists and is not empty (overwrite it with --overwrite)")
-    _refuse_sources_inside(data, target)
+    files = _text_files(data, target)
     tokenizer = load_tokenizer(data.tokenizer) if data.tokenizer is not None else None
     vocab = tokenizer.vocab_size if tokenizer is not None else BYTE_VOCAB
     dtype = dtype_for(vocab)
@@ -96,10 +96,10 @@ def prepare_tokens(
             TokenWriter(temporary / EVAL_FILE, dtype, vocab, chunk_bytes) as held_out,
         ):
             budget = _Budget(max_tokens)
-            if data.source == "hf":
+            if files is None:
                 _write_stream(data, tokenizer, train, held_out, budget)
             else:
-                _write_files(data, tokenizer, train, held_out, budget)
+                _write_files(files, data, tokenizer, train, held_out, budget)
             if train.count == 0:
                 raise ValueError(f"data.source {data.source!r}: no text to train on")
             entries = {"train": train.close(), "eval": held_out.close()}
@@ -122,25 +122,32 @@ def prepare_tokens(
     return TokenFile(target, tokenizer=tokenizer, eval_fraction=data.eval_fraction)
 
 
-def _refuse_sources_inside(data: DataSection, target: Path) -> None:
-    """The output replaces ``target`` whole: a text file of ``data.paths`` inside it would be deleted
-    by the very run that reads it."""
-    if data.source != "files":
-        return
-    out = target.resolve()
-    inside = [path for path in expand_paths(data.paths) if path.resolve().is_relative_to(out)]
+def _text_files(data: DataSection, target: Path) -> list[Path] | None:
+    """The text files to read (None: an ``hf`` stream). The output replaces ``target`` whole, so a
+    file of ``data.paths`` inside it, which the very run would delete, is refused."""
+    if data.source == "hf":
+        return None
+    if data.source == "stdlib":
+        return stdlib_files()
+    files, out = expand_paths(data.paths), target.resolve()
+    inside = [path for path in files if path.resolve().is_relative_to(out)]
     if inside:
         raise ValueError(
             f"data.paths file {inside[0]} is inside the output {target}, which prepare replaces whole: "
             "write the tokens elsewhere"
         )
+    return files
 
 
 def _write_files(
-    data: DataSection, tokenizer: Tokenizer | None, train: TokenWriter, held_out: TokenWriter, budget: _Budget
+    files: list[Path],
+    data: DataSection,
+    tokenizer: Tokenizer | None,
+    train: TokenWriter,
+    held_out: TokenWriter,
+    budget: _Budget,
 ) -> None:
     """The stdlib or files corpus, one file at a time, as :func:`corpus_from_files` would split it."""
-    files = stdlib_files() if data.source == "stdlib" else expand_paths(data.paths)
     for path in files:
         train_pieces, held_out_pieces = split_file(path, data.eval_fraction, as_text=tokenizer is not None)
         train.write(budget.take(encode(train_pieces, tokenizer)))
