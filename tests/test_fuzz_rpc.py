@@ -83,7 +83,9 @@ def make_averager(p2p: FakeP2P, partners: Callable[[], list[PartnerInfo]] = list
         codec=CODEC,
         block_size=BLOCK,
         chunk_bytes=CHUNK,
-        exchange_timeout_s=1.5,
+        # the good exchange after each case must finish within this on two loaded cores (1.5 s did
+        # not: a full suite run cut one after its first DATA frame); CASE_TIMEOUT_S bounds it
+        exchange_timeout_s=CASE_TIMEOUT_S - 1,
         chunk_timeout_s=0.3,
         busy_patience_s=0.05,
         ban_base_s=60.0,
