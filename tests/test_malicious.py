@@ -6,13 +6,14 @@ peer 1 sending standard normal noise instead of its own, and a clean one of the 
 (2-4) alone. The honest peers' final held-out loss must stay within ``LOSS_MARGIN`` bits per byte of
 the same peers' in the clean swarm (same identities, so the same data): the attackers may cost the
 honest peers the exchanges they waste on them, but not their training. Bans are checked as they
-happened, with the default ban times (a first ban lasts 10 s): while every peer trained, each honest
-peer banned the noise sender, at least one banned the scaling attacker (docs/gossip.md says why not
-every one), and no honest peer judged another's data bad, in either swarm. A stream that broke
-(``BrokenPipeError``, ``IncompleteReadError``, a stall) also gets its partner a short ban, and on two
-cores shared with the rest of the suite honest peers' streams do break now and then (seen twice in
-three full-suite runs, never alone): those bans are printed, not held against the defence.
-Undefended, the same attacks take every peer to Inf/NaN (docs/gossip.md).
+happened, with the default ban times (a first ban lasts 10 s): while every peer trained, some honest
+peer banned each attacker, every honest peer with more than ``clip_strikes`` hard exchanges against
+the noise sender banned it (pairing is random, so a peer may meet an attacker once in 20 rounds;
+docs/gossip.md, "Blame is local"), and no honest peer judged another's data bad, in either swarm.
+A stream that broke (``BrokenPipeError``, ``IncompleteReadError``, a stall) also gets its partner a
+short ban, and on two cores shared with the rest of the suite honest peers' streams do break now
+and then (seen twice in three full-suite runs, never alone): those bans are printed, not held
+against the defence. Undefended, the same attacks take every peer to Inf/NaN (docs/gossip.md).
 
 A last, in-process test checks that nobody can overwrite another peer's membership record (and so
 its announced progress), even with a well-formed record signed by a key of its own.
@@ -34,6 +35,7 @@ from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.timed_storage import get_dht_time
 
 from swarm import NetworkOptions, NodeInfo, PeerRecord, SwarmNode
+from swarm.config import AveragingSection
 from swarm.membership import record_key
 from swarm.network import ensure_identity
 from tests._processes import heavy_scenario, wait_until
@@ -49,6 +51,7 @@ OVERRIDES = tiny(
     "train.eval_batches=8", f"train.max_steps={STEPS}", "averaging.sync_every_steps=5", *DRIFT_CONTROL
 )
 LOSS_MARGIN = 0.5  # bits per byte: clean-run noise at this size and length, see docs/gossip.md
+CLIP_STRIKES = AveragingSection().clip_strikes  # hard exchanges that ban (the runs keep the default)
 
 
 @pytest.fixture
@@ -95,6 +98,13 @@ def _bans_while_all_trained(reports: list[dict[str, Any]], index: int) -> list[t
     return [(peer, reason) for at, peer, reason in reports[index]["bans"] if at < first_done]
 
 
+def _suspicions_while_all_trained(reports: list[dict[str, Any]], index: int, peer: str) -> int:
+    """How many hard exchanges with ``peer`` peer ``index`` counted against it before any peer of its
+    swarm stopped training."""
+    first_done = min(report["finished"] for report in reports)
+    return sum(1 for at, suspect in reports[index]["suspicions"] if suspect == peer and at < first_done)
+
+
 VERDICTS = ("rejected its data", "it rejected our data", "suspicious exchanges")
 """How the reasons of bans for data start (swarm/gossip/_exchange.py, _partners.py); the rest are for
 streams that broke or stalled."""
@@ -138,15 +148,19 @@ def test_honest_peers_train_through_an_attacker_and_ban_it(swarms, tmp_path) -> 
             banned_by[i] = {peer for peer, _ in bans}
         for index, attack in SWARMS[name][1].items():
             attacker = swarm.peer_ids[index]
-            # noise fails validation at once: every honest peer bans it. A x100 scaled update is only
-            # clipped when its offer is early in the attacker's round (a fraction of a full round's
-            # norm, below the hard factor), so some honest peer may not see it hard twice in 20
-            # rounds: the swarm as a whole must ban it (docs/gossip.md, "Blame is local").
+            # Blame is local (docs/gossip.md): a peer bans on its own evidence, and pairing is random,
+            # so an honest peer may meet an attacker once or never in 20 rounds. A x100 scaled update
+            # is only hard when its offer is early in the attacker's round, so the swarm as a whole
+            # must ban it. Noise is hard in every exchange (its norm is that of the weights, so it
+            # passes validation): any honest peer with more hard exchanges against it than
+            # CLIP_STRIKES across its two averagers (model exchanges with its ruined weights are hard
+            # too) has two in one averager, and must have banned it.
             banners = [i for i in honest if attacker in banned_by[i]]
+            assert banners, f"{name}: no honest peer banned the {attack} attacker: {report}"
             if attack == "random":
-                assert banners == honest, f"{name}: not every honest peer banned the noise: {report}"
-            else:
-                assert banners, f"{name}: no honest peer banned the scaled attacker: {report}"
+                hard = {i: _suspicions_while_all_trained(peer_reports, i, attacker) for i in honest}
+                unbanned = [i for i in honest if hard[i] > CLIP_STRIKES and i not in banners]
+                assert not unbanned, f"{name}: peers {unbanned} saw noise hard {hard} and kept it: {report}"
 
 
 class _ForgingSigner(RSASignatureValidator):

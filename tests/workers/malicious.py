@@ -6,8 +6,9 @@ that its DHT process and p2p daemon can be found (and, if they outlive a gracefu
 attacker is an ordinary :class:`TrainingPeer` whose pseudo-gradient averager gets
 ``ExchangeHooks(tamper=...)`` patched in here: no attack code lives in the product.
 
-Each peer also records the bans its averagers pronounce, as they happen (from the averagers' own
-"banning peer" log records), and reports them with its summary.
+Each peer also records the bans its averagers pronounce and the hard exchanges that count towards
+them, as they happen (from the averagers' own "banning peer" and "suspicious partner" log records),
+and reports them with its summary.
 """
 
 from __future__ import annotations
@@ -110,16 +111,24 @@ def _log_clips() -> None:
 
 
 class BanLog(logging.Handler):
-    """Collects the "banning peer" records of the gossip averagers: (monotonic time, peer, reason)."""
+    """Collects what the gossip averagers log against partners: the "banning peer" records as
+    ``bans`` (monotonic time, peer, reason), and the hard exchanges that count towards a ban (the
+    reputation's "suspicious partner" records) as ``suspicions`` (monotonic time, peer)."""
 
     def __init__(self) -> None:
         super().__init__(logging.WARNING)
         self.bans: list[tuple[float, str, str]] = []
+        self.suspicions: list[tuple[float, str]] = []
 
     def emit(self, record: logging.LogRecord) -> None:
-        if record.name.startswith("swarm.gossip") and str(record.msg).startswith("banning peer"):
+        if not record.name.startswith("swarm.gossip"):
+            return
+        message = str(record.msg)
+        if message.startswith("banning peer"):
             peer, _duration, _strike, reason = record.args
             self.bans.append((time.monotonic(), str(peer), str(reason)))
+        elif record.name == "swarm.gossip._reputation" and message.startswith("suspicious partner"):
+            self.suspicions.append((time.monotonic(), str(record.args[0])))
 
 
 def _wait_for_go(conn: Any, stop: threading.Event) -> str | None:
@@ -168,7 +177,13 @@ def peer_main(
                 write_summary(peer, Path(summary_path))
                 result = peer.join_result
                 joined = {"donors": list(result.donors), "meta": result.meta, "digest": result.digest}
-                report = {"started": started, "finished": finished, "bans": ban_log.bans, "joined": joined}
+                report = {
+                    "started": started,
+                    "finished": finished,
+                    "bans": ban_log.bans,
+                    "suspicions": ban_log.suspicions,
+                    "joined": joined,
+                }
                 conn.send(("done", report, None))
         except BaseException:
             conn.send(("error", traceback.format_exc(), None))
