@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -130,3 +131,14 @@ def open_with_output(
     except NetworkError as exc:
         fail(str(exc), status=1)
     return peer, output
+
+
+def write_summary(peer: Any, path: Path, summary: dict[str, Any] | None = None) -> None:
+    """Write ``summary`` (``peer.summary()`` when None) with the peer's held-out evaluation of the final
+    model, for `swarm local`'s summary table and the benchmarks. A whole-model trainer evaluates once
+    it has left the swarm, so that this evaluation (the one piece of work a stop still starts, asked
+    for by ``--summary``) holds up no partner; a second signal interrupts it. A pipeline data holder
+    evaluates through the other stages, before it leaves."""
+    summary = {**(peer.summary() if summary is None else summary), **peer.final_evaluation()}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(summary, indent=2))

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import resource
 import threading
 import time
 from pathlib import Path
@@ -11,10 +9,9 @@ from pathlib import Path
 import typer
 
 from peers._common import close_relay, fail, reachability_lines, start_relay
-from peers._trainer_output import open_with_output
+from peers._trainer_output import open_with_output, write_summary
 from swarm.config import RunConfig
 from swarm.network import NetworkOptions
-from swarm.p2p import RELAYED
 
 
 def run_join(
@@ -102,7 +99,7 @@ def run_join(
                 f"join: checkpoint saved in {config.train.checkpoint_dir} "
                 f"(step {peer.progress.step}, {time.monotonic() - saving:.1f} s)"
             )
-        summary = summary_of(peer) if summary_path is not None else None
+        summary = peer.summary() if summary_path is not None else None
     finally:
         leaving = time.monotonic()
         if relay is not None:
@@ -146,57 +143,3 @@ def _stages(config: RunConfig) -> int:
         return len(plan_stages(config))
     except ValueError as exc:
         fail(str(exc))
-
-
-def write_summary(peer, path: Path, summary: dict | None = None) -> None:
-    """Write ``summary`` (:func:`summary_of` the peer when None) with a held-out evaluation of the
-    final model, for `swarm local`'s summary table and the benchmarks. `swarm join` calls it once the
-    peer has left the swarm, so that this evaluation (the one piece of work a stop still starts, asked
-    for by ``--summary``) holds up no partner; a second signal interrupts it."""
-    summary = {
-        **(summary_of(peer) if summary is None else summary),
-        "eval_loss": peer.evaluate(),
-        "eval_loss_unit": peer.eval_set.loss_unit,
-        "eval_bits_per_byte": peer.progress.eval_bits_per_byte,
-    }
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(summary, indent=2))
-
-
-def summary_of(peer) -> dict:
-    """Final numbers of this peer but its evaluation (:func:`write_summary`), read before it closes."""
-    metrics = peer.gossip_metrics()
-    details = peer.backend.details()
-    # pseudo-gradient exchanges only for gossip; every averaging round for the hivemind baseline
-    exchanges = details.get("pseudo_gradient_metrics", metrics)
-    return {
-        "peer_id": peer.node.peer_id,
-        "steps": peer.progress.step,
-        "rounds": peer.progress.round,
-        "samples": peer.progress.samples_total,
-        "tokens_per_second": peer.progress.samples_per_s * peer.config.model.block_size,
-        # what the inner trainer chose (precision, optimizer, micro-batch) and measured (MFU, peak memory)
-        **(peer.inner.summary() if hasattr(peer, "inner") else {}),
-        # everything this peer sent for averaging (both roles, every exchange kind), per round and parameter
-        "wire_bytes_per_param_per_sync": metrics.bytes_sent / max(peer.progress.round, 1) / peer.n_params,
-        # what one pseudo-gradient exchange costs on the wire, per parameter and direction
-        "exchange_bytes_per_param": exchanges.bytes_sent / max(exchanges.exchanges_ok, 1) / peer.n_params,
-        "wire_bytes_sent": metrics.bytes_sent,
-        "wire_bytes_total": metrics.bytes_sent + metrics.bytes_received,
-        "device_seconds": peer.progress.device_seconds,
-        # the largest resident set this process had (Linux reports KiB): to check the memory estimate
-        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-        "compute_seconds": peer.progress.compute_seconds,
-        "rounds_by_role": details.get("rounds_by_role", {}),
-        "drift": peer.progress.drift,
-        "utilization": peer.progress.utilization(),
-        "exchanges_ok": metrics.exchanges_ok,
-        "exchanges_clipped": metrics.exchanges_clipped,
-        "exchanges_suspect": metrics.exchanges_suspect,
-        # partners this peer's pseudo-gradient averager holds bans against, and their strike counts
-        "banned_peers": details.get("banned_peers", {}),
-        "ban_strikes": details.get("ban_strikes", {}),
-        "reachability": peer.node.reachability,
-        # stream bytes over relayed connections (both directions, every service), see swarm/p2p/_relay.py
-        "relayed": RELAYED.snapshot(),
-    }

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import threading
 from pathlib import Path
 
 import typer
 
 from peers._common import fail, reachability_lines
-from peers._trainer_output import open_with_output
+from peers._trainer_output import open_with_output, write_summary
 from swarm.config import RunConfig
 from swarm.network import NetworkOptions
 
@@ -61,7 +60,6 @@ def run_stage_peer(
             peer.run(stop)
         typer.echo("join: shutting down")
         if summary_path is not None:
-            summary_path.parent.mkdir(parents=True, exist_ok=True)
-            summary_path.write_text(json.dumps(peer.summary(), indent=2))
+            write_summary(peer, summary_path)
     finally:
         peer.close()

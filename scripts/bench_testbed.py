@@ -167,8 +167,7 @@ def _start_bootstrap(lab, run: Run, common: list[str]) -> str:
 def _start_trainer(lab, run: Run, index: int, maddr: str, common: list[str]) -> None:
     host = lab.hosts[index]
     args = ["join", *common, "--initial-peers", maddr, "--host-maddrs", host.maddr()]
-    timers = run.log_dir / f"peer-{index}.timers.json"
-    _start(run, host, f"peer-{index}", [*args, *_peer_files(run, index)], timers=timers)
+    _start(run, host, f"peer-{index}", [*args, *_peer_files(run, index)])
 
 
 def _peer_files(run: Run, index: int) -> list[str]:
@@ -178,11 +177,11 @@ def _peer_files(run: Run, index: int) -> list[str]:
     return [*names, "--set", f"train.checkpoint_dir={checkpoints}"]
 
 
-def _start(run: Run, host, name: str, args: list[str], timers: Path | None = None) -> subprocess.Popen:
-    """``swarm ARGS`` in ``host``; with ``timers``, through :func:`timed_cli`."""
+def _start(run: Run, host, name: str, args: list[str]) -> subprocess.Popen:
+    """``swarm ARGS`` in ``host``."""
     from peers.local import _die_with_parent
 
-    entry = ["-m", "peers.cli"] if timers is None else ["-m", "scripts.bench_testbed", str(timers)]
+    entry = ["-m", "peers.cli"]
     with (run.log_dir / f"{name}.log").open("wb") as log:
         proc = host.popen(
             [sys.executable, *entry, *args],
@@ -221,7 +220,8 @@ def _stop(run: Run) -> None:
 def measured_numbers(
     run: Run, plan: Plan, watcher: bench_training.LogWatcher, seconds: float, target: float
 ) -> dict[str, Any]:
-    """A run's row from the trainers' summaries and timers, the watcher's timestamps, the load samples."""
+    """A run's row from the trainers' summaries (their phase split included), the watcher's
+    timestamps, the load samples."""
     from peers._local_summary import collect
 
     paths = [run.log_dir / f"peer-{i}.summary.json" for i in range(1, plan.peers + 1)]
@@ -229,7 +229,7 @@ def measured_numbers(
     if len(per_peer) < plan.peers:
         return {"error": f"{plan.peers - len(per_peer)} trainer(s) wrote no summary; see {run.log_dir}"}
     for peer in per_peer:
-        peer["time_split"] = read_timers(run.log_dir / f"{peer['name']}.timers.json")
+        peer["time_split"] = peer.get("phase_seconds")
     step_time = _set_value(plan.sets, "emulation.step_time_s", 0.0)
     joins = [t for t in watcher.joined if t is not None]
     curve = _curve(watcher, seconds)
@@ -285,28 +285,17 @@ def crossing(curve: list[list[float]], target: float, axis: int) -> float | None
     return None
 
 
-def read_timers(path: Path) -> dict[str, float] | None:
-    """A trainer's :func:`timed_cli` totals, or None when it wrote none."""
-    import json
-
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-
-
 def training_thread(per_peer: list[dict[str, Any]]) -> dict[str, Any]:
     """``utilization``: device seconds over the wall time of the training loop (from the first inner
     step to the stop; start-up and joining left out), mean over trainers; ``time_split``: the share of
-    that wall time each part of ``bench_training.TIMED_PARTS`` took, and ``other``; means over trainers."""
-    splits = [p["time_split"] for p in per_peer if p.get("time_split") and p["time_split"].get("run")]
+    that wall time each phase of the trainers' own ``phase_seconds`` took (swarm/trainer/_phases.py,
+    ``other`` included); means over trainers."""
+    splits = [p["time_split"] for p in per_peer if p.get("time_split") and p["time_split"].get("loop")]
     if not splits:
         return {"utilization": None, "time_split": None}
-    shares = {
-        part: _mean([s.get(part, 0.0) / s["run"] for s in splits]) for part in bench_training.TIMED_PARTS
-    }
-    shares["other"] = max(0.0, 1.0 - sum(shares.values()))
-    return {"utilization": shares["device"], "time_split": shares}
+    parts = sorted({part for split in splits for part in split} - {"loop"})
+    shares = {part: _mean([s.get(part, 0.0) / s["loop"] for s in splits]) for part in parts}
+    return {"utilization": shares.get("device"), "time_split": shares}
 
 
 def emulation_overrun(per_peer: list[dict[str, Any]], step_time: float, plan: Plan) -> float | None:
@@ -346,11 +335,3 @@ def brief(row: dict[str, Any]) -> str:
     parts.append("compute -" if compute is None else f"compute {1000 * compute:.0f} ms/step")
     parts.append("load -" if load is None else f"load {load:.1f}")
     return ", ".join(parts)
-
-
-if __name__ == "__main__":  # a trainer of a run: python -m scripts.bench_testbed TIMERS_JSON join ...
-    if len(sys.argv) < 3 or sys.argv[1].startswith("-"):  # the first argument is a file it writes
-        sys.exit(
-            "usage: python -m scripts.bench_testbed TIMERS_JSON join [swarm join options] (run by benchmarks)"
-        )
-    bench_training.timed_cli(sys.argv[1], sys.argv[2:])

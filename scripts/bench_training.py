@@ -33,10 +33,8 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections import Counter
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -193,101 +191,6 @@ def summary_numbers(per_peer: list[dict[str, Any]]) -> dict[str, Any]:
         "compute_per_step_s": sum(p.get("compute_seconds", 0.0) for p in per_peer) / steps if steps else None,
         "rounds_by_role": dict(roles),
     }
-
-
-# ---------------------------------------------------------------------- where a trainer's time goes
-
-TIMED_PARTS = ("device", "step_other", "sync", "apply", "dht", "evaluate", "checkpoint", "finish")
-"""The training thread's wall time, split: ``device`` is the (emulated) device time of the inner steps,
-``step_other`` the rest of them (a hivemind step's all-reduce), ``sync`` the backend's round (an
-all-reduce barrier, or gossip waiting on an exchange that lags too far), ``apply`` the backend's
-work after each step (applying exchanged updates, publishing the state for joiners), ``dht`` the
-DHT calls the loop makes itself (storing the membership record, reading the member list after each
-round), ``evaluate`` the held-out loss."""
-
-
-class _Timers:
-    """Exclusive wall-time totals of the calls the main thread makes inside ``TrainingPeer.run``: a
-    nested timed call is not counted twice."""
-
-    def __init__(self) -> None:
-        self.totals: dict[str, float] = dict.fromkeys(("run", *TIMED_PARTS), 0.0)
-        self._stack: list[list[float]] = []
-
-    def wrap(self, label: str, function: Callable) -> Callable:
-        def timed(*args, **kwargs):
-            outside = label != "run" and not self._stack  # only what the training loop calls counts
-            if outside or threading.current_thread() is not threading.main_thread():
-                return function(*args, **kwargs)
-            self._stack.append([time.perf_counter(), 0.0])
-            result = None
-            try:
-                result = function(*args, **kwargs)
-            finally:
-                started, nested = self._stack.pop()
-                elapsed = time.perf_counter() - started
-                self._book(label, elapsed - nested, elapsed, result if label == "device" else None)
-                if self._stack:
-                    self._stack[-1][1] += elapsed
-            return result
-
-        return timed
-
-    def _book(self, label: str, seconds: float, inclusive: float, stats: Any) -> None:
-        if label == "run":  # the whole loop; its own share is what no other part took
-            self.totals["run"] += inclusive
-        elif stats is not None and label == "device":
-            self.totals["device"] += stats.device_seconds
-            self.totals["step_other"] += seconds - stats.device_seconds
-        else:
-            self.totals[label] += seconds
-
-
-TIMED_CALLS = (
-    ("swarm.trainer._peer", "TrainingPeer", "run", "run"),
-    ("swarm.trainer._peer", "TrainingPeer", "save_checkpoint", "checkpoint"),
-    ("swarm.trainer._peer", None, "evaluate", "evaluate"),
-    ("swarm.training.inner", "InnerTrainer", "step", "device"),
-    ("swarm.membership._announce", "Announcer", "announce_now", "dht"),
-    ("swarm._node", "SwarmNode", "members", "dht"),
-)
-"""(module, class or None, function, label) of what :func:`timed_cli` times; one that the library no
-longer has is left out (its time then counts as ``other``)."""
-
-
-def _instrument(timers: _Timers) -> None:
-    import importlib
-
-    for module_name, class_name, name, label in TIMED_CALLS:
-        owner = importlib.import_module(module_name)
-        owner = getattr(owner, class_name, None) if class_name else owner
-        if owner is not None and callable(getattr(owner, name, None)):
-            setattr(owner, name, timers.wrap(label, getattr(owner, name)))
-    peer = importlib.import_module("swarm.trainer._peer")
-    make_backend = peer.make_backend
-
-    def timed_backend(*args, **kwargs):
-        backend = make_backend(*args, **kwargs)
-        for method, label in (("sync_round", "sync"), ("after_step", "apply"), ("finish", "finish")):
-            if callable(getattr(backend, method, None)):
-                setattr(backend, method, timers.wrap(label, getattr(backend, method)))
-        return backend
-
-    peer.make_backend = timed_backend
-
-
-def timed_cli(timers_path: str, argv: list[str]) -> None:
-    """``swarm ARGV`` with the training thread's time split by :data:`TIMED_PARTS`, written as JSON to
-    ``timers_path`` at exit. Only timing is added: every call runs as it would."""
-    import atexit
-    import json
-    import runpy
-
-    timers = _Timers()
-    _instrument(timers)
-    atexit.register(lambda: Path(timers_path).write_text(json.dumps(timers.totals)))
-    sys.argv = ["swarm", *argv]
-    runpy.run_module("peers.cli", run_name="__main__")
 
 
 def main() -> None:

@@ -1,12 +1,11 @@
 """scripts/bench_report.py: the JSON shape, the markdown/PNG writer and the targets on measured pieces
-(trainer logs, summaries and timers written like real ones, read by the report's own code), the
+(trainer logs and summaries written like real ones, read by the report's own code), the
 scheduling and timing helpers, and the skip path without root. No training runs here."""
 
 from __future__ import annotations
 
 import json
 import shlex
-import time
 from pathlib import Path
 
 import pytest
@@ -64,13 +63,14 @@ def _summary(steps: int, eval_loss: float, sent: float) -> dict:
     return summary | {"rounds_by_role": {"initiator": 2, "responder": 1, "local": 0}, "drift": None}
 
 
-def _timers(steps: int, announce: float) -> dict:
+def _phase_seconds(steps: int, announce: float) -> dict:
+    """A trainer's ``phase_seconds`` (swarm/trainer/_phases.py): nothing left over as ``other``."""
     device = steps * 0.1
-    return {"run": device + announce + 1.0, "device": device, "dht": announce, "evaluate": 1.0}
+    return {"loop": device + announce + 1.0, "device": device, "dht": announce, "evaluate": 1.0, "other": 0.0}
 
 
 def _row(tmp_path: Path, plan: bench_testbed.Plan, evals: list[list[float]], sent: float = 2.0) -> dict:
-    """A row built by the report's own code from trainer logs, summaries and timers like real ones."""
+    """A row built by the report's own code from trainer logs and summaries like real ones."""
     run = bench_testbed.Run(tmp_path / plan.name, loads=[1.0, 3.0])
     run.log_dir.mkdir(parents=True)
     watcher = bench_training.LogWatcher(run.log_dir, plan.peers, plan.batch)
@@ -78,9 +78,10 @@ def _row(tmp_path: Path, plan: bench_testbed.Plan, evals: list[list[float]], sen
     for index in range(1, plan.peers + 1):
         log = run.log_dir / f"peer-{index}.log"
         log.write_text(f"peer Qm{index} joined run 'local-tiny' (2 members visible)\n")
-        summary = _summary(steps, evals[index - 1][-1], sent)
+        summary = _summary(steps, evals[index - 1][-1], sent) | {
+            "phase_seconds": _phase_seconds(steps, 2.0 * index)
+        }
         (run.log_dir / f"peer-{index}.summary.json").write_text(json.dumps(summary))
-        (run.log_dir / f"peer-{index}.timers.json").write_text(json.dumps(_timers(steps, 2.0 * index)))
     for step, _ in enumerate(evals[0]):
         for index in range(1, plan.peers + 1):
             loss = evals[index - 1][step]
@@ -166,7 +167,7 @@ def test_measured_numbers(tmp_path: Path, codecs_json: Path) -> None:
     assert rows["solo"]["eval_at_equal_samples"] == pytest.approx(3.8)
     assert bench_scaling.eval_at([[0, 40, 5.0], [1, 80, 4.0]], 60) == pytest.approx(4.5)
     assert bench_scaling.eval_at([[0, 40, 5.0]], 30) is None  # before the first evaluation
-    # utilization: device seconds over the loop's wall time, from the timers, mean over trainers
+    # utilization: device seconds over the loop's wall time, from the summaries, mean over trainers
     loops = [3.0 + 1.0 + 2.0 * i for i in range(1, 5)]
     assert gossip["utilization"] == pytest.approx(sum(3.0 / w for w in loops) / 4)
     assert sum(gossip["time_split"].values()) == pytest.approx(1.0)
@@ -279,22 +280,6 @@ def test_schedule_packs_trainers() -> None:
     groups = bench_report.schedule(plans, parallel=9)
     assert sorted(p.name for g in groups for p in g) == sorted(p.name for p in plans)
     assert all(sum(p.peers for p in g) <= 9 for g in groups)
-
-
-def test_timers_count_nested_calls_once() -> None:
-    timers = bench_training._Timers()
-
-    def inner() -> None:
-        time.sleep(0.02)
-
-    wrapped_inner = timers.wrap("dht", inner)
-    wrapped_inner()  # outside the training loop: not counted
-    assert timers.totals["dht"] == 0.0
-    outer = timers.wrap("run", lambda: (wrapped_inner(), time.sleep(0.01)))
-    outer()
-    totals = timers.totals
-    assert totals["dht"] >= 0.02 and totals["run"] >= totals["dht"] + 0.01
-    assert totals["run"] - totals["dht"] < 0.5
 
 
 def test_without_root_the_testbed_is_skipped(tmp_path: Path, codecs_json: Path, monkeypatch, capsys) -> None:

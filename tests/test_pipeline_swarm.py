@@ -135,8 +135,15 @@ def test_two_stages_of_two_peers_train_like_data_parallel_with_half_the_paramete
     wait_until(lambda: all(not p.thread.is_alive() for p in holders), 240, f"the data holders' {STEPS} steps")
     assert [p.error for p in peers] == [None] * 4
     assert all(h.steps == STEPS for h in holders)
-    # each holder evaluates through the pipeline (its own stage 0, a stage 1 peer drawn per batch)
-    losses = [h.peer.role.evaluate(h.peer.eval_set, config.train.eval_batches) for h in holders]
+    # each holder evaluates through the pipeline (its own stage 0, a stage 1 peer drawn per batch), as
+    # its end-of-run summary does
+    losses = [h.peer.final_evaluation()["eval_loss"] for h in holders]
+    for holder in holders:
+        summary = holder.peer.summary()
+        assert (summary["stage"], summary["steps"], summary["num_stages"]) == (0, STEPS, 2)
+        split = summary["phase_seconds"]  # the loop's own split: its steps' device time, the rest apart
+        assert split["device"] == pytest.approx(holder.peer.progress.device_seconds)
+        assert 0 < split["device"] <= split["loop"]
     reference = _data_parallel(config, replicas=2, steps=STEPS)
     pipelined = sum(losses) / len(losses)
     print(f"pipeline {losses} vs data-parallel {reference:.4f} bits/byte")

@@ -23,36 +23,28 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from contextlib import AbstractContextManager
 from typing import Any
 
-from swarm._device import describe_device
-from swarm._node import NodeInfo, SwarmNode
-from swarm._periodic import calling_on
 from swarm.config import RunConfig
 from swarm.gossip import GossipMetrics
-from swarm.network import NetworkOptions, ReachabilityResult
+from swarm.membership import PeerState
+from swarm.network import NetworkOptions
 from swarm.pipeline._balance import Rebalancer, choose_stage, stage_loads
 from swarm.pipeline._estimate import plan_stages
 from swarm.pipeline._roster import Roster
 from swarm.pipeline._stage_role import DataHolderRole, ServerRole, StageRole, make_role
-from swarm.trainer import Progress, RoundResult, SwarmLedger, SyncReport
-from swarm.training import (
-    lr_at,
-    make_eval_set,
-    nats_to_bits,
-    open_source,
-    resolve_device,
-    total_samples_of,
-)
+from swarm.trainer import PeerCore, RoundResult, SyncReport
+from swarm.training import lr_at, nats_to_bits
 
 logger = logging.getLogger(__name__)
 
 IDLE_WAIT_S = 0.05
 
 
-class StagePeer:
-    """A pipeline trainer. Build it, (check reachability,) :meth:`join_swarm`, :meth:`run`, :meth:`close`."""
+class StagePeer(PeerCore):
+    """A pipeline trainer. Build it, (check reachability,) :meth:`join_swarm`, :meth:`run`, :meth:`close`.
+
+    The shell it shares with whole-model trainers is :class:`~swarm.trainer.PeerCore`."""
 
     def __init__(
         self,
@@ -63,32 +55,16 @@ class StagePeer:
         public_name: str = "",
         on_sync: Callable[[SyncReport], None] | None = None,
     ) -> None:
-        self.config, self._on_sync = config, on_sync
         self.specs = plan_stages(config)
         self.num_stages = len(self.specs)
         if stage != "auto" and not 0 <= int(stage) < self.num_stages:
             raise ValueError(f"--stage {stage}: the run has stages 0..{self.num_stages - 1}")
         self.requested = stage
-        self.device = resolve_device(config.train.device)
-        self.source = open_source(config.data)
-        self.eval_set = make_eval_set(self.source, config.model.block_size)
-        self.progress = Progress(loss_unit=self.eval_set.loss_unit)
-        self.total_samples = total_samples_of(config.train, config.run.target_samples)
         self.role: StageRole | None = None
         self.moves = 0
-        self.ledger = SwarmLedger()
-        self._state = "joining"
         self._capacity = 0.0
-        device_name, memory = describe_device(str(self.device))
-        info = NodeInfo(config.run.run_id, config.config_hash(), "trainer", public_name, device_name, memory)
+        super().__init__(config, network, public_name=public_name, on_sync=on_sync)
         interval = config.network.record_interval_s
-        self.node = SwarmNode(
-            network,
-            info,
-            status=self._status,
-            record_interval_s=interval,
-            record_ttl_s=config.network.record_ttl_s,
-        )
         pipe = config.pipeline
         self.rebalancer = Rebalancer(
             min_interval_s=pipe.rebalance_min_interval_s, epoch_s=3 * (pipe.rebalance_every_s or 30.0)
@@ -109,15 +85,11 @@ class StagePeer:
     def n_params(self) -> int:
         return 0 if self.role is None else self.role.n_params
 
-    def check_reachability(self) -> ReachabilityResult:
-        """As a trainer does; a peer nobody can dial can only hold data (stage 0), never serve a stage."""
-        if not self.config.network.reachability_check:
-            return ReachabilityResult("disabled")
-        result = self.node.check_reachability()
-        if result.unreachable and self.requested != 0:
+    def _on_unreachable(self) -> None:
+        """A peer nobody can dial can only hold data (stage 0), never serve a stage."""
+        if self.requested != 0:
             logger.warning("nobody can dial this peer: it holds data (stage 0) instead of serving a stage")
             self.requested = 0
-        return result
 
     # ------------------------------------------------------------------ stages
 
@@ -138,11 +110,11 @@ class StagePeer:
         self.node.announce_now()
         logger.info("serving stage %d of %d (%d parameters)", stage, self.num_stages, self.n_params)
 
-    def _announce(self, state: str) -> None:
+    def _announce(self, state: PeerState) -> None:
         self._state = state
         self.node.announce_now()
 
-    def _move(self, stage: int, resume: str) -> None:
+    def _move(self, stage: int, resume: PeerState) -> None:
         """Leave the current stage (its last steps applied), serve ``stage`` with that stage's state, then
         go back to state ``resume``.
 
@@ -164,16 +136,29 @@ class StagePeer:
     def run(self, stop: threading.Event, *, max_steps: int | None = None) -> None:
         """Train until ``stop``, the step limit (data holders) or the end of the data holders (servers)."""
         max_steps = max_steps or self.config.train.max_steps
+        self._stop = stop
         if self.role is None:
             self.join_swarm()
         self._state = "training"
-        with self.aborting_on(stop):
-            while not stop.is_set() and not self._finished(max_steps):
-                self._completed(self._role().work(self._lr(), stop))
-                self._maybe_rebalance()
-        self._state = "leaving"
-        self.node.announce_soon()  # partners stop dialling us, and do not count our going as a fault
-        self._completed(self._role().finish())
+        with self.phases.loop():
+            with self.aborting_on(stop):
+                while not stop.is_set() and not self._finished(max_steps):
+                    self._completed(self._work(stop))
+                    self._maybe_rebalance()
+            self._state = "leaving"
+            self.node.announce_soon()  # partners stop dialling us, and do not count our going as a fault
+            with self.phases.phase("finish"):
+                rounds = self._role().finish()
+            self._completed(rounds)
+
+    def _work(self, stop: threading.Event) -> list[RoundResult]:
+        """One slice of the role's work (a batch through the pipeline, or serving), timed as the
+        steps' ``device`` time and the rest (serving, the backend's work after each step)."""
+        device_before = self.progress.device_seconds
+        with self.phases.phase("step_other"):
+            rounds = self._role().work(self._lr(), stop)
+        self.phases.move(self.progress.device_seconds - device_before, "step_other", "device")
+        return rounds
 
     def _role(self) -> StageRole:
         if self.role is None:
@@ -247,16 +232,11 @@ class StagePeer:
             self._capacity = capacity if self._capacity == 0 else 0.8 * self._capacity + 0.2 * capacity
 
     def _completed(self, rounds: list[RoundResult]) -> None:
-        for result in rounds:
-            p = self.progress
-            p.samples_since_sync = 0
-            p.round += 1
-            if result.drift is not None:
-                p.drift = result.drift
-            if p.round % self.config.train.eval_every_rounds == 0 and isinstance(self.role, DataHolderRole):
-                self._evaluate(self.role)
-            self.node.announce_soon()
-            self._report(result)
+        self._book_rounds(rounds)
+
+    def _evaluate_round(self) -> None:
+        if isinstance(self.role, DataHolderRole):
+            self._evaluate(self.role)
 
     def _evaluate(self, role: DataHolderRole) -> float | None:
         """The held-out loss through the pipeline, booked in bits per token and per byte."""
@@ -268,26 +248,23 @@ class StagePeer:
         )
         return p.eval_loss
 
-    def _report(self, result: RoundResult) -> None:
-        if self._on_sync is not None and self.role is not None:
-            self._on_sync(SyncReport.of(self.progress, result, self.role.lr))
+    def _current_lr(self) -> float:
+        return self.role.lr if self.role is not None else self.config.train.lr
 
-    def abort(self) -> None:
+    def _abort_work(self) -> None:
         if self.role is not None:
             self.role.abort()
-
-    def aborting_on(self, stop: threading.Event) -> AbstractContextManager[None]:
-        """While inside, :meth:`abort` is called as soon as ``stop`` is set, so that a stalled partner
-        (or stage peer) cannot hold a shutdown, joining or training, past its grace period."""
-        return calling_on(stop, self.abort)
 
     # ------------------------------------------------------------------ status
 
     def gossip_metrics(self) -> GossipMetrics:
         return self.role.backend.metrics() if self.role is not None else GossipMetrics()
 
+    def _backend_details(self) -> dict[str, Any]:
+        return self.role.backend.details() if self.role is not None else {}
+
     def _status(self) -> dict[str, Any]:
-        status = self.progress.record_fields(self._state, self.gossip_metrics())
+        status = super()._status()
         activation = self.role.activation_bytes if self.role is not None else (0, 0)
         status["bytes_sent"] += activation[0]
         status["bytes_received"] += activation[1]
@@ -299,42 +276,23 @@ class StagePeer:
             status["state"] = "joining"
         return status
 
-    def summary(self) -> dict[str, Any]:
-        """Final numbers of this peer (``swarm local``'s summary); data holders evaluate once more."""
-        p = self.progress
+    def _summary_details(self) -> dict[str, Any]:
         role = self.role
-        eval_loss = self._evaluate(role) if isinstance(role, DataHolderRole) else None
-        metrics = self.gossip_metrics()
-        details = role.backend.details() if role is not None else {}
-        exchanges = details.get("pseudo_gradient_metrics", metrics)
-        n_params = max(self.n_params, 1)
         sent, received = role.activation_bytes if role is not None else (0, 0)
         return {
-            "peer_id": self.node.peer_id,
             "stage": self.stage,
             "num_stages": self.num_stages,
-            "n_params": self.n_params,
-            "steps": p.step,
-            "rounds": p.round,
-            "samples": p.samples_total,
-            "eval_loss": eval_loss,
-            "eval_loss_unit": self.eval_set.loss_unit,
-            "eval_bits_per_byte": p.eval_bits_per_byte if eval_loss is not None else None,
-            "tokens_per_second": p.samples_per_s * self.config.model.block_size,
-            "wire_bytes_per_param_per_sync": metrics.bytes_sent / max(p.round, 1) / n_params,
-            "exchange_bytes_per_param": exchanges.bytes_sent / max(exchanges.exchanges_ok, 1) / n_params,
-            "wire_bytes_sent": metrics.bytes_sent,
             "activation_bytes_sent": sent,
             "activation_bytes_received": received,
-            "device_seconds": p.device_seconds,
-            "compute_seconds": p.compute_seconds,
-            "utilization": p.utilization(),
-            "drift": p.drift,
-            "exchanges_ok": metrics.exchanges_ok,
             "stage_capacity": self._capacity,
             "stage_moves": self.moves,
             "pipeline": role.details() if role is not None else {},
         }
+
+    def _final_eval_loss(self) -> float | None:
+        """Data holders evaluate through the pipeline (while the other stages still serve); a stage
+        server cannot alone."""
+        return self._evaluate(self.role) if isinstance(self.role, DataHolderRole) else None
 
     def close(self) -> None:
         """Leave the stage, stop the roster, close the node (the DHT and its daemon)."""

@@ -12,24 +12,24 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
+from swarm._node import SwarmNode
+from swarm.config import RunConfig
 from swarm.pipeline._balance import ACTIVE
 from swarm.pipeline._client import StageClient
 from swarm.pipeline._compute import DeviceClock, StageWorker
 from swarm.pipeline._driver import DataHolder
 from swarm.pipeline._plan import StageSpec
 from swarm.pipeline._protocol import ServerLimits
+from swarm.pipeline._roster import Roster
 from swarm.pipeline._router import Router
 from swarm.pipeline._server import StageServer
 from swarm.pipeline._stages import build_stage, stage_parameters
-from swarm.trainer import BackendContext, JoinResult, PeerGroup, RoundResult, make_backend
-from swarm.training import EvalSet, TrainBatches, make_inner_optimizer
-
-if TYPE_CHECKING:
-    from swarm.pipeline._peer import StagePeer
+from swarm.trainer import BackendContext, JoinResult, PeerGroup, Progress, RoundResult, make_backend
+from swarm.training import Corpus, EvalSet, HFStreamSource, TokenFile, TrainBatches, make_inner_optimizer
 
 logger = logging.getLogger(__name__)
 
@@ -46,24 +46,41 @@ def stage_group(stage: int) -> PeerGroup:
     )
 
 
+class StageHost(Protocol):
+    """What a role needs of the peer that holds it (:class:`~swarm.pipeline.StagePeer`), and no more."""
+
+    config: RunConfig
+    device: torch.device
+    node: SwarmNode
+    progress: Progress
+    roster: Roster
+    source: Corpus | HFStreamSource | TokenFile
+    specs: tuple[StageSpec, ...]
+
+    def step_done(
+        self, samples: int, loss: float | None, seconds: float, compute: float, device: float
+    ) -> None:
+        """Book one inner step of the role."""
+
+
 class StageRole:
     """A stage module with its optimizer and gossip backend."""
 
-    def __init__(self, peer: StagePeer, spec: StageSpec) -> None:
-        config = peer.config
-        self.peer, self.spec, self.stage = peer, spec, spec.index
-        self.module = build_stage(config.model, spec, config.run.seed).to(peer.device)
+    def __init__(self, host: StageHost, spec: StageSpec) -> None:
+        config = host.config
+        self.host, self.spec, self.stage = host, spec, spec.index
+        self.module = build_stage(config.model, spec, config.run.seed).to(host.device)
         self.n_params = stage_parameters(self.module)
-        self.optimizer = make_inner_optimizer(self.module, config.train, peer.device)
+        self.optimizer = make_inner_optimizer(self.module, config.train, host.device)
         self.lr = config.train.lr
         self.clock = DeviceClock(
             config.emulation.step_time_s, config.emulation.slowdown, config.train.batch_size
         )
-        self.limits = [ServerLimits.of(config, k, len(peer.specs)) for k in range(len(peer.specs))]
+        self.limits = [ServerLimits.of(config, k, len(host.specs)) for k in range(len(host.specs))]
         context = BackendContext(
-            config, self.module, peer.device, peer.node, peer.progress, stage_group(self.stage)
+            config, self.module, host.device, host.node, host.progress, stage_group(self.stage)
         )
-        self.backend = make_backend(context, peer.node.network)
+        self.backend = make_backend(context, host.node.network)
         self._last_step = time.perf_counter()
         self.join_result = JoinResult()
 
@@ -79,14 +96,14 @@ class StageRole:
         self, samples: int, loss: float | None, compute_s: float, device_s: float
     ) -> list[RoundResult]:
         """One AdamW step on the accumulated gradient of ``samples`` samples, then the backend's rounds."""
-        torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.peer.config.train.grad_clip)
+        torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.host.config.train.grad_clip)
         for group in self.optimizer.param_groups:
             group["lr"] = self.lr
         with self.backend.update_guard():
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         now = time.perf_counter()
-        self.peer.step_done(samples, loss, now - self._last_step, compute_s, device_s)
+        self.host.step_done(samples, loss, now - self._last_step, compute_s, device_s)
         self._last_step = now
         rounds = self.backend.after_step(samples)
         if self.backend.sync_due():
@@ -124,21 +141,21 @@ class StageRole:
 class DataHolderRole(StageRole):
     """Stage 0: local data, embeddings and first blocks; micro-batches routed through the swarm."""
 
-    def __init__(self, peer: StagePeer, spec: StageSpec) -> None:
-        super().__init__(peer, spec)
-        config, pipe = peer.config, peer.config.pipeline
+    def __init__(self, host: StageHost, spec: StageSpec) -> None:
+        super().__init__(host, spec)
+        config, pipe = host.config, host.config.pipeline
         self.batches = TrainBatches.of_peer(
-            peer.source, config, peer.node.peer_id, peer.progress.samples_drawn
+            host.source, config, host.node.peer_id, host.progress.samples_drawn
         )
-        self.router = Router(len(peer.specs), peer.node.peer_id, pipe.routing)
+        self.router = Router(len(host.specs), host.node.peer_id, pipe.routing)
         try:
-            self.client = StageClient(config.run.run_id, self.limits, dht=peer.node.dht)
+            self.client = StageClient(config.run.run_id, self.limits, dht=host.node.dht)
         except BaseException:
             self.backend.close()
             raise
         self.holder = DataHolder(
             self.module,
-            peer.device,
+            host.device,
             self.client,
             self.router,
             microbatch_size=pipe.microbatch_size,
@@ -146,13 +163,13 @@ class DataHolderRole(StageRole):
             timeout_s=pipe.request_timeout_s,
             clock=self.clock,
         )
-        peer.roster.router = self.router
-        peer.roster.refresh()
+        host.roster.router = self.router
+        host.roster.refresh()
 
     def work(self, lr: float, stop: threading.Event) -> list[RoundResult]:
         self.lr = lr
-        stats = self.holder.train_step(self.batches, self.peer.config.train.batch_size)
-        self.peer.progress.samples_drawn = self.batches.samples_drawn
+        stats = self.holder.train_step(self.batches, self.host.config.train.batch_size)
+        self.host.progress.samples_drawn = self.batches.samples_drawn
         if stats.samples == 0:
             logger.warning(
                 "no micro-batch of this batch got through the pipeline (%d dropped)", stats.dropped
@@ -166,7 +183,7 @@ class DataHolderRole(StageRole):
         return self.holder.evaluate(eval_set, batches)
 
     def finish(self) -> list[RoundResult]:
-        self.holder.drain(self.peer.config.pipeline.request_timeout_s)
+        self.holder.drain(self.host.config.pipeline.request_timeout_s)
         return super().finish()
 
     @property
@@ -181,8 +198,8 @@ class DataHolderRole(StageRole):
         }
 
     def close(self) -> None:
-        if self.peer.roster.router is self.router:
-            self.peer.roster.router = None
+        if self.host.roster.router is self.router:
+            self.host.roster.router = None
         self.client.close()
         super().close()
 
@@ -190,13 +207,13 @@ class DataHolderRole(StageRole):
 class ServerRole(StageRole):
     """Stages 1..S-1: answer the data holders' requests, step every batch's worth of committed samples."""
 
-    def __init__(self, peer: StagePeer, spec: StageSpec) -> None:
-        super().__init__(peer, spec)
-        pipe = peer.config.pipeline
+    def __init__(self, host: StageHost, spec: StageSpec) -> None:
+        super().__init__(host, spec)
+        pipe = host.config.pipeline
         self.worker = StageWorker(
             self.module,
-            peer.device,
-            batch_size=peer.config.train.batch_size,
+            host.device,
+            batch_size=host.config.train.batch_size,
             max_queue=pipe.max_queue,
             clock=self.clock,
         )
@@ -205,9 +222,9 @@ class ServerRole(StageRole):
             self.server = StageServer(
                 self.worker,
                 self.limits[self.stage],
-                peer.config.run.run_id,
-                data_holders=peer.roster.is_data_holder,
-                dht=peer.node.dht,
+                host.config.run.run_id,
+                data_holders=host.roster.is_data_holder,
+                dht=host.node.dht,
                 request_timeout_s=pipe.request_timeout_s,
             )
         except BaseException:
@@ -265,6 +282,6 @@ class ServerRole(StageRole):
         super().close()
 
 
-def make_role(peer: StagePeer, spec: StageSpec) -> StageRole:
+def make_role(host: StageHost, spec: StageSpec) -> StageRole:
     """The role for stage ``spec``: data holder for stage 0, server for the others."""
-    return DataHolderRole(peer, spec) if spec.index == 0 else ServerRole(peer, spec)
+    return DataHolderRole(host, spec) if spec.index == 0 else ServerRole(host, spec)

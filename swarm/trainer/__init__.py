@@ -1,7 +1,9 @@
 """A training peer: the library's composition of network, membership, averaging and training.
 
-:class:`TrainingPeer` is the core (model, data, inner loop, progress, node, status, checkpoints);
-an :class:`AveragingBackend` (gossip, the hivemind baseline, solo) keeps it in agreement with the swarm.
+:class:`PeerCore` is the shell every trainer shares (device, data, progress, node, status, stop
+path, phase timers, round booking, summary); :class:`TrainingPeer` trains the whole model on it
+(inner loop, checkpoints, rollback), and pipeline stage peers (:mod:`swarm.pipeline`) one stage. An
+:class:`AveragingBackend` (gossip, the hivemind baseline, solo) keeps a peer in agreement with the swarm.
 """
 
 from swarm.trainer._backend import (
@@ -13,17 +15,22 @@ from swarm.trainer._backend import (
     RoundResult,
     RoundRole,
 )
+from swarm.trainer._core import PeerCore
 from swarm.trainer._factory import make_backend
 from swarm.trainer._ledger import SwarmLedger
 from swarm.trainer._peer import TrainingPeer
+from swarm.trainer._phases import PHASES, PhaseTimers
 from swarm.trainer._progress import Progress
 from swarm.trainer._report import SyncReport
 
 __all__ = [
+    "PHASES",
     "AveragingBackend",
     "BackendContext",
     "JoinResult",
+    "PeerCore",
     "PeerGroup",
+    "PhaseTimers",
     "Progress",
     "RoundOutcome",
     "RoundResult",

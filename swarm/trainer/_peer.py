@@ -16,33 +16,21 @@ What a round is (a gossip exchange, a hivemind epoch, a solo outer step) is the 
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import threading
 import time
 from collections.abc import Callable
-from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
-from swarm._device import describe_device
-from swarm._node import NodeInfo, SwarmNode
-from swarm._periodic import calling_on
 from swarm.config import RunConfig
 from swarm.gossip import GossipMetrics
-from swarm.membership import PeerState
-from swarm.network import NetworkOptions, ReachabilityResult
+from swarm.network import NetworkOptions
 from swarm.state import load_latest_checkpoint, save_checkpoint
-from swarm.trainer._backend import (
-    AveragingBackend,
-    BackendContext,
-    JoinResult,
-    RoundResult,
-)
+from swarm.trainer._backend import AveragingBackend, BackendContext, JoinResult, RoundResult
+from swarm.trainer._core import PeerCore
 from swarm.trainer._factory import make_backend
-from swarm.trainer._ledger import SwarmLedger
-from swarm.trainer._progress import Progress
 from swarm.trainer._report import SyncReport
 from swarm.training import (
     InnerTrainer,
@@ -54,19 +42,16 @@ from swarm.training import (
     count_parameters,
     evaluate,
     lr_at,
-    make_eval_set,
-    open_source,
-    resolve_device,
-    total_samples_of,
 )
 
 logger = logging.getLogger(__name__)
 
 
-class TrainingPeer:
-    """A trainer in the swarm. Build it, call :meth:`run` until a stop event, then :meth:`close`.
+class TrainingPeer(PeerCore):
+    """A trainer of the whole model. Build it, call :meth:`run` until a stop event, then :meth:`close`.
 
-    ``averaging.backend`` picks how it averages (:func:`swarm.trainer._factory.make_backend`).
+    ``averaging.backend`` picks how it averages (:func:`swarm.trainer._factory.make_backend`); the
+    shell it shares with pipeline stage peers is :class:`~swarm.trainer._core.PeerCore`.
     """
 
     def __init__(
@@ -78,34 +63,15 @@ class TrainingPeer:
         resume: bool = False,
         on_sync: Callable[[SyncReport], None] | None = None,
     ):
-        self.config, self._on_sync = config, on_sync
-        self.device = resolve_device(config.train.device)
-        self.source = open_source(config.data)
-        self.model = build_model(config.model, config.run.seed).to(self.device)
-        self.n_params = count_parameters(self.model)
-        self.eval_set = make_eval_set(self.source, config.model.block_size)
-        self.progress = Progress(loss_unit=self.eval_set.loss_unit)
-        self.total_samples = total_samples_of(config.train, config.run.target_samples)
         self._backend: AveragingBackend | None = None
         self.join_result = JoinResult()
-        self.ledger = SwarmLedger()
         self._saved: tuple[tuple[int, int], Path] | None = None  # (step, round) of the newest checkpoint
-        self._state: PeerState = "joining"
         self._has_joined = False
-        self._stop: threading.Event | None = None
-        self.stop_seen_at: float | None = None
-        """``time.monotonic()`` when :meth:`abort` was first called: when this peer saw the stop."""
         self._last_checkpoint = time.monotonic()
-        device_name, memory = describe_device(str(self.device))
-        info = NodeInfo(config.run.run_id, config.config_hash(), "trainer", public_name, device_name, memory)
-        self.node = SwarmNode(
-            network,
-            info,
-            status=self._status,
-            record_interval_s=config.network.record_interval_s,
-            record_ttl_s=config.network.record_ttl_s,
-        )
+        super().__init__(config, network, public_name=public_name, on_sync=on_sync)
         try:
+            self.model = build_model(config.model, config.run.seed).to(self.device)
+            self._n_params = count_parameters(self.model)
             context = BackendContext(config, self.model, self.device, self.node, self.progress)
             self._backend = make_backend(context, network)
             self.inner = InnerTrainer(
@@ -128,6 +94,10 @@ class TrainingPeer:
         if self.device.type == "cuda":  # draw the next batch into pinned memory while the GPU computes
             self.batches = Prefetcher(self.batches, pin_memory=True)
 
+    @property
+    def n_params(self) -> int:
+        return self._n_params
+
     def _exchange_reserve(self) -> int:
         """What the exchanges will allocate on the device, for a micro-batch sized automatically."""
         if self.config.train.micro_batch_size is not None or self.device.type != "cuda":
@@ -143,19 +113,10 @@ class TrainingPeer:
             raise RuntimeError("this training peer has no averaging backend (its construction failed)")
         return self._backend
 
-    def check_reachability(self) -> ReachabilityResult:
-        """Ask other members to dial this peer back (``network.reachability_check``); call before :meth:`run`.
-
-        If none can, the peer goes on in client mode: the backend stops serving (it still starts its
-        own exchanges) and the record says ``client_mode``, ``reachability: client`` and lists no
-        addresses. The program tells the user what to do about it.
-        """
-        if not self.config.network.reachability_check:
-            return ReachabilityResult("disabled")
-        result = self.node.check_reachability()
-        if result.unreachable:
-            self.backend.on_client_mode()
-        return result
+    def _on_unreachable(self) -> None:
+        """Client mode: the backend stops serving (it still starts its own exchanges) and the record
+        says ``client_mode``, ``reachability: client`` and lists no addresses."""
+        self.backend.on_client_mode()
 
     # ------------------------------------------------------------------ the loop
 
@@ -172,17 +133,25 @@ class TrainingPeer:
         if not self._has_joined:
             self.join_swarm()
         self._state = "training"
-        with self.aborting_on(stop):
-            while not stop.is_set() and not self._finished(max_steps):
-                self._completed(self._inner_step())
-                if not stop.is_set() and self.backend.sync_due() and self._parameters_finite():
-                    logger.debug("step %d: starting round %d", self.progress.step, self.progress.round + 1)
-                    self._state = "syncing"
-                    self._completed(self.backend.sync_round())
-                    self._state = "training"
-        self._state = "leaving"
-        self.node.announce_soon()  # partners stop dialling us, and do not count our going as a fault
-        self._completed(self.backend.finish())
+        with self.phases.loop():
+            with self.aborting_on(stop):
+                while not stop.is_set() and not self._finished(max_steps):
+                    self._completed(self._inner_step())
+                    if not stop.is_set() and self.backend.sync_due() and self._parameters_finite():
+                        self._sync()
+            self._state = "leaving"
+            self.node.announce_soon()  # partners stop dialling us, and do not count our going as a fault
+            with self.phases.phase("finish"):
+                rounds = self.backend.finish()
+            self._completed(rounds)
+
+    def _sync(self) -> None:
+        logger.debug("step %d: starting round %d", self.progress.step, self.progress.round + 1)
+        self._state = "syncing"
+        with self.phases.phase("sync"):
+            rounds = self.backend.sync_round()
+        self._state = "training"
+        self._completed(rounds)
 
     def join_swarm(self) -> None:
         """Before the first step, a fresh peer in a running swarm takes over the live trainers' state.
@@ -194,22 +163,16 @@ class TrainingPeer:
         self.join_result = self.backend.join(fresh)
         self.progress.swarm_samples = self._swarm_samples()
 
-    def abort(self) -> None:
-        """Cancel the exchange in flight (it does not commit) and refuse further ones; for shutdown."""
-        if self.stop_seen_at is None:
-            self.stop_seen_at = time.monotonic()
+    def _abort_work(self) -> None:
         if self._backend is not None:
             self._backend.abort()
-
-    def aborting_on(self, stop: threading.Event) -> AbstractContextManager[None]:
-        """While inside, :meth:`abort` is called as soon as ``stop`` is set, so that a stalled partner
-        (or stage peer) cannot hold a shutdown, joining or training, past its grace period."""
-        return calling_on(stop, self.abort)
 
     def _inner_step(self) -> list[RoundResult]:
         lr = lr_at(self._schedule_progress(), self.config.train, self.total_samples)
         try:
-            stats = self.inner.step(self.batches, lr=lr, guard=self.backend.update_guard, stop=self._stop)
+            with self.phases.phase("step_other"):
+                stats = self.inner.step(self.batches, lr=lr, guard=self.backend.update_guard, stop=self._stop)
+            self.phases.move(stats.device_seconds, "step_other", "device")
         except Interrupted:
             self.batches.give_back()  # untrained: a resumed peer trains it next
             logger.info("stopping: abandoned step %d (nothing of it applied)", self.progress.step + 1)
@@ -223,7 +186,8 @@ class TrainingPeer:
             stats.samples, stats.loss, stats.seconds, stats.compute_seconds, stats.device_seconds
         )
         logger.debug("step %d took %.3f s", self.progress.step, stats.seconds)
-        return self.backend.after_step(stats.samples)
+        with self.phases.phase("apply"):
+            return self.backend.after_step(stats.samples)
 
     def _parameters_finite(self) -> bool:
         """Checked before each round (our pseudo-gradient must be finite to be worth anything); rolls
@@ -254,25 +218,15 @@ class TrainingPeer:
         self.node.announce_soon()
 
     def _completed(self, rounds: list[RoundResult]) -> None:
-        """Book each completed round: evaluate, announce, report; checkpoint once they are booked."""
-        for result in rounds:
-            self.progress.samples_since_sync = 0
-            self.progress.round += 1
-            if result.drift is not None:
-                self.progress.drift = result.drift
-            # stopping or leaving: the last rounds are booked, but a shutdown must not wait for an
-            # evaluation and a checkpoint of each (the caller saves one checkpoint at the end)
-            if self.progress.round % self.config.train.eval_every_rounds == 0 and not self._stopping():
-                self._evaluate_round()
-            self.progress.swarm_samples = self._swarm_samples()
-            self.node.announce_soon()
-            self._report(result)
+        """Book each completed round (:meth:`PeerCore._book_rounds`), then maybe checkpoint; not while
+        stopping (the caller saves one checkpoint at the end)."""
+        self._book_rounds(rounds)
         if rounds and not self._stopping():
             self._maybe_checkpoint()
 
-    def _stopping(self) -> bool:
-        """Whether the loop has ended or a stop arrived: no new evaluation or checkpoint then."""
-        return self._state == "leaving" or (self._stop is not None and self._stop.is_set())
+    def _after_round(self) -> None:
+        with self.phases.phase("dht"):
+            self.progress.swarm_samples = self._swarm_samples()
 
     def _evaluate_round(self) -> None:
         """The evaluation of a round; a stop that arrives meanwhile abandons it (nothing booked)."""
@@ -336,24 +290,32 @@ class TrainingPeer:
         """The backend's wire and exchange counters (both roles)."""
         return self._backend.metrics() if self._backend is not None else GossipMetrics()
 
+    def _backend_details(self) -> dict[str, Any]:
+        return self._backend.details() if self._backend is not None else {}
+
     def _status(self) -> dict[str, Any]:
-        status = self.progress.record_fields(self._state, self.gossip_metrics())
+        status = super()._status()
         if self._backend is not None:
             status.update(self._backend.status())
         return status
 
-    def _report(self, result: RoundResult) -> None:
-        if self._on_sync is not None:
-            report = SyncReport.of(self.progress, result, self.inner.optimizer.param_groups[0]["lr"])
-            figures = self.inner.summary()
-            self._on_sync(
-                dataclasses.replace(
-                    report,
-                    tokens_per_s=figures["compute_tokens_per_second"],
-                    mfu=figures["mfu"],
-                    peak_memory_bytes=figures["peak_memory_bytes"],
-                )
-            )
+    def _current_lr(self) -> float:
+        return self.inner.optimizer.param_groups[0]["lr"]
+
+    def _report_details(self) -> dict[str, Any]:
+        figures = self.inner.summary()
+        return {
+            "tokens_per_s": figures["compute_tokens_per_second"],
+            "mfu": figures["mfu"],
+            "peak_memory_bytes": figures["peak_memory_bytes"],
+        }
+
+    def _summary_details(self) -> dict[str, Any]:
+        # what the inner trainer chose (precision, optimizer, micro-batch) and measured (MFU, peak memory)
+        return self.inner.summary() if hasattr(self, "inner") else {}
+
+    def _final_eval_loss(self) -> float:
+        return self.evaluate()
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -388,7 +350,8 @@ class TrainingPeer:
         in the background is booked after any step) are rolled back first, never saved."""
         due = time.monotonic() - self._last_checkpoint >= self.config.train.checkpoint_every_s
         if due and self._parameters_finite():
-            self.save_checkpoint()
+            with self.phases.phase("checkpoint"):
+                self.save_checkpoint()
 
     def _resume(self) -> Path | None:
         directory = self.config.train.checkpoint_dir
@@ -415,4 +378,5 @@ class TrainingPeer:
             batches.close()
         if self._backend is not None:
             self._backend.close()
-        self.node.close()
+        if hasattr(self, "node"):
+            self.node.close()

@@ -151,7 +151,7 @@ def peer_main(
     if os.environ.get("MALICIOUS_DEBUG"):
         _log_clips()
     from peers._signals import shutdown_on_signals
-    from peers.join import write_summary
+    from peers._trainer_output import write_summary
     from swarm.config import load_config
     from swarm.network import NetworkOptions
     from swarm.trainer import TrainingPeer
