@@ -23,7 +23,7 @@ P = TypeVar("P")
 def format_sync_line(report: SyncReport) -> str:
     """The per-sync line: round, losses and their unit, throughput, learning rate, partner, bytes, drift.
 
-    Its words keep their positions (tests and benchmarks split the line on spaces): ``round R step S
+    Its words keep their positions (tests split the line on spaces): ``round R step S
     loss L eval E UNIT RATE samples/s lr=LR sync OUTCOME with PARTNER sent ... drift D``. A tokenized
     run (UNIT ``bits/token``) adds its held-out loss per byte, ``eval B bits/byte``, before ``drift``;
     so does a trainer's throughput, ``T tok/s mfu M mem X GiB`` (``-`` where unknown: MFU off the
@@ -91,6 +91,14 @@ class TrainerOutput:
             self._progress.console.print(text, soft_wrap=True)
         else:
             print(text, flush=True)
+
+    def joined(self, record: Any) -> None:
+        """The peer joined the swarm: the history's first line is its record then (step 0 for a fresh
+        peer), so that a reader of the history knows when it started (the benchmarks' clock)."""
+        if self._history is not None:
+            from hivemind.utils.timed_storage import get_dht_time
+
+            self._history.append_record(record, get_dht_time())
 
     def on_sync(self, report: SyncReport, record=None) -> None:
         """Print the sync line, advance the bar, append the peer's own snapshot to the history."""

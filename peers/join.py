@@ -76,6 +76,7 @@ def run_join(
             f"peer {peer.node.peer_id} joined run {config.run.run_id!r} ({members} members visible, "
             f"{peer.n_params:,} parameters on {peer.device}{resumed})"
         )
+        output.joined(peer.node.record())
         reachable = peer.check_reachability()
         for line in reachability_lines(reachable, "join"):
             typer.echo(line)

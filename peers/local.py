@@ -210,6 +210,8 @@ def _trainer_args(common: list[str], maddr: str, index: int, log_dir: Path) -> l
         f"local-{index}",
         "--summary",
         str(log_dir / f"{name}.summary.json"),
+        "--history",
+        str(log_dir / f"{name}.history.jsonl"),
         "--set",
         f"train.checkpoint_dir={log_dir / name / 'checkpoints'}",
     ]

@@ -56,6 +56,7 @@ def run_stage_peer(
             f"peer {peer.node.peer_id} joined run {config.run.run_id!r} as {role} of stage {peer.stage} "
             f"of {peer.num_stages} ({peer.n_params:,} parameters on {peer.device})"
         )
+        output.joined(peer.node.record())
         with output:
             peer.run(stop)
         typer.echo("join: shutting down")

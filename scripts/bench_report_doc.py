@@ -99,8 +99,8 @@ def _regime(training: dict[str, Any], scaling: dict[str, Any]) -> list[str]:
         f"at least half a round of device time (H = {s['sync_every_steps']:g} steps, half a round "
         f"{s['half_round_s']:g} s). Target: held-out loss {s['target']:g} bits/byte, the mean of the "
         f"trainers' latest evaluations (each trainer evaluates one held-out batch about every "
-        f"{s['eval_seconds']:g} s). Time starts at the first trainer's join line. Why this regime and "
-        'not the demo\'s: see "Choosing the regime" below the report.',
+        f"{s['eval_seconds']:g} s). Time starts when the first trainer joins (its history's first "
+        'line). Why this regime and not the demo\'s: see "Choosing the regime" below the report.',
         "",
     ]
 

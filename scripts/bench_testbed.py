@@ -2,12 +2,12 @@
 
 One run = one lab: a bootstrap in host 0 and one trainer per further host, each started with
 ``swarm bootstrap`` / ``swarm join`` inside its namespace and listening on the host's 10.77.0.x address,
-every link shaped to the same rate. Time starts at the first trainer's join line; a run ends after its
-budget, or as soon as the mean held-out loss reaches the target when the plan says so, with SIGTERM to
-every trainer, which then writes its summary. Several runs may go at once (:func:`run_plans`), each in
-its own lab: the trainers' devices are emulated (``emulation.step_time_s``), so they mostly sleep, and each
-row says how much real compute a step took and how loaded the machine was. The labs tear themselves
-down even on Ctrl+C.
+every link shaped to the same rate. Time starts when the first trainer joins (its history's first
+line); a run ends after its budget, or as soon as the mean held-out loss reaches the target when the
+plan says so, with SIGTERM to every trainer, which then writes its summary. Several runs may go at
+once (:func:`run_plans`), each in its own lab: the trainers' devices are emulated
+(``emulation.step_time_s``), so they mostly sleep, and each row says how much real compute a step
+took and how loaded the machine was. The labs tear themselves down even on Ctrl+C.
 """
 
 from __future__ import annotations
@@ -132,7 +132,7 @@ def _train(lab, run: Run, plan: Plan, target: float, say: Say) -> tuple:
     for index in range(1, plan.peers + 1):
         extra = ["--set", f"emulation.slowdown={plan.slowdown}"] if index == plan.slow_peer else []
         _start_trainer(lab, run, index, maddr, [*common, *extra])
-    watcher = bench_training.LogWatcher(run.log_dir, plan.peers, plan.batch)
+    watcher = bench_training.HistoryWatcher(run.log_dir, plan.peers, plan.batch)
     deadline = time.monotonic() + START_TIMEOUT_S
     while watcher.started is None:
         _check(run, deadline, "no trainer joined")
@@ -173,7 +173,8 @@ def _start_trainer(lab, run: Run, index: int, maddr: str, common: list[str]) -> 
 def _peer_files(run: Run, index: int) -> list[str]:
     summary = run.log_dir / f"peer-{index}.summary.json"
     checkpoints = run.log_dir / f"peer-{index}" / "checkpoints"
-    names = ["--public-name", f"bench-{index}", "--summary", str(summary)]
+    history = run.log_dir / f"peer-{index}.history.jsonl"
+    names = ["--public-name", f"bench-{index}", "--summary", str(summary), "--history", str(history)]
     return [*names, "--set", f"train.checkpoint_dir={checkpoints}"]
 
 
@@ -218,7 +219,7 @@ def _stop(run: Run) -> None:
 
 
 def measured_numbers(
-    run: Run, plan: Plan, watcher: bench_training.LogWatcher, seconds: float, target: float
+    run: Run, plan: Plan, watcher: bench_training.HistoryWatcher, seconds: float, target: float
 ) -> dict[str, Any]:
     """A run's row from the trainers' summaries (their phase split included), the watcher's
     timestamps, the load samples."""
@@ -250,7 +251,7 @@ def measured_numbers(
     }
 
 
-def _curve(watcher: bench_training.LogWatcher, seconds: float) -> list[list[float]]:
+def _curve(watcher: bench_training.HistoryWatcher, seconds: float) -> list[list[float]]:
     """The watcher's curve, ending with the swarm's samples at the stop (its eval then is the latest)."""
     points = [[round(t, 2), n, round(loss, 4)] for t, n, loss in watcher.curve if t <= seconds]
     if points and watcher.samples() > points[-1][1]:

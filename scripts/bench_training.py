@@ -12,8 +12,8 @@ is raised so that the budget, not a step count, ends every run.
   about every H of its own steps (an epoch is N * H * batch samples of the whole swarm).
 * solo: ``averaging.backend=none``, one peer.
 
-Reported per backend: ``seconds_to_target`` (from the first trainer's join line until the mean of
-the peers' latest held-out eval losses, read live from their per-sync log lines, is at or below
+Reported per backend: ``seconds_to_target`` (from the first trainer's join until the mean of the
+peers' latest held-out eval losses, read live from their histories (``--history``), is at or below
 ``--target`` bits/byte; null if never), ``final_eval_loss`` (mean over peers at shutdown), the
 trainers' own summary numbers (:func:`summary_numbers`). scripts/bench_report.py runs the same
 comparison over the emulated internet.
@@ -28,7 +28,6 @@ import argparse
 import functools
 import json
 import os
-import re
 import statistics
 import subprocess
 import sys
@@ -40,8 +39,6 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIG = "configs/local-tiny.yaml"
-SYNC_LINE = re.compile(r"^round\s+(\d+) step\s+(\d+) loss \S+ eval (\S+)")
-JOINED = re.compile(r"^peer \S+ joined run")
 
 REGIME: dict[str, float] = {"batch_size": 1, "lr": 1e-3, "step_time_s": 0.1, "target": 3.6}
 """The bench regime (docs/benchmarks.md says why): per-peer batch, its learning rate, the emulated
@@ -77,16 +74,18 @@ def child_env() -> dict[str, str]:
     return {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
 
 
-class LogWatcher:
-    """Reads the peers' logs as they grow; timestamps joins, steps and each sync line's eval loss.
+class HistoryWatcher:
+    """Reads the trainers' histories (``peer-<i>.history.jsonl``, ``swarm join --history``) as they
+    grow; timestamps joins, steps and each sync's eval loss.
 
-    ``curve`` holds ``(seconds since the first join line, swarm samples, mean of the peers' latest
-    eval losses)`` each time a poll sees that mean change once every peer has reported one; swarm
-    samples are the peers' latest steps times ``batch``.
+    A trainer's history holds its own record once when it joins, then once per sync (the monitor's
+    snapshot schema, docs/monitor.md). ``curve`` holds ``(seconds since the first join, swarm samples,
+    mean of the peers' latest eval losses)`` each time a poll sees that mean change once every peer
+    has reported one; swarm samples are the peers' latest steps times ``batch``.
     """
 
     def __init__(self, log_dir: Path, peers: int, batch: int = 1):
-        self.paths = [log_dir / f"peer-{i}.log" for i in range(1, peers + 1)]
+        self.paths = [log_dir / f"peer-{i}.history.jsonl" for i in range(1, peers + 1)]
         self.batch = batch
         self.offsets = [0] * peers
         self.latest: list[float | None] = [None] * peers
@@ -101,13 +100,13 @@ class LogWatcher:
         for index, path in enumerate(self.paths):
             if not path.exists():
                 continue
-            with path.open("rb") as log:
-                log.seek(self.offsets[index])
-                data = log.read()
-            complete = data[: data.rfind(b"\n") + 1]
+            with path.open("rb") as history:
+                history.seek(self.offsets[index])
+                data = history.read()
+            complete = data[: data.rfind(b"\n") + 1]  # a line being written is read next time
             self.offsets[index] += len(complete)
             for line in complete.decode(errors="replace").splitlines():
-                self._line(index, line, now)
+                self._snapshot(index, line, now)
         if self.started is None or None in self.latest:
             return
         mean = statistics.fmean(self.latest)
@@ -119,18 +118,19 @@ class LogWatcher:
     def samples(self) -> int:
         return sum(self.steps) * self.batch
 
-    def _line(self, index: int, line: str, now: float) -> None:
-        if JOINED.match(line) and self.joined[index] is None:
+    def _snapshot(self, index: int, line: str, now: float) -> None:
+        try:
+            [own] = json.loads(line)["peers"]
+        except (ValueError, KeyError, TypeError):
+            return  # not a trainer's own snapshot
+        if self.joined[index] is None:
             self.joined[index] = now
             self.started = now if self.started is None else self.started
-        match = SYNC_LINE.match(line)
-        if not match:
-            return
-        self.steps[index] = int(match.group(2))
-        if self.first_round[index] is None:
+        self.steps[index] = int(own.get("step") or 0)
+        if self.first_round[index] is None and own.get("round"):
             self.first_round[index] = (now, self.steps[index])
-        if match.group(3) != "-":
-            self.latest[index] = float(match.group(3))
+        if own.get("eval_loss") is not None:
+            self.latest[index] = float(own["eval_loss"])
 
 
 def run_backend(name: str, peers: int, overrides: list[str], args: argparse.Namespace, root: Path) -> dict:
@@ -140,7 +140,7 @@ def run_backend(name: str, peers: int, overrides: list[str], args: argparse.Name
     command += [a for s in sets for a in ("--set", s)]
     command += ["--duration", str(args.duration), "--log-dir", str(log_dir), "--summary", str(summary_path)]
     print(f"[bench] {name}: {' '.join(command[1:])}", file=sys.stderr, flush=True)
-    watcher = LogWatcher(log_dir, peers, int(REGIME["batch_size"]))
+    watcher = HistoryWatcher(log_dir, peers, int(REGIME["batch_size"]))
     with (root / f"{name}.local.log").open("wb") as out:
         proc = subprocess.Popen(command, cwd=REPO, env=child_env(), stdout=out, stderr=subprocess.STDOUT)
         while proc.poll() is None:

@@ -12,6 +12,8 @@ import pytest
 
 from scripts import bench_report, bench_scaling, bench_testbed, bench_training
 from scripts.bench_report_doc import BEGIN, END, target_checks, write_outputs
+from swarm import PROTOCOL_VERSION, PeerRecord
+from swarm.metrics import HistoryWriter, SnapshotPolicy
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 KEPT = "## Codecs\n\nhand-written reference numbers that the report must keep\n"
@@ -69,25 +71,43 @@ def _phase_seconds(steps: int, announce: float) -> dict:
     return {"loop": device + announce + 1.0, "device": device, "dht": announce, "evaluate": 1.0, "other": 0.0}
 
 
+POLICY = SnapshotPolicy(PROTOCOL_VERSION, record_ttl_s=60.0, stale_after_s=60.0)
+
+
+def _record(index: int, rounds: int, eval_loss: float | None) -> PeerRecord:
+    """Trainer ``index``'s record after ``rounds`` rounds of 10 steps, as its history holds it."""
+    return PeerRecord(
+        peer_id=f"QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5{index}",
+        protocol_version=PROTOCOL_VERSION,
+        package_version="0.1.0",
+        config_hash="ab12",
+        role="trainer",
+        state="training",
+        round=rounds,
+        step=10 * rounds,
+        samples_total=10 * rounds,
+        eval_loss=eval_loss,
+    )
+
+
 def _row(tmp_path: Path, plan: bench_testbed.Plan, evals: list[list[float]], sent: float = 2.0) -> dict:
     """A row built by the report's own code from trainer logs and summaries like real ones."""
     run = bench_testbed.Run(tmp_path / plan.name, loads=[1.0, 3.0])
     run.log_dir.mkdir(parents=True)
-    watcher = bench_training.LogWatcher(run.log_dir, plan.peers, plan.batch)
+    watcher = bench_training.HistoryWatcher(run.log_dir, plan.peers, plan.batch)
     steps = 10 * len(evals[0])
-    for index in range(1, plan.peers + 1):
-        log = run.log_dir / f"peer-{index}.log"
-        log.write_text(f"peer Qm{index} joined run 'local-tiny' (2 members visible)\n")
+    histories = [
+        HistoryWriter(run.log_dir / f"peer-{i}.history.jsonl", POLICY) for i in range(1, plan.peers + 1)
+    ]
+    for index, history in enumerate(histories, 1):
+        history.append_record(_record(index, 0, None), 0.0)  # joined
         summary = _summary(steps, evals[index - 1][-1], sent) | {
             "phase_seconds": _phase_seconds(steps, 2.0 * index)
         }
         (run.log_dir / f"peer-{index}.summary.json").write_text(json.dumps(summary))
     for step, _ in enumerate(evals[0]):
-        for index in range(1, plan.peers + 1):
-            loss = evals[index - 1][step]
-            line = f"round {step + 1:4d} step {10 * (step + 1):6d} loss 4.000 eval {loss:.3f} 1.0 samples/s\n"
-            with (run.log_dir / f"peer-{index}.log").open("a") as log:
-                log.write(line)
+        for index, history in enumerate(histories, 1):
+            history.append_record(_record(index, step + 1, evals[index - 1][step]), float(step + 1))
         watcher.poll(now=float(step), target=TARGET)
     row = {"name": plan.name, "backend": plan.backend, "label": plan.label, "peers": plan.peers}
     row |= {"devices": plan.devices or plan.peers, "budget_s": plan.budget_s}

@@ -63,7 +63,7 @@ def test_a_lone_peer_steps_on_its_own_pseudo_gradient() -> None:
     assert backend.outer.rounds == 3 and backend.counts["solo"] == 3
     assert _distance(backend.outer.anchor, seed) > 0  # outer steps moved the anchor...
     assert _distance(params, backend.outer.anchor) == 0  # ...and the model with it
-    assert peer.gossip_metrics().exchanges_ok == 0 and backend.details()["consistent"] is False
+    assert peer.exchange_metrics().exchanges_ok == 0 and backend.details()["consistent"] is False
 
 
 @pytest.mark.multipeer
@@ -125,7 +125,7 @@ def test_a_joiner_takes_the_state_and_both_hold_the_same_anchor_after_a_round_to
     # its own int8 error (measured: 0.5%).
     assert moved > 0 and apart < 0.05 * moved
     for name, peer in peers.items():
-        metrics = peer.gossip_metrics()
+        metrics = peer.exchange_metrics()
         assert metrics.exchanges_ok >= 1
         assert metrics.bytes_sent > 0.5 * peer.n_params  # 8-bit parts of at least half the model went out
         ok = [r for r in reports[name] if r.outcome == "ok"]

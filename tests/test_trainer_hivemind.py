@@ -40,7 +40,7 @@ def test_the_config_picks_the_backend() -> None:
     try:
         assert type(peer.backend) is HivemindBackend and peer.resumed_from is None
         assert peer.inner.optimizer is peer.backend.optimizer  # hivemind.Optimizer wraps the inner AdamW
-        assert peer.n_params > 0 and peer.gossip_metrics().bytes_sent == 0
+        assert peer.n_params > 0 and peer.exchange_metrics().bytes_sent == 0
     finally:
         peer.close()
 
@@ -92,7 +92,7 @@ def test_two_hivemind_peers_average_and_learn() -> None:
         assert peer.progress.eval_loss < UNTRAINED_BITS - 3, peer.progress.eval_loss
         averaged = [r for r in reports[name] if r.outcome == "ok"]
         assert averaged, f"peer {name} never averaged: {[r.outcome for r in reports[name]]}"
-        metrics = peer.gossip_metrics()
+        metrics = peer.exchange_metrics()
         assert metrics.exchanges_ok >= 1
         assert metrics.bytes_sent > 0.5 * peer.n_params  # 8-bit parts of at least half the model went out
         assert 0.0 < peer.progress.utilization() < 1.0

@@ -34,7 +34,7 @@ from swarm.gossip._exchange import (
 from swarm.gossip._gate import ExchangeGate, Turn
 from swarm.gossip._handshake import Handshake
 from swarm.gossip._local import Local, committed_of, companion_of, with_companion
-from swarm.gossip._metrics import GossipMetrics, MetricsRecorder, SyncOutcome, SyncResult, log_failure
+from swarm.gossip._metrics import ExchangeMetrics, MetricsRecorder, SyncOutcome, SyncResult, log_failure
 from swarm.gossip._offer import Committed, Offerer
 from swarm.gossip._options import GossipOptions
 from swarm.gossip._partners import PartnerSource
@@ -218,7 +218,7 @@ class GossipAverager(ExchangeRoles, StreamService):
     def weight(self) -> float:
         return self._weight
 
-    def metrics(self) -> GossipMetrics:
+    def metrics(self) -> ExchangeMetrics:
         return self._metrics.snapshot()
 
     def banned_peers(self) -> dict[str, float]:

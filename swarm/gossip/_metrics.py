@@ -51,7 +51,11 @@ class SyncResult:
 
 
 @dataclass(frozen=True)
-class GossipMetrics:
+class ExchangeMetrics:
+    """A peer's averaging counters (module docstring): a gossip averager's, and the shape in which
+    every averaging backend reports its rounds (the hivemind and all-reduce baselines count their
+    rounds as exchanges)."""
+
     exchanges_ok: int = 0
     exchanges_failed: int = 0
     exchanges_busy: int = 0
@@ -66,7 +70,7 @@ class GossipMetrics:
 
 
 class MetricsRecorder:
-    """Thread-safe accumulation of :class:`GossipMetrics`."""
+    """Thread-safe accumulation of :class:`ExchangeMetrics`."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -92,10 +96,10 @@ class MetricsRecorder:
             self._last_latency = latency_s
             self._latency_sum += latency_s
 
-    def snapshot(self) -> GossipMetrics:
+    def snapshot(self) -> ExchangeMetrics:
         with self._lock:
             ok = self._counts["ok"]
-            return GossipMetrics(
+            return ExchangeMetrics(
                 exchanges_ok=ok,
                 exchanges_failed=self._counts["failed"],
                 exchanges_busy=self._counts["busy"],

@@ -26,7 +26,7 @@ from collections.abc import Callable
 from typing import Any
 
 from swarm.config import RunConfig
-from swarm.gossip import GossipMetrics
+from swarm.gossip import ExchangeMetrics
 from swarm.membership import PeerState
 from swarm.network import NetworkOptions
 from swarm.pipeline._balance import Rebalancer, choose_stage, stage_loads
@@ -257,8 +257,8 @@ class StagePeer(PeerCore):
 
     # ------------------------------------------------------------------ status
 
-    def gossip_metrics(self) -> GossipMetrics:
-        return self.role.backend.metrics() if self.role is not None else GossipMetrics()
+    def exchange_metrics(self) -> ExchangeMetrics:
+        return self.role.backend.metrics() if self.role is not None else ExchangeMetrics()
 
     def _backend_details(self) -> dict[str, Any]:
         return self.role.backend.details() if self.role is not None else {}

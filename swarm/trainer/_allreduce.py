@@ -42,7 +42,7 @@ import torch
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.compression import CompressionInfo
 
-from swarm.gossip import GossipMetrics
+from swarm.gossip import ExchangeMetrics
 from swarm.trainer._backend import (
     BackendContext,
     JoinResult,
@@ -326,11 +326,11 @@ class AllReduceBackend(NoGuard):
     def status(self) -> dict[str, Any]:
         return {}
 
-    def metrics(self) -> GossipMetrics:
+    def metrics(self) -> ExchangeMetrics:
         """Measured wire bytes; ``exchanges_ok`` counts all-reduce rounds (``partial`` ones too)."""
         sent, received, rounds, _ = self.wire.snapshot()
         counts = {"exchanges_failed": self.counts["failed"], "no_partner": self.counts["no_group"]}
-        return GossipMetrics(exchanges_ok=rounds, bytes_sent=sent, bytes_received=received, **counts)
+        return ExchangeMetrics(exchanges_ok=rounds, bytes_sent=sent, bytes_received=received, **counts)
 
     def details(self) -> dict[str, Any]:
         _, _, rounds, peers = self.wire.snapshot()

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 import torch
 
 from swarm.config import RunConfig
-from swarm.gossip import GossipMetrics
+from swarm.gossip import ExchangeMetrics
 from swarm.trainer._progress import Progress
 
 if TYPE_CHECKING:
@@ -150,7 +150,7 @@ class AveragingBackend(Protocol):
     def status(self) -> dict[str, Any]:
         """Record fields this backend owns (e.g. ``state_hash``)."""
 
-    def metrics(self) -> GossipMetrics:
+    def metrics(self) -> ExchangeMetrics:
         """Wire and exchange counters, both roles."""
 
     def details(self) -> dict[str, Any]:

@@ -5,7 +5,7 @@ owns the device, the data source and held-out set, the progress counters and the
 swarm's claims, the node (its record filled from :meth:`PeerCore._status`), the stop path
 (:meth:`abort`, :meth:`aborting_on`), the phase timers, the booking of completed rounds, the
 per-sync report and the end-of-run summary. A subclass says what it trains and how it averages
-through a few hooks: :meth:`gossip_metrics`, :meth:`_backend_details`, :meth:`_abort_work`,
+through a few hooks: :meth:`exchange_metrics`, :meth:`_backend_details`, :meth:`_abort_work`,
 :meth:`_on_unreachable`, :meth:`_evaluate_round`, :meth:`_current_lr` and the ``_*_details`` ones.
 """
 
@@ -23,7 +23,7 @@ from swarm._device import describe_device
 from swarm._node import NodeInfo, SwarmNode
 from swarm._periodic import calling_on
 from swarm.config import RunConfig
-from swarm.gossip import GossipMetrics
+from swarm.gossip import ExchangeMetrics
 from swarm.membership import PeerState
 from swarm.network import NetworkOptions, ReachabilityResult
 from swarm.p2p import RELAYED
@@ -76,7 +76,7 @@ class PeerCore:
         """The parameters this peer trains (the whole model's, or its stage's)."""
         raise NotImplementedError
 
-    def gossip_metrics(self) -> GossipMetrics:
+    def exchange_metrics(self) -> ExchangeMetrics:
         """The averaging backend's wire and exchange counters (both roles)."""
         raise NotImplementedError
 
@@ -171,7 +171,7 @@ class PeerCore:
 
     def _status(self) -> dict[str, Any]:
         """The fields of this peer's membership record (``SwarmNode`` asks on every announce)."""
-        return self.progress.record_fields(self._state, self.gossip_metrics())
+        return self.progress.record_fields(self._state, self.exchange_metrics())
 
     def summary(self) -> dict[str, Any]:
         """Final numbers of this peer but its held-out evaluation (:meth:`final_evaluation`); read them
@@ -179,7 +179,7 @@ class PeerCore:
         exchange kind), per round and parameter; an exchange's are one pseudo-gradient exchange's (or,
         for the hivemind baseline, one averaging round's), per parameter and direction."""
         progress = self.progress
-        metrics = self.gossip_metrics()
+        metrics = self.exchange_metrics()
         details = self._backend_details()
         exchanges = details.get("pseudo_gradient_metrics", metrics)
         n_params = max(self.n_params, 1)

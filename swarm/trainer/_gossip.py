@@ -34,8 +34,8 @@ import torch
 
 from swarm._device import map_large_allocations
 from swarm.gossip import (
+    ExchangeMetrics,
     GossipAverager,
-    GossipMetrics,
     PartnerInfo,
     SyncOutcome,
     consensus_order,
@@ -355,15 +355,15 @@ class GossipBackend:
     def status(self) -> dict[str, Any]:
         return {"state_hash": self._state_hash}
 
-    def metrics(self) -> GossipMetrics:
+    def metrics(self) -> ExchangeMetrics:
         """Both averagers' counters added up (latencies are the pseudo-gradient averager's)."""
         parts = [a.metrics() for a in (self.deltas, self.params) if a is not None]
-        return add_metrics(parts) if parts else GossipMetrics()
+        return add_metrics(parts) if parts else ExchangeMetrics()
 
     def details(self) -> dict[str, Any]:
         deltas = self.deltas
         return {
-            "pseudo_gradient_metrics": deltas.metrics() if deltas is not None else GossipMetrics(),
+            "pseudo_gradient_metrics": deltas.metrics() if deltas is not None else ExchangeMetrics(),
             "banned_peers": deltas.banned_peers() if deltas is not None else {},
             "ban_strikes": deltas.ban_strikes() if deltas is not None else {},
             "rounds_by_role": dict(self._rounds),
@@ -413,11 +413,11 @@ def _round_of(update: Update) -> RoundResult:
     )
 
 
-def add_metrics(parts: list[GossipMetrics]) -> GossipMetrics:
+def add_metrics(parts: list[ExchangeMetrics]) -> ExchangeMetrics:
     """Counters added up; latencies are the first part's."""
     counters = {
         f.name: sum(getattr(p, f.name) for p in parts)
-        for f in dataclasses.fields(GossipMetrics)
+        for f in dataclasses.fields(ExchangeMetrics)
         if not f.name.endswith("latency_s")
     }
     return dataclasses.replace(parts[0], **counters)

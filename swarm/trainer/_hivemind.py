@@ -32,7 +32,7 @@ from hivemind.optim.state_averager import TrainingStateAverager
 from hivemind.utils.crypto import RSAPrivateKey
 
 from swarm.config import RunConfig
-from swarm.gossip import GossipMetrics
+from swarm.gossip import ExchangeMetrics
 from swarm.trainer._backend import BackendContext, JoinResult, NoGuard, RoundResult
 from swarm.trainer._hivemind_wire import (
     MATCHMAKING_TIME_S,
@@ -207,10 +207,10 @@ class HivemindBackend(NoGuard):
     def status(self) -> dict[str, Any]:
         return {}
 
-    def metrics(self) -> GossipMetrics:
+    def metrics(self) -> ExchangeMetrics:
         """Measured wire bytes; ``exchanges_ok`` counts completed all-reduce rounds."""
         sent, received, rounds, _ = self.wire.snapshot()
-        return GossipMetrics(exchanges_ok=rounds, bytes_sent=sent, bytes_received=received)
+        return ExchangeMetrics(exchanges_ok=rounds, bytes_sent=sent, bytes_received=received)
 
     def details(self) -> dict[str, Any]:
         return {}

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from swarm.config import RunConfig
-from swarm.gossip import GossipMetrics
+from swarm.gossip import ExchangeMetrics
 from swarm.network import NetworkOptions
 from swarm.state import load_latest_checkpoint, save_checkpoint
 from swarm.trainer._backend import AveragingBackend, BackendContext, JoinResult, RoundResult
@@ -286,9 +286,9 @@ class TrainingPeer(PeerCore):
         joined = self.join_result.meta.get("samples_total", 0)
         return max(others, joined) + self.progress.samples_total
 
-    def gossip_metrics(self) -> GossipMetrics:
+    def exchange_metrics(self) -> ExchangeMetrics:
         """The backend's wire and exchange counters (both roles)."""
-        return self._backend.metrics() if self._backend is not None else GossipMetrics()
+        return self._backend.metrics() if self._backend is not None else ExchangeMetrics()
 
     def _backend_details(self) -> dict[str, Any]:
         return self._backend.details() if self._backend is not None else {}

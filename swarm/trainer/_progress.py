@@ -6,7 +6,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from swarm.gossip import GossipMetrics
+from swarm.gossip import ExchangeMetrics
 
 
 @dataclass
@@ -61,7 +61,7 @@ class Progress:
         """Share of wall time the device was busy (forward, backward, optimizer) since start."""
         return self.device_seconds / max(time.monotonic() - self.started, 1e-9)
 
-    def record_fields(self, state: str, metrics: GossipMetrics) -> dict[str, Any]:
+    def record_fields(self, state: str, metrics: ExchangeMetrics) -> dict[str, Any]:
         """The membership record's fields that describe this progress, the peer's ``state`` and its
         exchange ``metrics``; losses outside what records accept are reported as unknown."""
         return {

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from swarm.config import AveragingSection
-from swarm.gossip import GossipMetrics
+from swarm.gossip import ExchangeMetrics
 from swarm.trainer._backend import BackendContext, JoinResult, NoGuard, RoundResult, outer_state_device
 from swarm.training import OuterOptimizer
 
@@ -80,8 +80,8 @@ class SoloBackend(NoGuard):
     def status(self) -> dict[str, Any]:
         return {}
 
-    def metrics(self) -> GossipMetrics:
-        return GossipMetrics()
+    def metrics(self) -> ExchangeMetrics:
+        return ExchangeMetrics()
 
     def details(self) -> dict[str, Any]:
         return {}
