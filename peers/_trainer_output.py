@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -150,3 +151,18 @@ def write_summary(peer: Any, path: Path, summary: dict[str, Any] | None = None) 
     summary = {**(peer.summary() if summary is None else summary), **peer.final_evaluation()}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(summary, indent=2))
+
+
+def where_it_stopped(peer: Any) -> str:
+    """Why and where the loop ended; after a stop, how long the loop took to end."""
+    at = f"step {peer.progress.step}, round {peer.progress.round}"
+    if peer.stop_seen_at is None:
+        return f"the run's limit reached at {at}"
+    return f"stopped at {at}, the loop ended {time.monotonic() - peer.stop_seen_at:.1f} s after the stop"
+
+
+def since_stop(peer: Any) -> str:
+    """How long after the stop it is now (empty when the run ended by itself)."""
+    if peer.stop_seen_at is None:
+        return ""
+    return f", {time.monotonic() - peer.stop_seen_at:.1f} s after the stop"

@@ -9,7 +9,7 @@ from pathlib import Path
 import typer
 
 from peers._common import close_relay, fail, reachability_lines, start_relay
-from peers._trainer_output import open_with_output, write_summary
+from peers._trainer_output import open_with_output, since_stop, where_it_stopped, write_summary
 from swarm.config import RunConfig
 from swarm.network import NetworkOptions
 
@@ -93,7 +93,7 @@ def run_join(
             )
         with output:
             peer.run(stop)
-        typer.echo(f"join: shutting down: {_where_it_stopped(peer)}")
+        typer.echo(f"join: shutting down: {where_it_stopped(peer)}")
         saving = time.monotonic()
         if peer.save_checkpoint() is not None:
             typer.echo(
@@ -106,7 +106,7 @@ def run_join(
         if relay is not None:
             close_relay(relay, "join")
         peer.close()
-    typer.echo(f"join: left the swarm in {time.monotonic() - leaving:.1f} s{_since_stop(peer)}")
+    typer.echo(f"join: left the swarm in {time.monotonic() - leaving:.1f} s{since_stop(peer)}")
     if summary is not None and summary_path is not None:
         write_summary(peer, summary_path, summary)
 
@@ -120,20 +120,6 @@ def _maybe_relay(peer, network: NetworkOptions, reachability: str):
         return None
     typer.echo("join: relaying for peers behind NAT that list this peer among their initial peers")
     return start_relay(peer.node)
-
-
-def _where_it_stopped(peer) -> str:
-    """Why and where the loop ended; after a stop, how long the loop took to end."""
-    at = f"step {peer.progress.step}, round {peer.progress.round}"
-    if peer.stop_seen_at is None:
-        return f"the run's limit reached at {at}"
-    return f"stopped at {at}, the loop ended {time.monotonic() - peer.stop_seen_at:.1f} s after the stop"
-
-
-def _since_stop(peer) -> str:
-    if peer.stop_seen_at is None:
-        return ""
-    return f", {time.monotonic() - peer.stop_seen_at:.1f} s after the stop"
 
 
 def _stages(config: RunConfig) -> int:

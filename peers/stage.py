@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 
 import typer
 
 from peers._common import fail, reachability_lines
-from peers._trainer_output import open_with_output, write_summary
+from peers._trainer_output import open_with_output, since_stop, where_it_stopped, write_summary
 from swarm.config import RunConfig
 from swarm.network import NetworkOptions
 
@@ -59,8 +60,10 @@ def run_stage_peer(
         output.joined(peer.node.record())
         with output:
             peer.run(stop)
-        typer.echo("join: shutting down")
-        if summary_path is not None:
+        typer.echo(f"join: shutting down: {where_it_stopped(peer)}")
+        if summary_path is not None:  # a data holder evaluates through the other stages: before leaving
             write_summary(peer, summary_path)
     finally:
+        leaving = time.monotonic()
         peer.close()
+    typer.echo(f"join: left the swarm in {time.monotonic() - leaving:.1f} s{since_stop(peer)}")

@@ -1,9 +1,11 @@
 """Pipeline stages across peers, in one process with real DHTs and p2p daemons: a 2 x 2 pipeline trains
 as well as data-parallel training of the same model, a killed stage peer costs nothing but its own work
-and no micro-batch is applied twice, a slow stage peer gets proportionally fewer micro-batches."""
+and no micro-batch is applied twice, a slow stage peer gets proportionally fewer micro-batches, and a
+stage peer whose parameters go non-finite rolls back and serves none of them."""
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections import Counter
@@ -19,6 +21,7 @@ from swarm.training import (
     InnerTrainer,
     OuterOptimizer,
     TrainBatches,
+    all_finite,
     evaluate,
     lr_at,
     make_eval_set,
@@ -190,6 +193,34 @@ def test_a_killed_stage_peer_costs_only_its_own_work_and_nothing_is_applied_twic
     details = holder.peer.role.details()
     print(f"killed after {len(dead)} commits; survivor {len(alive)}; holder {details}")
     assert len(alive) > len(set(alive) & set(dead)) >= 0
+
+
+@pytest.mark.timeout(240)
+def test_a_stage_peer_whose_parameters_go_non_finite_rolls_back_and_serves_none_of_them(swarm) -> None:
+    config = _config("train.max_steps=30", "train.eval_every_rounds=1000")
+    server, holder = swarm((1, config), (0, config))
+    wait_until(lambda: server.peer.role is not None, 120, "the stage server to hold its stage")
+    role = server.peer.role
+    real_step, poisoned, served = role.optimizer.step, [], []
+
+    def poisoning_step(*args, **kwargs):
+        result = real_step(*args, **kwargs)
+        if not poisoned and server.steps >= 4:  # one AdamW step writes NaN into a parameter
+            with torch.no_grad():
+                next(role.module.parameters()).view(-1)[:3] = float("nan")
+            poisoned.append(server.steps + 1)
+        return result
+
+    role.optimizer.step = poisoning_step
+    state_server = role.backend.state_server
+    publish = state_server.publish
+    state_server.publish = lambda snapshot: (served.append(snapshot), publish(snapshot))[1]
+    wait_until(lambda: not holder.thread.is_alive(), 200, "the data holder's 30 steps")
+    assert holder.error is None and server.error is None
+    assert poisoned and server.peer.progress.rollbacks == 1 and server.peer._status()["rollbacks"] == 1
+    assert all_finite(p.detach() for p in role.module.parameters())
+    assert served and all(all_finite(s.tensors.values()) for s in served)
+    assert holder.steps == 30 and math.isfinite(holder.peer.progress.loss)
 
 
 @pytest.mark.timeout(240)

@@ -28,8 +28,24 @@ from swarm.pipeline._roster import Roster
 from swarm.pipeline._router import Router
 from swarm.pipeline._server import StageServer
 from swarm.pipeline._stages import build_stage, stage_parameters
-from swarm.trainer import BackendContext, JoinResult, PeerGroup, Progress, RoundResult, make_backend
-from swarm.training import Corpus, EvalSet, HFStreamSource, TokenFile, TrainBatches, make_inner_optimizer
+from swarm.trainer import (
+    BackendContext,
+    JoinResult,
+    PeerGroup,
+    Progress,
+    RoundResult,
+    make_backend,
+    roll_back,
+)
+from swarm.training import (
+    Corpus,
+    EvalSet,
+    HFStreamSource,
+    TokenFile,
+    TrainBatches,
+    all_finite,
+    make_inner_optimizer,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -95,7 +111,10 @@ class StageRole:
     def inner_step(
         self, samples: int, loss: float | None, compute_s: float, device_s: float
     ) -> list[RoundResult]:
-        """One AdamW step on the accumulated gradient of ``samples`` samples, then the backend's rounds."""
+        """One AdamW step on the accumulated gradient of ``samples`` samples, then the backend's rounds.
+
+        Parameters gone non-finite are rolled back (:func:`~swarm.trainer.roll_back`) before anything
+        of them is averaged or served; that step then starts no round."""
         torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.host.config.train.grad_clip)
         for group in self.optimizer.param_groups:
             group["lr"] = self.lr
@@ -105,6 +124,17 @@ class StageRole:
         now = time.perf_counter()
         self.host.step_done(samples, loss, now - self._last_step, compute_s, device_s)
         self._last_step = now
+        if not all_finite(p.detach() for p in self.module.parameters()):
+            joined = roll_back(
+                f"stage {self.stage} parameters",
+                self.host.progress,
+                self.backend,
+                self.module,
+                self.optimizer,
+            )
+            self.join_result = joined or self.join_result
+            self.host.node.announce_soon()
+            return []
         rounds = self.backend.after_step(samples)
         if self.backend.sync_due():
             rounds += self.backend.sync_round()

@@ -22,6 +22,7 @@ from swarm.trainer._peer import TrainingPeer
 from swarm.trainer._phases import PHASES, PhaseTimers
 from swarm.trainer._progress import Progress
 from swarm.trainer._report import SyncReport
+from swarm.trainer._rollback import roll_back
 
 __all__ = [
     "PHASES",
@@ -39,4 +40,5 @@ __all__ = [
     "SyncReport",
     "TrainingPeer",
     "make_backend",
+    "roll_back",
 ]

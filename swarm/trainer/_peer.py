@@ -32,6 +32,7 @@ from swarm.trainer._backend import AveragingBackend, BackendContext, JoinResult,
 from swarm.trainer._core import PeerCore
 from swarm.trainer._factory import make_backend
 from swarm.trainer._report import SyncReport
+from swarm.trainer._rollback import roll_back
 from swarm.training import (
     InnerTrainer,
     Interrupted,
@@ -198,23 +199,11 @@ class TrainingPeer(PeerCore):
         return False
 
     def _roll_back(self, what: str) -> None:
-        """A non-finite loss or parameters: back to the last round's parameters (the backend's anchor),
-        with a fresh inner optimizer state, counted in the record; the swarm's state if the anchor is
-        not finite either. Non-finite tensors are never served (see LiveModel) nor saved."""
-        self.progress.rollbacks += 1
-        logger.warning(
-            "non-finite %s at step %d: rolling back to the last round's parameters (rollback %d)",
-            what,
-            self.progress.step,
-            self.progress.rollbacks,
-        )
-        if self.backend.inner_optimizer() is None:
-            self.inner.optimizer.state.clear()  # AdamW's moments may hold NaN as well
-        if not self.backend.rollback():
-            logger.warning("the last round's parameters are not finite either: taking the swarm's state")
-            self.join_result = self.backend.join(fresh=True)
-            if not all_finite(p.detach() for p in self.model.parameters()):
-                raise RuntimeError("training diverged and no finite state could be fetched from the swarm")
+        """A non-finite loss or parameters: :func:`~swarm.trainer._rollback.roll_back`."""
+        optimizer = self.inner.optimizer if self.backend.inner_optimizer() is None else None
+        joined = roll_back(what, self.progress, self.backend, self.model, optimizer)
+        if joined is not None:
+            self.join_result = joined
         self.node.announce_soon()
 
     def _completed(self, rounds: list[RoundResult]) -> None:
