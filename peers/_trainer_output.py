@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
+import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
@@ -166,3 +168,44 @@ def since_stop(peer: Any) -> str:
     if peer.stop_seen_at is None:
         return ""
     return f", {time.monotonic() - peer.stop_seen_at:.1f} s after the stop"
+
+
+def run_and_leave(
+    peer: Any,
+    output: TrainerOutput,
+    stop: threading.Event,
+    summary_path: Path | None,
+    *,
+    join: Callable[[], None],
+    before_close: Callable[[], None] = lambda: None,
+) -> None:
+    """The run every kind of peer shares once it is open (`swarm join`, whole-model or a stage).
+
+    ``join()`` joins the swarm and prints what the kind of peer says of it; then the peer trains until
+    ``stop`` or the run's limit, says where it stopped, saves the checkpoint of the way out (where it
+    keeps them), leaves the swarm (``before_close()`` first, e.g. closing a relay) and writes the
+    ``--summary``. ``peer`` is closed whatever happens.
+    """
+    summary = None
+    try:
+        join()
+        with output:
+            peer.run(stop)
+        typer.echo(f"join: shutting down: {where_it_stopped(peer)}")
+        saving = time.monotonic()
+        if peer.save_checkpoint() is not None:
+            typer.echo(
+                f"join: checkpoint saved in {peer.config.train.checkpoint_dir} "
+                f"(step {peer.progress.step}, {time.monotonic() - saving:.1f} s)"
+            )
+        if summary_path is not None and peer.evaluates_alone:
+            summary = peer.summary()  # the final evaluation waits until the swarm is left
+        elif summary_path is not None:
+            write_summary(peer, summary_path)
+    finally:
+        leaving = time.monotonic()
+        before_close()
+        peer.close()
+    typer.echo(f"join: left the swarm in {time.monotonic() - leaving:.1f} s{since_stop(peer)}")
+    if summary is not None and summary_path is not None:
+        write_summary(peer, summary_path, summary)

@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import threading
-import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 
 from peers._common import close_relay, fail, reachability_lines, start_relay
-from peers._trainer_output import open_with_output, since_stop, where_it_stopped, write_summary
+from peers._trainer_output import open_with_output, run_and_leave
 from swarm.config import RunConfig
 from swarm.network import NetworkOptions
+
+if TYPE_CHECKING:
+    from swarm.p2p import RelayForwarder
 
 
 def run_join(
@@ -60,7 +63,6 @@ def run_join(
 
     if check_swarm:
         check_swarm_config(config, network)
-    relay = None
     peer, output = open_with_output(
         lambda on_sync: TrainingPeer(
             config, network, public_name=public_name, resume=resume, on_sync=on_sync
@@ -69,7 +71,9 @@ def run_join(
         history_path,
         bad_input=(CheckpointError, ValueError),
     )
-    try:
+    relays: list[RelayForwarder] = []  # at most one: this peer's, with --relay
+
+    def join() -> None:
         resumed = f", resumed from {peer.resumed_from}" if peer.resumed_from else ""
         members = len(peer.node.members())
         typer.echo(
@@ -81,6 +85,8 @@ def run_join(
         for line in reachability_lines(reachable, "join"):
             typer.echo(line)
         relay = _maybe_relay(peer, network, reachable.status)
+        if relay is not None:
+            relays.append(relay)
         with peer.aborting_on(stop):  # a stalled exchange while joining must not hold a shutdown either
             peer.join_swarm()
         joined = peer.join_result
@@ -91,24 +97,12 @@ def run_join(
                 f"round {meta.get('round')}, step {meta.get('step')}, samples {meta.get('samples_total')} "
                 f"(digest {joined.digest[:12]})"
             )
-        with output:
-            peer.run(stop)
-        typer.echo(f"join: shutting down: {where_it_stopped(peer)}")
-        saving = time.monotonic()
-        if peer.save_checkpoint() is not None:
-            typer.echo(
-                f"join: checkpoint saved in {config.train.checkpoint_dir} "
-                f"(step {peer.progress.step}, {time.monotonic() - saving:.1f} s)"
-            )
-        summary = peer.summary() if summary_path is not None else None
-    finally:
-        leaving = time.monotonic()
-        if relay is not None:
+
+    def close_relays() -> None:
+        for relay in relays:
             close_relay(relay, "join")
-        peer.close()
-    typer.echo(f"join: left the swarm in {time.monotonic() - leaving:.1f} s{since_stop(peer)}")
-    if summary is not None and summary_path is not None:
-        write_summary(peer, summary_path, summary)
+
+    run_and_leave(peer, output, stop, summary_path, join=join, before_close=close_relays)
 
 
 def _maybe_relay(peer, network: NetworkOptions, reachability: str):

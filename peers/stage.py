@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import threading
-import time
 from pathlib import Path
 
 import typer
 
 from peers._common import fail, reachability_lines
-from peers._trainer_output import open_with_output, since_stop, where_it_stopped, write_summary
+from peers._trainer_output import open_with_output, run_and_leave
 from swarm.config import RunConfig
 from swarm.network import NetworkOptions
 
@@ -47,7 +46,8 @@ def run_stage_peer(
         config,
         history_path,
     )
-    try:
+
+    def join() -> None:
         for line in reachability_lines(peer.check_reachability(), "join"):
             typer.echo(line)
         with peer.aborting_on(stop):
@@ -58,12 +58,5 @@ def run_stage_peer(
             f"of {peer.num_stages} ({peer.n_params:,} parameters on {peer.device})"
         )
         output.joined(peer.node.record())
-        with output:
-            peer.run(stop)
-        typer.echo(f"join: shutting down: {where_it_stopped(peer)}")
-        if summary_path is not None:  # a data holder evaluates through the other stages: before leaving
-            write_summary(peer, summary_path)
-    finally:
-        leaving = time.monotonic()
-        peer.close()
-    typer.echo(f"join: left the swarm in {time.monotonic() - leaving:.1f} s{since_stop(peer)}")
+
+    run_and_leave(peer, output, stop, summary_path, join=join)

@@ -186,6 +186,26 @@ def test_local_swarm_runs_and_stops_cleanly(spawn, tmp_path) -> None:
 
 
 @pytest.mark.multipeer
+def test_a_pipelined_local_swarm_trains_to_its_limit_and_each_stage_peer_leaves_with_a_summary(
+    spawn, tmp_path
+) -> None:
+    """`swarm join` of stage peers, through `swarm local`: a data holder and a stage server each join,
+    run and leave; the data holder's summary holds a held-out loss evaluated through the other stage,
+    which only works before it leaves the swarm."""
+    sets = cli_sets(tiny("model.n_layer=2", "train.max_steps=6", "pipeline.num_stages=2"))
+    logs = tmp_path / "logs"
+    local = spawn(swarm_cli("local", "--peers", "2", "--log-dir", str(logs), *sets))
+    assert local.wait(timeout=240) == 0, local.output()
+    for index, role in ((1, "data holder of stage 0"), (2, "stage server of stage 1")):
+        log = (logs / f"peer-{index}.log").read_text()
+        assert f"joined run 'swarm-local' as {role} of 2" in log and "join: left the swarm in" in log, log
+    holder, server = (json.loads((logs / f"peer-{i}.summary.json").read_text()) for i in (1, 2))
+    assert holder["stage"] == 0 and holder["steps"] == 6, holder
+    assert holder["eval_loss"] is not None and 0 < holder["eval_loss"] < 9, holder  # 8 bits: a byte
+    assert server["stage"] == 1 and server["eval_loss"] is None and server["steps"] > 0, server
+
+
+@pytest.mark.multipeer
 def test_local_swarm_interrupted_leaves_nothing(spawn, tmp_path) -> None:
     local = spawn(
         swarm_cli("local", "--peers", "2", "--forever", "--log-dir", str(tmp_path / "logs"), *TINY_SETS)

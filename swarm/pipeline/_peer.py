@@ -46,6 +46,8 @@ class StagePeer(PeerCore):
 
     The shell it shares with whole-model trainers is :class:`~swarm.trainer.PeerCore`."""
 
+    evaluates_alone = False  # a data holder evaluates through the other stages
+
     def __init__(
         self,
         config: RunConfig,

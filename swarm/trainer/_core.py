@@ -17,6 +17,7 @@ import threading
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
+from pathlib import Path
 from typing import Any
 
 from swarm._device import describe_device
@@ -113,6 +114,14 @@ class PeerCore:
     def _final_eval_loss(self) -> float | None:
         """The held-out loss of the final model (None where this peer cannot evaluate)."""
         raise NotImplementedError
+
+    evaluates_alone = True
+    """Whether the final evaluation needs no other peer (a whole model), so it can wait until this peer
+    has left the swarm; a pipeline data holder evaluates through the other stages, before leaving."""
+
+    def save_checkpoint(self) -> Path | None:
+        """Write a checkpoint now, where this kind of peer keeps them; its path, or None."""
+        return None
 
     # ------------------------------------------------------------------ reachability and stopping
 
