@@ -35,21 +35,18 @@ def run_join(
     ``check_swarm`` is off because the caller fetched it from the swarm and checked it on the way. With
     ``pipeline.num_stages > 1`` the peer serves one pipeline stage instead (``stage``: ``auto`` or its
     index; peers/stage.py)."""
+    if resume and config.train.checkpoint_dir is None:
+        fail("--resume needs train.checkpoint_dir (where the checkpoints to resume from are)")
     stages = _stages(config)
     if stages > 1:
         from peers.stage import parse_stage, run_stage_peer
-
-        if resume:
-            fail(
-                f"--resume: pipeline stage peers (pipeline.num_stages is {stages}) keep no checkpoints "
-                "yet, so there is nothing to resume from; join without --resume"
-            )
 
         run_stage_peer(
             config,
             network,
             stage=parse_stage(stage, stages),
             public_name=public_name,
+            resume=resume,
             summary_path=summary_path,
             history_path=history_path,
             stop=stop,

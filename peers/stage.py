@@ -32,6 +32,7 @@ def run_stage_peer(
     *,
     stage: int | str,
     public_name: str,
+    resume: bool,
     summary_path: Path | None,
     history_path: Path | None,
     stop: threading.Event,
@@ -39,12 +40,16 @@ def run_stage_peer(
     """Serve a stage until ``stop``, the step limit (data holders) or the end of the data holders."""
     from peers._compat_check import check_swarm_config
     from swarm.pipeline import StagePeer
+    from swarm.state import CheckpointError
 
     check_swarm_config(config, network)
     peer, output = open_with_output(
-        lambda on_sync: StagePeer(config, network, stage=stage, public_name=public_name, on_sync=on_sync),
+        lambda on_sync: StagePeer(
+            config, network, stage=stage, public_name=public_name, resume=resume, on_sync=on_sync
+        ),
         config,
         history_path,
+        bad_input=(CheckpointError, ValueError),
     )
 
     def join() -> None:

@@ -393,7 +393,7 @@ def test_join_refuses_a_stage_the_run_does_not_have_before_touching_the_network(
     unpipelined = refused_output([*args, "--stage", "1"])
     assert "has no pipeline" in unpipelined
     resumed = refused_output([*args, "--set", "pipeline.num_stages=2", "--resume"])
-    assert "--resume: pipeline stage peers" in resumed and "nothing to resume" in resumed
+    assert "--resume needs train.checkpoint_dir" in resumed
 
 
 # ---------------------------------------------------------------- the monitor

@@ -17,6 +17,7 @@ import torch
 from swarm.config import RunConfig, load_config
 from swarm.network import NetworkOptions
 from swarm.pipeline import StagePeer, build_full, plan_stages, stage_parameters
+from swarm.state import list_checkpoints, read_checkpoint
 from swarm.training import (
     InnerTrainer,
     OuterOptimizer,
@@ -221,6 +222,37 @@ def test_a_stage_peer_whose_parameters_go_non_finite_rolls_back_and_serves_none_
     assert all_finite(p.detach() for p in role.module.parameters())
     assert served and all(all_finite(s.tensors.values()) for s in served)
     assert holder.steps == 30 and math.isfinite(holder.peer.progress.loss)
+
+
+@pytest.mark.timeout(240)
+def test_a_stage_peer_checkpoints_its_stage_and_resumes_it_with_its_progress(swarm, tmp_path) -> None:
+    kept = tmp_path / "checkpoints"
+    common = ("train.max_steps=12", "train.eval_every_rounds=1000")
+    saving = _config(*common, f"train.checkpoint_dir={kept}", "train.checkpoint_every_s=0.01")
+    server, holder = swarm((1, saving), (0, _config(*common)))
+    wait_until(lambda: not holder.thread.is_alive(), 200, "the data holder's 12 steps")
+    assert holder.error is None and server.error is None
+    periodic = list_checkpoints(kept)  # after the rounds at steps 5 and 10
+    server.stop.set()
+    server.thread.join(60)
+    path = server.peer.save_checkpoint()  # the way out's
+    assert periodic and path is not None and list_checkpoints(kept)[0][1] == path, (periodic, path)
+    saved = read_checkpoint(path)
+    assert saved["stage"] == 1 and saved["progress"]["step"] == server.steps > 0
+    trained = {name: t.detach().clone() for name, t in server.peer.role.module.state_dict().items()}
+
+    network = NetworkOptions(initial_peers=holder.peer.node.visible_maddrs())
+    with pytest.raises(ValueError, match="holds stage 1"):
+        StagePeer(saving, network, stage=0, resume=True)
+    resumed = StagePeer(saving, network, resume=True)  # "auto": the checkpoint's stage
+    try:
+        assert resumed.resumed_from == path and resumed.progress.step == server.steps
+        resumed.join_swarm()
+        assert resumed.stage == 1 and resumed.role.join_result.donors == ()  # its own state, no donor's
+        state = resumed.role.module.state_dict()
+        assert all(torch.equal(state[name], tensor) for name, tensor in trained.items())
+    finally:
+        resumed.close()
 
 
 @pytest.mark.timeout(240)

@@ -23,7 +23,10 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
+
+import torch
 
 from swarm.config import RunConfig
 from swarm.gossip import ExchangeMetrics
@@ -55,6 +58,7 @@ class StagePeer(PeerCore):
         *,
         stage: int | str = "auto",
         public_name: str = "",
+        resume: bool = False,
         on_sync: Callable[[SyncReport], None] | None = None,
     ) -> None:
         self.specs = plan_stages(config)
@@ -73,11 +77,24 @@ class StagePeer(PeerCore):
         )
         self._next_rebalance = time.monotonic() + (pipe.rebalance_every_s or 0)
         try:
+            self._resumed, self.resumed_from = self._resume() if resume else (None, None)
             period = min(1.0, interval)
             self.roster = Roster(self.node, config.config_hash(), self.num_stages, period_s=period)
         except BaseException:
             self.node.close()
             raise
+
+    def _resume(self) -> tuple[dict[str, Any] | None, Path | None]:
+        """The newest checkpoint (its progress restored), and the stage it holds as the one to join."""
+        found = self.checkpoints.load_latest()
+        if found is None:
+            return None, None
+        state, path = found
+        stage = int(state["stage"])
+        if self.requested not in ("auto", stage):
+            raise ValueError(f"--stage {self.requested}: the checkpoint {path} holds stage {stage}")
+        self.requested = stage
+        return state, path
 
     @property
     def stage(self) -> int | None:
@@ -106,6 +123,10 @@ class StagePeer(PeerCore):
 
     def _enter(self, stage: int, fresh: bool) -> None:
         self.role = make_role(self, self.specs[stage])
+        if self._resumed is not None and self._resumed["stage"] == stage:  # only the first stage held
+            self.role.load_checkpoint_state(self._resumed)
+            fresh = False
+        self._resumed = None
         self.role.join(fresh)
         if self._state == "joining":
             self._state = "idle"  # serving now: others may adopt our state or route to us
@@ -234,7 +255,20 @@ class StagePeer(PeerCore):
             self._capacity = capacity if self._capacity == 0 else 0.8 * self._capacity + 0.2 * capacity
 
     def _completed(self, rounds: list[RoundResult]) -> None:
+        """Book each completed round, then maybe checkpoint; not while stopping (the caller saves one
+        checkpoint at the end)."""
         self._book_rounds(rounds)
+        if rounds and not self._stopping():
+            self._maybe_checkpoint()
+
+    def _checkpoint_state(self) -> dict[str, Any] | None:
+        return None if self.role is None else {"num_stages": self.num_stages, **self.role.checkpoint_state()}
+
+    def _trained_parameters(self) -> list[torch.nn.Parameter]:
+        return [] if self.role is None else list(self.role.module.parameters())
+
+    def _parameters_finite(self) -> bool:
+        return self.role is None or self.role.parameters_finite()
 
     def _evaluate_round(self) -> None:
         if isinstance(self.role, DataHolderRole):

@@ -124,21 +124,38 @@ class StageRole:
         now = time.perf_counter()
         self.host.step_done(samples, loss, now - self._last_step, compute_s, device_s)
         self._last_step = now
-        if not all_finite(p.detach() for p in self.module.parameters()):
-            joined = roll_back(
-                f"stage {self.stage} parameters",
-                self.host.progress,
-                self.backend,
-                self.module,
-                self.optimizer,
-            )
-            self.join_result = joined or self.join_result
-            self.host.node.announce_soon()
+        if not self.parameters_finite():
             return []
         rounds = self.backend.after_step(samples)
         if self.backend.sync_due():
             rounds += self.backend.sync_round()
         return rounds
+
+    def parameters_finite(self) -> bool:
+        """Whether the stage's parameters are finite; rolls them back (:func:`~swarm.trainer.roll_back`)
+        when they are not."""
+        if all_finite(p.detach() for p in self.module.parameters()):
+            return True
+        what, progress = f"stage {self.stage} parameters", self.host.progress
+        joined = roll_back(what, progress, self.backend, self.module, self.optimizer)
+        self.join_result = joined or self.join_result
+        self.host.node.announce_soon()
+        return False
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        """The stage's part of a checkpoint: its index, module, inner optimizer and backend state."""
+        return {
+            "stage": self.stage,
+            "stage_module": self.module.state_dict(),
+            "inner_optimizer": self.optimizer.state_dict(),
+            "backend": self.backend.checkpoint_state(),
+        }
+
+    def load_checkpoint_state(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`checkpoint_state` (of this stage) before :meth:`join`."""
+        self.module.load_state_dict(state["stage_module"])
+        self.optimizer.load_state_dict(state["inner_optimizer"])
+        self.backend.load_checkpoint_state(state["backend"])
 
     def work(self, lr: float, stop: threading.Event) -> list[RoundResult]:
         raise NotImplementedError

@@ -20,6 +20,8 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from swarm._device import describe_device
 from swarm._node import NodeInfo, SwarmNode
 from swarm._periodic import calling_on
@@ -29,6 +31,7 @@ from swarm.membership import PeerState
 from swarm.network import NetworkOptions, ReachabilityResult
 from swarm.p2p import RELAYED
 from swarm.trainer._backend import RoundResult
+from swarm.trainer._checkpoints import Checkpoints
 from swarm.trainer._ledger import SwarmLedger
 from swarm.trainer._phases import PhaseTimers
 from swarm.trainer._progress import Progress
@@ -56,6 +59,7 @@ class PeerCore:
         self.total_samples = total_samples_of(config.train, config.run.target_samples)
         self.ledger = SwarmLedger()
         self.phases = PhaseTimers()
+        self.checkpoints = Checkpoints(config, self.progress)
         self._state: PeerState = "joining"
         self._stop: threading.Event | None = None
         self.stop_seen_at: float | None = None
@@ -119,9 +123,34 @@ class PeerCore:
     """Whether the final evaluation needs no other peer (a whole model), so it can wait until this peer
     has left the swarm; a pipeline data holder evaluates through the other stages, before leaving."""
 
+    def _checkpoint_state(self) -> dict[str, Any] | None:
+        """What a checkpoint holds beside the progress and the config hash (None: nothing to keep yet)."""
+        raise NotImplementedError
+
+    def _trained_parameters(self) -> list[torch.nn.Parameter]:
+        """The parameters this peer trains (none before it holds any)."""
+        raise NotImplementedError
+
+    def _parameters_finite(self) -> bool:
+        """Whether the trained parameters are finite; rolls them back when they are not."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ checkpoints
+
     def save_checkpoint(self) -> Path | None:
-        """Write a checkpoint now, where this kind of peer keeps them; its path, or None."""
-        return None
+        """Write a checkpoint now (if ``train.checkpoint_dir`` is set) unless the newest one already
+        holds this step and round; return its path (:class:`~swarm.trainer._checkpoints.Checkpoints`)."""
+        state = self._checkpoint_state()
+        if state is None:
+            return None
+        return self.checkpoints.save(lambda: state, self._trained_parameters)
+
+    def _maybe_checkpoint(self) -> None:
+        """A periodic checkpoint; parameters gone non-finite since the last check (a round that completed
+        in the background is booked after any step) are rolled back first, never saved."""
+        if self.checkpoints.due() and self._parameters_finite():
+            with self.phases.phase("checkpoint"):
+                self.save_checkpoint()
 
     # ------------------------------------------------------------------ reachability and stopping
 

@@ -19,15 +19,15 @@ from __future__ import annotations
 import logging
 import math
 import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from swarm.config import RunConfig
 from swarm.gossip import ExchangeMetrics
 from swarm.network import NetworkOptions
-from swarm.state import load_latest_checkpoint, save_checkpoint
 from swarm.trainer._backend import AveragingBackend, BackendContext, JoinResult, RoundResult
 from swarm.trainer._core import PeerCore
 from swarm.trainer._factory import make_backend
@@ -66,9 +66,7 @@ class TrainingPeer(PeerCore):
     ):
         self._backend: AveragingBackend | None = None
         self.join_result = JoinResult()
-        self._saved: tuple[tuple[int, int], Path] | None = None  # (step, round) of the newest checkpoint
         self._has_joined = False
-        self._last_checkpoint = time.monotonic()
         super().__init__(config, network, public_name=public_name, on_sync=on_sync)
         try:
             self.model = build_model(config.model, config.run.seed).to(self.device)
@@ -313,42 +311,14 @@ class TrainingPeer(PeerCore):
             "model": self.model.state_dict(),
             "inner_optimizer": self.inner.optimizer.state_dict(),
             "backend": self.backend.checkpoint_state(),
-            "progress": self.progress.checkpoint_state(),
-            "config_hash": self.config.config_hash(),
         }
 
-    def save_checkpoint(self) -> Path | None:
-        """Write a checkpoint now (if ``train.checkpoint_dir`` is set) unless the newest one already
-        holds this step and round; return its path."""
-        directory = self.config.train.checkpoint_dir
-        if directory is None:
-            return None
-        self._last_checkpoint = time.monotonic()
-        if not all_finite(p.detach() for p in self.model.parameters()):
-            logger.warning(
-                "not saving a checkpoint at step %d: the parameters are not finite", self.progress.step
-            )
-            return self._saved[1] if self._saved is not None else None
-        at = (self.progress.step, self.progress.round)
-        if self._saved is None or self._saved[0] != at:
-            self._saved = (at, save_checkpoint(directory, self._checkpoint_state(), self.progress.step))
-        return self._saved[1]
-
-    def _maybe_checkpoint(self) -> None:
-        """A periodic checkpoint; parameters gone non-finite since the last check (a round that completed
-        in the background is booked after any step) are rolled back first, never saved."""
-        due = time.monotonic() - self._last_checkpoint >= self.config.train.checkpoint_every_s
-        if due and self._parameters_finite():
-            with self.phases.phase("checkpoint"):
-                self.save_checkpoint()
+    def _trained_parameters(self) -> list[torch.nn.Parameter]:
+        return list(self.model.parameters())
 
     def _resume(self) -> Path | None:
-        directory = self.config.train.checkpoint_dir
-        if directory is None:
-            raise ValueError("--resume needs train.checkpoint_dir")
-        found = load_latest_checkpoint(directory, config_hash=self.config.config_hash())
+        found = self.checkpoints.load_latest()
         if found is None:
-            logger.warning("no valid checkpoint in %s: starting fresh", directory)
             return None
         state, path = found
         self.model.load_state_dict(state["model"])
@@ -357,7 +327,6 @@ class TrainingPeer(PeerCore):
         self.backend.load_checkpoint_state(
             state.get("backend") or {"outer_optimizer": state.get("outer_optimizer")}
         )
-        self.progress.restore(state["progress"])
         return path
 
     def close(self) -> None:
