@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import swarm.trainer._peer as peer_module
+import swarm.trainer._checkpoints as checkpoints_module
 from peers.bootstrap import JOIN_LINE_PREFIX
 from swarm.config import load_config
 from swarm.network import NetworkOptions
@@ -197,7 +197,7 @@ class _StopWatch:
         self.after_stop: list[tuple[str, int]] = []
         self._wrap(peer.backend, "sync_round", "round", monkeypatch)
         self._wrap(peer, "evaluate", "evaluation", monkeypatch)
-        self._wrap(peer_module, "save_checkpoint", "checkpoint", monkeypatch)
+        self._wrap(checkpoints_module, "save_checkpoint", "checkpoint", monkeypatch)
 
     def _wrap(self, owner: object, name: str, what: str, monkeypatch: pytest.MonkeyPatch) -> None:
         real = getattr(owner, name)

@@ -29,6 +29,7 @@ from swarm.pipeline._router import Router
 from swarm.pipeline._server import StageServer
 from swarm.pipeline._stages import build_stage, stage_parameters
 from swarm.trainer import (
+    AveragingBackend,
     BackendContext,
     JoinResult,
     PeerGroup,
@@ -78,6 +79,9 @@ class StageHost(Protocol):
     ) -> None:
         """Book one inner step of the role."""
 
+    def rounds_after_step(self, backend: AveragingBackend, samples: int) -> list[RoundResult]:
+        """The backend's sequence after the step (:meth:`~swarm.trainer.PeerCore.rounds_after_step`)."""
+
 
 class StageRole:
     """A stage module with its optimizer and gossip backend."""
@@ -124,12 +128,9 @@ class StageRole:
         now = time.perf_counter()
         self.host.step_done(samples, loss, now - self._last_step, compute_s, device_s)
         self._last_step = now
-        if not self.parameters_finite():
+        if not self.parameters_finite():  # every step: NaN activations would reach the other stages
             return []
-        rounds = self.backend.after_step(samples)
-        if self.backend.sync_due():
-            rounds += self.backend.sync_round()
-        return rounds
+        return self.host.rounds_after_step(self.backend, samples)
 
     def parameters_finite(self) -> bool:
         """Whether the stage's parameters are finite; rolls them back (:func:`~swarm.trainer.roll_back`)

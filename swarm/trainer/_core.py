@@ -12,6 +12,7 @@ through a few hooks: :meth:`exchange_metrics`, :meth:`_backend_details`, :meth:`
 from __future__ import annotations
 
 import dataclasses
+import logging
 import resource
 import threading
 import time
@@ -30,13 +31,15 @@ from swarm.gossip import ExchangeMetrics
 from swarm.membership import PeerState
 from swarm.network import NetworkOptions, ReachabilityResult
 from swarm.p2p import RELAYED
-from swarm.trainer._backend import RoundResult
+from swarm.trainer._backend import AveragingBackend, RoundResult
 from swarm.trainer._checkpoints import Checkpoints
 from swarm.trainer._ledger import SwarmLedger
 from swarm.trainer._phases import PhaseTimers
 from swarm.trainer._progress import Progress
 from swarm.trainer._report import SyncReport
 from swarm.training import make_eval_set, open_source, resolve_device, total_samples_of
+
+logger = logging.getLogger(__name__)
 
 
 class PeerCore:
@@ -181,6 +184,25 @@ class PeerCore:
         return self._state == "leaving" or (self._stop is not None and self._stop.is_set())
 
     # ------------------------------------------------------------------ rounds
+
+    def rounds_after_step(self, backend: AveragingBackend, samples: int) -> list[RoundResult]:
+        """The backend's sequence after an inner step of ``samples`` samples, for every kind of peer and
+        run nowhere else: apply what exchanges committed meanwhile; then, when a round is due and no
+        stop arrived, start it if the parameters are finite (rolled back, and no round, if not).
+        Returns the rounds that completed, for :meth:`_book_rounds`."""
+        with self.phases.phase("apply"):
+            rounds = backend.after_step(samples)
+        if self._stopping() or not backend.sync_due() or not self._parameters_finite():
+            return rounds
+        logger.debug("step %d: starting round %d", self.progress.step, self.progress.round + 1)
+        state = self._state  # a stage peer moving between stages stays "joining" (its claim)
+        self._state = "syncing" if state == "training" else state
+        try:
+            with self.phases.phase("sync"):
+                rounds += backend.sync_round()
+        finally:
+            self._state = state
+        return rounds
 
     def _book_rounds(self, rounds: list[RoundResult]) -> None:
         """Book each completed round: evaluate (unless stopping), announce, report.

@@ -136,21 +136,11 @@ class TrainingPeer(PeerCore):
             with self.aborting_on(stop):
                 while not stop.is_set() and not self._finished(max_steps):
                     self._completed(self._inner_step())
-                    if not stop.is_set() and self.backend.sync_due() and self._parameters_finite():
-                        self._sync()
             self._state = "leaving"
             self.node.announce_soon()  # partners stop dialling us, and do not count our going as a fault
             with self.phases.phase("finish"):
                 rounds = self.backend.finish()
             self._completed(rounds)
-
-    def _sync(self) -> None:
-        logger.debug("step %d: starting round %d", self.progress.step, self.progress.round + 1)
-        self._state = "syncing"
-        with self.phases.phase("sync"):
-            rounds = self.backend.sync_round()
-        self._state = "training"
-        self._completed(rounds)
 
     def join_swarm(self) -> None:
         """Before the first step, a fresh peer in a running swarm takes over the live trainers' state.
@@ -185,8 +175,7 @@ class TrainingPeer(PeerCore):
             stats.samples, stats.loss, stats.seconds, stats.compute_seconds, stats.device_seconds
         )
         logger.debug("step %d took %.3f s", self.progress.step, stats.seconds)
-        with self.phases.phase("apply"):
-            return self.backend.after_step(stats.samples)
+        return self.rounds_after_step(self.backend, stats.samples)
 
     def _parameters_finite(self) -> bool:
         """Checked before each round (our pseudo-gradient must be finite to be worth anything); rolls
