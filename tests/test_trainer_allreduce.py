@@ -12,7 +12,7 @@ import torch
 from swarm.config import load_config
 from swarm.network import NetworkOptions, SwarmKey
 from swarm.trainer import SyncReport, TrainingPeer, make_backend
-from swarm.trainer._allreduce import AllReduceBackend
+from swarm.trainer.baselines import AllReduceBackend
 from tests._processes import stop_training, wait_until
 from tests.workers.tiny import TINY
 

@@ -9,8 +9,8 @@ import pytest
 from swarm.config import load_config
 from swarm.network import NetworkOptions
 from swarm.trainer import SyncReport, TrainingPeer
-from swarm.trainer._hivemind import HivemindBackend, hivemind_codec, hivemind_run_id
 from swarm.trainer._solo import SoloBackend
+from swarm.trainer.baselines import HivemindBackend, hivemind_codec, hivemind_run_id
 from tests._processes import stop_training, wait_until
 from tests.workers.tiny import TINY
 

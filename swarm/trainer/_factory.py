@@ -11,7 +11,7 @@ def make_backend(context: BackendContext, network: NetworkOptions) -> AveragingB
 
     ``gossip``: quantized gossip DiLoCo (:mod:`swarm.trainer._gossip`); ``none``: a solo peer;
     ``hivemind``: the ``hivemind.Optimizer`` baseline; ``allreduce``: group all-reduce of
-    pseudo-gradients (:mod:`swarm.trainer._allreduce`). Baselines are imported only when asked for.
+    pseudo-gradients (:mod:`swarm.trainer.baselines._allreduce`). Baselines are imported only when asked for.
     """
     name = context.config.averaging.backend
     if name == "gossip":
@@ -26,11 +26,11 @@ def make_backend(context: BackendContext, network: NetworkOptions) -> AveragingB
         # hivemind's averaging RPCs take no authorizer: they would be open to anyone
         raise ValueError(f"averaging.backend {name!r} cannot run in a private swarm; use 'gossip'")
     if name == "hivemind":
-        from swarm.trainer._hivemind import HivemindBackend
+        from swarm.trainer.baselines import HivemindBackend
 
         return HivemindBackend(context)
     if name == "allreduce":
-        from swarm.trainer._allreduce import AllReduceBackend
+        from swarm.trainer.baselines import AllReduceBackend
 
         return AllReduceBackend(context)
     raise ValueError(f"unknown averaging.backend {name!r}")

@@ -31,7 +31,7 @@ from swarm.training._optimizer import (
     make_inner_optimizer,
     optimizer_name,
     optimizer_state_bytes,
-    parameter_groups,  # noqa: F401  # re-exported: swarm.trainer._hivemind and tests import it from here
+    parameter_groups,  # noqa: F401  # re-exported: the hivemind baseline and tests import it from here
 )
 from swarm.training._precision import resolve_precision
 from swarm.training._throughput import (

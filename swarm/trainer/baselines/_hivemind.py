@@ -13,11 +13,12 @@ It exists to be measured against the gossip backend (see docs/baselines.md). How
   delta rule) made its epoch tracker thrash on short epochs here, one epoch per step (measured); the
   time spent averaging is booked as communication, not compute, so utilization shows the cost.
 * **Compression** of the averaged parameters follows ``compression.codec``
-  (:data:`swarm.trainer._hivemind_wire.HIVEMIND_CODECS`).
+  (:data:`swarm.trainer.baselines._hivemind_wire.HIVEMIND_CODECS`).
 
 hivemind counts no bytes, so the state averager (a forked process) counts them itself: every
 length-prefixed protobuf message its P2P streams send or receive (all-reduce parts, matchmaking,
-state downloads), libp2p's own framing and encryption excluded (:mod:`swarm.trainer._hivemind_wire`).
+state downloads), libp2p's own framing and encryption excluded
+(:mod:`swarm.trainer.baselines._hivemind_wire`).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from hivemind.utils.crypto import RSAPrivateKey
 from swarm.config import RunConfig
 from swarm.gossip import ExchangeMetrics
 from swarm.trainer._backend import BackendContext, JoinResult, NoGuard, RoundResult
-from swarm.trainer._hivemind_wire import (
+from swarm.trainer.baselines._hivemind_wire import (
     MATCHMAKING_TIME_S,
     REQUEST_TIMEOUT_S,
     CountingAverager,

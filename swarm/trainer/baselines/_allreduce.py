@@ -26,7 +26,7 @@ waits until every live trainer has joined (the group's target size) or ``MATCHMA
 * **Joining.** A fresh peer downloads that state in :meth:`AllReduceBackend.join`; the inner AdamW
   state stays local, as in DiLoCo. A resumed peer is inconsistent until its first group round.
 * **Bytes** are counted in the averager's own process like the hivemind baseline's
-  (:mod:`swarm.trainer._hivemind_wire`): all-reduce parts, matchmaking and state downloads.
+  (:mod:`swarm.trainer.baselines._hivemind_wire`): all-reduce parts, matchmaking and state downloads.
 """
 
 from __future__ import annotations
@@ -51,14 +51,14 @@ from swarm.trainer._backend import (
     RoundResult,
     outer_state_device,
 )
-from swarm.trainer._hivemind_wire import (
+from swarm.trainer._solo import RoundClock
+from swarm.trainer.baselines._hivemind_wire import (
     MATCHMAKING_TIME_S,
     REQUEST_TIMEOUT_S,
     CountingAverager,
     WireCounters,
     hivemind_codec,
 )
-from swarm.trainer._solo import RoundClock
 from swarm.training import OuterOptimizer
 
 logger = logging.getLogger(__name__)
