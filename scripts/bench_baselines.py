@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
         for plan in plans(args.cap, tuple(args.backends)):  # one at a time: 4 trainers hold on 2 cores
             rows.append(bench_testbed.run_plan(plan, root=root, rate=rate, target=target, say=print))
     except KeyboardInterrupt:  # the labs close at exit (netlab's atexit)
-        print("bench_baselines: interrupted; leftovers: python scripts/netlab.py cleanup", file=sys.stderr)
+        print("bench_baselines: interrupted; leftovers: python -m testbed cleanup", file=sys.stderr)
         return 130
     results = [bench_lag.summary(row) for row in rows]
     for result in results:

@@ -1,7 +1,7 @@
 """How far gossip's exchanges may lag, and how long its rounds: time to target with 4 equal trainers.
 
 The bench regime of the report (docs/benchmarks.md): emulated devices of 0.1 s per step, gossip's H of
-``bench_scaling.GOSSIP`` over the report's links, on scripts/netlab.py's testbed (needs root). With
+``bench_scaling.GOSSIP`` over the report's links, on the testbed (testbed/; needs root). With
 ``max_lag_rounds`` L a trainer's device waits only when its own exchange is more than L rounds behind;
 a larger L idles the device less and applies updates later. ``--sync-every`` also varies H, each H over
 links on which an exchange takes half its round. One device runs first, as the baseline of each run's
@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         for plan in todo:  # one at a time: more than the report's PARALLEL trainers break the emulation
             rows.append(bench_testbed.run_plan(plan, root=root, rate=rate, target=target, say=print))
     except KeyboardInterrupt:  # the labs close at exit (netlab's atexit)
-        print("bench_lag: interrupted; leftovers (if any): python scripts/netlab.py cleanup", file=sys.stderr)
+        print("bench_lag: interrupted; leftovers (if any): python -m testbed cleanup", file=sys.stderr)
         return 130
     results = with_speedup([summary(row) for row in rows])
     for result in results:

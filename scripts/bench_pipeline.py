@@ -1,7 +1,7 @@
 """Pipeline stages across peers (docs/pipeline.md, "Measured"): three measurements, one JSON report.
 
 ``wiring``: stochastic wiring against fixed pipelines on the same peers, over the emulated internet
-(scripts/netlab.py, needs root): two data holders and three stage-1 peers, every link shaped to
+(testbed/netlab.py, needs root): two data holders and three stage-1 peers, every link shaped to
 ``--rate``, every device emulated (``emulation.step_time_s``) and the stage-1 peer that the fixed wiring
 pins to the first data holder three times slower. Fixed wiring is two static pipelines (data holder i
 always uses the i-th stage-1 peer, the third one idles, as a pipeline of fixed width would); stochastic
@@ -35,10 +35,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-try:  # imported as scripts.bench_pipeline or run as python scripts/bench_pipeline.py
-    from scripts import netlab
-except ImportError:  # pragma: no cover
-    import netlab
+from testbed import netlab
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIG = "configs/local-tiny.yaml"

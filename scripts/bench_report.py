@@ -36,14 +36,15 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from testbed import netlab
+
 try:  # imported as scripts.bench_report (tests) or run as python scripts/bench_report.py
-    from scripts import bench_scaling, bench_testbed, bench_training, netlab
+    from scripts import bench_scaling, bench_testbed, bench_training
     from scripts.bench_report_doc import write_outputs
 except ImportError:  # pragma: no cover - depends on how the caller was started
     import bench_scaling
     import bench_testbed
     import bench_training
-    import netlab
     from bench_report_doc import write_outputs
 
 REPO = bench_training.REPO
@@ -267,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.note:
             report["note"] = args.note
     except KeyboardInterrupt:
-        say("interrupted: labs torn down; leftovers (if any): python scripts/netlab.py cleanup")
+        say("interrupted: labs torn down; leftovers (if any): python -m testbed cleanup")
         return 130
     report["outputs"] = [str(p) for p in write_outputs(report, args.doc, args.img_dir)]
     say(f"wrote {', '.join(report['outputs'])}")

@@ -137,7 +137,7 @@ def _training(training: dict[str, Any], image: str | None) -> list[str]:
         return [*lines, f"Skipped: {training['skipped']}.", ""]
     t, common = training, training.get("equal_samples")
     lines += [
-        f"{t['peers']} trainer hosts and a bootstrap host on scripts/netlab.py's testbed (tbf, no added "
+        f"{t['peers']} trainer hosts and a bootstrap host on the testbed (testbed/; tbf, no added "
         f"latency; docs/testbed.md); trainer {t['slow_peer']} is {t['slowdown']:g}x slower "
         f"(`emulation.slowdown`), the solo run is one device. Budget: {t['budget_s']:.0f} s per backend. "
         f"gossip and all-reduce: H = {t['sync_every_steps']:g}, outer lr {t['outer_lr']:g}, momentum "

@@ -1,4 +1,4 @@
-"""Training runs over the emulated internet (scripts/netlab.py), for scripts/bench_report.py.
+"""Training runs over the emulated internet (testbed/netlab.py), for scripts/bench_report.py.
 
 One run = one lab: a bootstrap in host 0 and one trainer per further host, each started with
 ``swarm bootstrap`` / ``swarm join`` inside its namespace and listening on the host's 10.77.0.x address,
@@ -26,11 +26,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from testbed import netlab
+
 try:  # imported as scripts.bench_testbed (tests) or run from scripts/ (python scripts/x.py)
-    from scripts import bench_training, netlab
+    from scripts import bench_training
 except ImportError:  # pragma: no cover - depends on how the caller was started
     import bench_training
-    import netlab
 
 START_TIMEOUT_S = 240.0  # on a busy 2-core machine eight trainers importing torch take a while
 STOP_GRACE_S = 30.0

@@ -1,4 +1,4 @@
-"""The import rules of swarm/ and peers/, checked on the source with ``ast`` (nothing is imported).
+"""The import rules of swarm/, peers/ and testbed/, checked on the source with ``ast`` (nothing is imported).
 
 1. No cycles between modules. Every import counts, at module level or inside a function; only imports
    under ``if TYPE_CHECKING:`` are left out, since they never run.
@@ -8,6 +8,8 @@
    imports the package, or a public module of it, and the package's ``__init__`` exports what they
    need.
 3. ``swarm/`` never imports ``peers/``.
+4. ``testbed/`` (the emulated internet that tests, benchmarks and users share) is no part of the
+   library: ``swarm/`` and ``peers/`` never import it, and it never imports ``peers/``.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("swarm", "peers")
+PACKAGES = ("swarm", "peers", "testbed")
 
 
 @dataclass(frozen=True)
@@ -195,6 +197,16 @@ def test_swarm_never_imports_peers():
         if imp.importer.startswith("swarm") and imp.target.split(".")[0] == "peers"
     ]
     assert not bad, "swarm/ must not import peers/:\n" + "\n".join(bad)
+
+
+def test_the_testbed_stays_outside_the_library_and_programs():
+    bad = [
+        f"{imp.importer}:{imp.line} imports {imp.target}"
+        for imp in all_imports()
+        if (imp.importer.split(".")[0], imp.target.split(".")[0])
+        in {("swarm", "testbed"), ("peers", "testbed"), ("testbed", "peers")}
+    ]
+    assert not bad, "swarm/ and peers/ must not import testbed/, nor testbed/ peers/:\n" + "\n".join(bad)
 
 
 def test_the_checker_sees_violations():
