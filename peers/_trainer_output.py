@@ -146,7 +146,11 @@ def write_summary(peer: Any, path: Path, summary: dict[str, Any] | None = None) 
     model, for `swarm local`'s summary table and the benchmarks. A whole-model trainer evaluates once
     it has left the swarm, so that this evaluation (the one piece of work a stop still starts, asked
     for by ``--summary``) holds up no partner; a second signal interrupts it. A pipeline data holder
-    evaluates through the other stages, before it leaves."""
-    summary = {**(peer.summary() if summary is None else summary), **peer.final_evaluation()}
+    evaluates through the other stages, before it leaves. The summary's ``stop`` is read last, so that
+    it holds every part of the way out timed so far, this evaluation included (``final_eval_s``)."""
+    summary = peer.summary() if summary is None else summary
+    with peer.phases.stop.part("final_eval"):
+        evaluation = peer.final_evaluation()
+    summary = {**summary, **evaluation, "stop": peer.phases.stop.summary()}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(summary, indent=2))

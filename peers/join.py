@@ -94,19 +94,20 @@ def run_join(
         with output:
             peer.run(stop)
         typer.echo(f"join: shutting down: {_where_it_stopped(peer)}")
-        saving = time.monotonic()
-        if peer.save_checkpoint() is not None:
+        with peer.phases.stop.part("checkpoint"):
+            saved = peer.save_checkpoint()
+        if saved is not None:
             typer.echo(
                 f"join: checkpoint saved in {config.train.checkpoint_dir} "
-                f"(step {peer.progress.step}, {time.monotonic() - saving:.1f} s)"
+                f"(step {peer.progress.step}, {peer.phases.stop.seconds['checkpoint']:.1f} s)"
             )
         summary = peer.summary() if summary_path is not None else None
     finally:
-        leaving = time.monotonic()
-        if relay is not None:
-            close_relay(relay, "join")
-        peer.close()
-    typer.echo(f"join: left the swarm in {time.monotonic() - leaving:.1f} s{_since_stop(peer)}")
+        with peer.phases.stop.part("leave"):
+            if relay is not None:
+                close_relay(relay, "join")
+            peer.close()
+    typer.echo(f"join: left the swarm in {peer.phases.stop.seconds['leave']:.1f} s{_since_stop(peer)}")
     if summary is not None and summary_path is not None:
         write_summary(peer, summary_path, summary)
 
@@ -125,9 +126,10 @@ def _maybe_relay(peer, network: NetworkOptions, reachability: str):
 def _where_it_stopped(peer) -> str:
     """Why and where the loop ended; after a stop, how long the loop took to end."""
     at = f"step {peer.progress.step}, round {peer.progress.round}"
-    if peer.stop_seen_at is None:
+    stop = peer.phases.stop.summary()
+    if stop is None:
         return f"the run's limit reached at {at}"
-    return f"stopped at {at}, the loop ended {time.monotonic() - peer.stop_seen_at:.1f} s after the stop"
+    return f"stopped at {at}, the loop ended {stop['loop_s'] or 0.0:.1f} s after the stop"
 
 
 def _since_stop(peer) -> str:
