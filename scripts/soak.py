@@ -42,9 +42,9 @@ from pathlib import Path
 from testbed import netlab
 
 try:  # imported as scripts.soak (tests) or run from scripts/ (python scripts/soak.py)
-    from scripts import bench_training, soak_report
+    from scripts import _runner, soak_report
 except ImportError:  # pragma: no cover - depends on how the caller was started
-    import bench_training
+    import _runner
     import soak_report
 
 TRAINERS = 8
@@ -165,13 +165,13 @@ class Swarm:
 
         sets = [item for s in SETS for item in ("--set", s)]
         command, *rest = args
-        argv = [sys.executable, "-m", "peers.cli", command, "--config", bench_training.CONFIG, *sets, *rest]
+        argv = [sys.executable, "-m", "peers.cli", command, "--config", _runner.CONFIG, *sets, *rest]
         log_path.parent.mkdir(parents=True, exist_ok=True)
-        env = {**bench_training.child_env(), "SWARM_LOG_LEVEL": "INFO"}
+        env = {**_runner.child_env(), "SWARM_LOG_LEVEL": "INFO"}
         with log_path.open("wb") as out:
             return host.popen(
                 argv,
-                cwd=bench_training.REPO,
+                cwd=_runner.REPO,
                 env=env,
                 stdout=out,
                 stderr=subprocess.STDOUT,
