@@ -149,8 +149,12 @@ def write_summary(peer: Any, path: Path, summary: dict[str, Any] | None = None) 
     model, for `swarm local`'s summary table and the benchmarks. A whole-model trainer evaluates once
     it has left the swarm, so that this evaluation (the one piece of work a stop still starts, asked
     for by ``--summary``) holds up no partner; a second signal interrupts it. A pipeline data holder
-    evaluates through the other stages, before it leaves."""
-    summary = {**(peer.summary() if summary is None else summary), **peer.final_evaluation()}
+    evaluates through the other stages, before it leaves. The summary's ``stop`` is read last, so that
+    it holds every part of the way out timed so far, this evaluation included (``final_eval_s``)."""
+    summary = peer.summary() if summary is None else summary
+    with peer.phases.stop.part("final_eval"):
+        evaluation = peer.final_evaluation()
+    summary = {**summary, **evaluation, "stop": peer.phases.stop.summary()}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(summary, indent=2))
 
@@ -158,9 +162,10 @@ def write_summary(peer: Any, path: Path, summary: dict[str, Any] | None = None) 
 def where_it_stopped(peer: Any) -> str:
     """Why and where the loop ended; after a stop, how long the loop took to end."""
     at = f"step {peer.progress.step}, round {peer.progress.round}"
-    if peer.stop_seen_at is None:
+    stop = peer.phases.stop.summary()
+    if stop is None:
         return f"the run's limit reached at {at}"
-    return f"stopped at {at}, the loop ended {time.monotonic() - peer.stop_seen_at:.1f} s after the stop"
+    return f"stopped at {at}, the loop ended {stop['loop_s'] or 0.0:.1f} s after the stop"
 
 
 def since_stop(peer: Any) -> str:
@@ -192,20 +197,21 @@ def run_and_leave(
         with output:
             peer.run(stop)
         typer.echo(f"join: shutting down: {where_it_stopped(peer)}")
-        saving = time.monotonic()
-        if peer.save_checkpoint() is not None:
+        with peer.phases.stop.part("checkpoint"):
+            saved = peer.save_checkpoint()
+        if saved is not None:
             typer.echo(
                 f"join: checkpoint saved in {peer.config.train.checkpoint_dir} "
-                f"(step {peer.progress.step}, {time.monotonic() - saving:.1f} s)"
+                f"(step {peer.progress.step}, {peer.phases.stop.seconds['checkpoint']:.1f} s)"
             )
         if summary_path is not None and peer.evaluates_alone:
             summary = peer.summary()  # the final evaluation waits until the swarm is left
         elif summary_path is not None:
             write_summary(peer, summary_path)
     finally:
-        leaving = time.monotonic()
-        before_close()
-        peer.close()
-    typer.echo(f"join: left the swarm in {time.monotonic() - leaving:.1f} s{since_stop(peer)}")
+        with peer.phases.stop.part("leave"):
+            before_close()
+            peer.close()
+    typer.echo(f"join: left the swarm in {peer.phases.stop.seconds['leave']:.1f} s{since_stop(peer)}")
     if summary is not None and summary_path is not None:
         write_summary(peer, summary_path, summary)

@@ -1,1 +1,1 @@
-"""Helper scripts; a package only so that tests can `from scripts.netlab import NetLab`."""
+"""Benchmarks and tools; a package so that tests can import them (``from scripts import bench_report``)."""

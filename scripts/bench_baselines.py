@@ -2,7 +2,7 @@
 
 The report's comparison (scripts/bench_report.py) gives every backend the same budget, and in the
 bench regime all-reduce and hivemind.Optimizer do not reach the target within it, so the report can
-only bound gossip's ratio against them. This runs the same plans (``bench_scaling.comparison_plans``:
+only bound gossip's ratio against them. This runs the same plans (``_plans.comparison_plans``:
 4 trainers on emulated devices, the last one 3x slower, over the report's links), each until it reaches
 the target or ``--cap``, one at a time, and prints gossip's time over each baseline's.
 
@@ -22,15 +22,15 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from scripts import bench_lag, bench_scaling, bench_testbed, bench_training  # noqa: E402
+from scripts import _plans, _rows, _runner  # noqa: E402
 
 BACKENDS = ("gossip-int8", "allreduce", "hivemind")
 PEERS = 4
 
 
-def plans(cap_s: float, backends: tuple[str, ...] = BACKENDS) -> list[bench_testbed.Plan]:
+def plans(cap_s: float, backends: tuple[str, ...] = BACKENDS) -> list[_runner.Plan]:
     """The comparison's plans of ``backends``, each run until the target or ``cap_s``."""
-    everything = bench_scaling.comparison_plans(PEERS, cap_s, slow_peer=PEERS)
+    everything = _plans.comparison_plans(PEERS, cap_s, slow_peer=PEERS)
     chosen = [p for p in everything if p.backend in backends]
     return [dataclasses.replace(p, until_target=True) for p in chosen]
 
@@ -52,16 +52,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=BACKENDS)
     parser.add_argument("--json", action="store_true", help="print one JSON object on the last line")
     args = parser.parse_args(argv)
-    root = bench_testbed.logs_root("bench-baselines")
-    rate, target, rows = bench_scaling.regime_rate(), bench_training.REGIME["target"], []
+    root = _runner.logs_root("bench-baselines")
+    rate, target, rows = _plans.regime_rate(), _runner.REGIME["target"], []
     started = datetime.now(UTC)
     try:
         for plan in plans(args.cap, tuple(args.backends)):  # one at a time: 4 trainers hold on 2 cores
-            rows.append(bench_testbed.run_plan(plan, root=root, rate=rate, target=target, say=print))
+            rows.append(_runner.run_plan(plan, root=root, rate=rate, target=target, say=print))
     except KeyboardInterrupt:  # the labs close at exit (netlab's atexit)
-        print("bench_baselines: interrupted; leftovers: python scripts/netlab.py cleanup", file=sys.stderr)
+        print("bench_baselines: interrupted; leftovers: python -m testbed cleanup", file=sys.stderr)
         return 130
-    results = [bench_lag.summary(row) for row in rows]
+    results = [_rows.short_row(row) for row in rows]
     for result in results:
         print(result)
     print(ratios(results))
@@ -72,5 +72,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    bench_testbed.interrupt_on_sigterm()
+    _runner.interrupt_on_sigterm()
     sys.exit(main())

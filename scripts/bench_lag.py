@@ -1,7 +1,7 @@
 """How far gossip's exchanges may lag, and how long its rounds: time to target with 4 equal trainers.
 
 The bench regime of the report (docs/benchmarks.md): emulated devices of 0.1 s per step, gossip's H of
-``bench_scaling.GOSSIP`` over the report's links, on scripts/netlab.py's testbed (needs root). With
+``_plans.GOSSIP`` over the report's links, on the testbed (testbed/; needs root). With
 ``max_lag_rounds`` L a trainer's device waits only when its own exchange is more than L rounds behind;
 a larger L idles the device less and applies updates later. ``--sync-every`` also varies H, each H over
 links on which an exchange takes half its round. One device runs first, as the baseline of each run's
@@ -22,24 +22,24 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from scripts import bench_scaling, bench_testbed, bench_training  # noqa: E402
+from scripts import _plans, _rows, _runner  # noqa: E402
 
 PEERS = 4
 
 
-def plans(lags: list[int], cap_s: float, sync_every: list[int] | None = None) -> list[bench_testbed.Plan]:
+def plans(lags: list[int], cap_s: float, sync_every: list[int] | None = None) -> list[_runner.Plan]:
     """One run per (H, lag): gossip int8 in the bench regime, each H over links sized to it
-    (:func:`bench_scaling.link_rate`, as the sweep does), so that an exchange takes half its round."""
+    (:func:`_plans.link_rate`, as the sweep does), so that an exchange takes half its round."""
     runs = []
-    for h in sync_every or [int(bench_scaling.GOSSIP["sync_every_steps"])]:
-        rate = bench_scaling.regime_rate(h)
+    for h in sync_every or [int(_plans.GOSSIP["sync_every_steps"])]:
+        rate = _plans.regime_rate(h)
         for lag in lags:
             runs.append(
-                bench_testbed.Plan(
+                _runner.Plan(
                     f"h{h}-lag-{lag}",
                     "gossip-int8",
                     PEERS,
-                    bench_scaling.gossip_sets("int8", sync_every_steps=h, max_lag_rounds=lag),
+                    _plans.gossip_sets("int8", sync_every_steps=h, max_lag_rounds=lag),
                     f"gossip int8, H = {h}, max_lag_rounds {lag}",
                     budget_s=cap_s,
                     until_target=True,
@@ -49,12 +49,10 @@ def plans(lags: list[int], cap_s: float, sync_every: list[int] | None = None) ->
     return runs
 
 
-def one_device(cap_s: float) -> bench_testbed.Plan:
+def one_device(cap_s: float) -> _runner.Plan:
     """The baseline measured in the same run: one device, plain AdamW, until the target."""
-    sets = bench_scaling.single_sets(int(bench_training.REGIME["batch_size"]))
-    return bench_testbed.Plan(
-        "one-device", "one device", 1, sets, "one device", budget_s=cap_s, until_target=True
-    )
+    sets = _plans.single_sets(int(_runner.REGIME["batch_size"]))
+    return _runner.Plan("one-device", "one device", 1, sets, "one device", budget_s=cap_s, until_target=True)
 
 
 def with_speedup(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -64,17 +62,6 @@ def with_speedup(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
         mine = result["seconds_to_target"]
         result["speedup_vs_one"] = round(one / mine, 3) if one and mine else None
     return results
-
-
-def summary(row: dict[str, Any]) -> dict[str, Any]:
-    split = row.get("time_split") or {}
-    keep = ("name", "rate", "seconds_to_target", "samples_to_target", "final_eval_loss", "utilization")
-    compute = row.get("compute_per_step_s")
-    return {key: row.get(key) for key in keep} | {
-        "sync_share": split.get("sync"),
-        "compute_ms_per_step": None if compute is None else round(1000 * compute, 1),
-        "error": row.get("error"),
-    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -89,17 +76,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cap", type=float, default=150.0, help="longest a run may take (s)")
     parser.add_argument("--json", action="store_true", help="print one JSON object on the last line")
     args = parser.parse_args(argv)
-    root = bench_testbed.logs_root("bench-lag")
+    root = _runner.logs_root("bench-lag")
     todo, rows = [one_device(args.cap), *plans(args.lags, args.cap, args.sync_every)], []
-    rate = bench_scaling.regime_rate()  # only the one-device run uses it: the others carry their own
-    target = bench_training.REGIME["target"]
+    rate = _plans.regime_rate()  # only the one-device run uses it: the others carry their own
+    target = _runner.REGIME["target"]
     try:
         for plan in todo:  # one at a time: more than the report's PARALLEL trainers break the emulation
-            rows.append(bench_testbed.run_plan(plan, root=root, rate=rate, target=target, say=print))
+            rows.append(_runner.run_plan(plan, root=root, rate=rate, target=target, say=print))
     except KeyboardInterrupt:  # the labs close at exit (netlab's atexit)
-        print("bench_lag: interrupted; leftovers (if any): python scripts/netlab.py cleanup", file=sys.stderr)
+        print("bench_lag: interrupted; leftovers (if any): python -m testbed cleanup", file=sys.stderr)
         return 130
-    results = with_speedup([summary(row) for row in rows])
+    results = with_speedup([_rows.short_row(row) for row in rows])
     for result in results:
         print(result)
     if args.json:
@@ -108,5 +95,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    bench_testbed.interrupt_on_sigterm()
+    _runner.interrupt_on_sigterm()
     sys.exit(main())

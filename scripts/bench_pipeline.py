@@ -1,12 +1,13 @@
 """Pipeline stages across peers (docs/pipeline.md, "Measured"): three measurements, one JSON report.
 
 ``wiring``: stochastic wiring against fixed pipelines on the same peers, over the emulated internet
-(scripts/netlab.py, needs root): two data holders and three stage-1 peers, every link shaped to
+(testbed/netlab.py, needs root): two data holders and three stage-1 peers, every link shaped to
 ``--rate``, every device emulated (``emulation.step_time_s``) and the stage-1 peer that the fixed wiring
 pins to the first data holder three times slower. Fixed wiring is two static pipelines (data holder i
 always uses the i-th stage-1 peer, the third one idles, as a pipeline of fixed width would); stochastic
 wiring lets each micro-batch go to any stage-1 peer by measured throughput and queue. Throughput is the
-data holders' trained samples per second over a window after a warm-up, read from their sync lines.
+data holders' trained samples per second over a window after a warm-up, read from their histories
+(``--history``: the step of each round they book).
 
 ``bytes``: activation and gradient bytes on the wire per trained token, from the same runs' summaries,
 next to the analytic frame size (``swarm.pipeline.activation_wire_bytes``).
@@ -14,8 +15,8 @@ next to the analytic frame size (``swarm.pipeline.activation_wire_bytes``).
 ``memory``: the largest model that trains with each peer's memory capped by a cgroup (v1 ``memory``
 controller, root): a gossip trainer holding a whole model of about ``P`` parameters fits, the same
 trainer with a model 4x larger is killed by the cap, and a 4-stage pipeline of that larger model trains
-under the same cap per peer (its loss goes down). The cap is the small model's measured peak plus a
-margin, so it is "one peer's memory" by construction.
+under the same cap per peer (its loss, in its history, goes down). The cap is the small model's
+measured peak plus a margin, so it is "one peer's memory" by construction.
 
     sudo .venv/bin/python scripts/bench_pipeline.py --out runs/bench-pipeline.json [--quick]
 """
@@ -26,7 +27,6 @@ import argparse
 import contextlib
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -35,15 +35,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-try:  # imported as scripts.bench_pipeline or run as python scripts/bench_pipeline.py
-    from scripts import netlab
-except ImportError:  # pragma: no cover
-    import netlab
+from testbed import netlab
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIG = "configs/local-tiny.yaml"
-SYNC_LINE = re.compile(r"^round +\d+ step +(\d+) ")
-JOIN_LINE = r"^swarm join --initial-peers (\S+)"
 START_TIMEOUT_S = 300.0
 CGROUP_ROOT = Path("/sys/fs/cgroup/memory")
 
@@ -85,41 +80,61 @@ class Swarm:
         self.processes[name] = proc
         return proc
 
-    def log(self, name: str) -> str:
-        path = self.log_dir / f"{name}.log"
-        return path.read_text(errors="replace") if path.exists() else ""
+    def files(self, name: str) -> list[str]:
+        """``swarm join`` arguments: ``name``'s summary and history files in the log folder."""
+        summary, history = self.log_dir / f"{name}.summary.json", self.history(name)
+        return ["--summary", str(summary), "--history", str(history)]
 
-    def wait_line(self, name: str, pattern: str, timeout_s: float = START_TIMEOUT_S) -> str:
+    def history(self, name: str) -> Path:
+        return self.log_dir / f"{name}.history.jsonl"
+
+    def records(self, name: str) -> list[dict[str, Any]]:
+        """``name``'s own record in each line of its history so far (the first: when it joined)."""
+        from swarm.metrics import read_history
+
+        path = self.history(name)
+        return [snap["peers"][0] for snap in read_history(path)] if path.exists() else []
+
+    def steps(self, name: str) -> int:
+        """The latest step ``name``'s history reports."""
+        records = self.records(name)
+        return int(records[-1].get("step") or 0) if records else 0
+
+    def start_bootstrap(self, args: list[str], wrap: list[str] | None = None) -> str:
+        """Start the bootstrap; return the multiaddr joiners dial (its join line)."""
+        from peers.local import wait_for_join_line
+
+        proc = self.start("bootstrap", ["bootstrap", *args], wrap=wrap)
+        return wait_for_join_line(self.log_dir / "bootstrap.log", proc, timeout_s=START_TIMEOUT_S)
+
+    def wait_round(self, name: str, timeout_s: float = START_TIMEOUT_S) -> None:
+        """Until ``name`` has booked a round (a line of its history past the first)."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            found = re.search(pattern, self.log(name), re.MULTILINE)
-            if found:
-                return found.group(found.lastindex or 0)
+            if any(r.get("round") for r in self.records(name)):
+                return
             if self.processes[name].poll() is not None:
                 raise RuntimeError(f"{name} exited ({self.processes[name].returncode}); see {self.log_dir}")
-            time.sleep(0.25)  # polling a log file another process writes
-        raise RuntimeError(
-            f"{name}: no line matching {pattern!r} within {timeout_s:.0f} s; see {self.log_dir}"
-        )
+            time.sleep(0.25)  # polling a history file another process writes
+        raise RuntimeError(f"{name}: no round booked within {timeout_s:.0f} s; see {self.log_dir}")
 
     def stop(self, grace_s: float = 30.0) -> None:
-        for proc in self.processes.values():
-            if proc.poll() is None:
-                proc.terminate()
-        deadline = time.monotonic() + grace_s
-        for proc in self.processes.values():
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        """SIGTERM the data holders first (their summaries' final evaluation runs through the other
+        stages), then everyone else; SIGKILL what is left after ``grace_s`` each."""
+        holders = [name for name in self.processes if name.startswith(("holder", "peer-0"))]
+        for group in (holders, [name for name in self.processes if name not in holders]):
+            procs = [self.processes[name] for name in group]
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.terminate()
+            deadline = time.monotonic() + grace_s
+            for proc in procs:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(timeout=max(0.1, deadline - time.monotonic()))
         for proc in self.processes.values():
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-
-
-def steps_of(log: str) -> int:
-    """The latest step a data holder's sync lines report."""
-    found = [int(m.group(1)) for m in map(SYNC_LINE.match, log.splitlines()) if m]
-    return found[-1] if found else 0
 
 
 # ---------------------------------------------------------------- wiring and bytes
@@ -137,8 +152,7 @@ def wiring_run(routing: str, args: argparse.Namespace, root: Path) -> dict[str, 
     with netlab.NetLab(hosts=6, rate=args.rate) as lab:
         try:
             host = lab.hosts[0]
-            run.start("bootstrap", ["bootstrap", *base, "--host-maddrs", host.maddr()], wrap=host.command([]))
-            maddr = run.wait_line("bootstrap", JOIN_LINE)
+            maddr = run.start_bootstrap([*base, "--host-maddrs", host.maddr()], wrap=host.command([]))
             for i in range(3):
                 host = lab.hosts[3 + i]
                 extra = [f"emulation.step_time_s={args.step_time}"] + (
@@ -146,23 +160,21 @@ def wiring_run(routing: str, args: argparse.Namespace, root: Path) -> dict[str, 
                 )
                 run.start(f"server-{i}", [
                     "join", *base, *sets(extra), "--stage", "1", "--initial-peers", maddr,
-                    "--host-maddrs", host.maddr(), "--identity-path", str(keys[i]),
-                    "--summary", str(run.log_dir / f"server-{i}.summary.json"),
+                    "--host-maddrs", host.maddr(), "--identity-path", str(keys[i]), *run.files(f"server-{i}"),
                 ], wrap=host.command([]))  # fmt: skip
             for i in range(2):
                 host = lab.hosts[1 + i]
                 run.start(f"holder-{i}", [
                     "join", *base, *sets([f"emulation.step_time_s={args.holder_step_time}"]), "--stage", "0",
-                    "--initial-peers", maddr, "--host-maddrs", host.maddr(),
-                    "--summary", str(run.log_dir / f"holder-{i}.summary.json"),
+                    "--initial-peers", maddr, "--host-maddrs", host.maddr(), *run.files(f"holder-{i}"),
                 ], wrap=host.command([]))  # fmt: skip
             for i in range(2):
-                run.wait_line(f"holder-{i}", r"^round +\d+ step")
+                run.wait_round(f"holder-{i}")
             time.sleep(args.warmup)
             start = time.monotonic()
-            first = [steps_of(run.log(f"holder-{i}")) for i in range(2)]
+            first = [run.steps(f"holder-{i}") for i in range(2)]
             time.sleep(args.window)
-            last = [steps_of(run.log(f"holder-{i}")) for i in range(2)]
+            last = [run.steps(f"holder-{i}") for i in range(2)]
             seconds = time.monotonic() - start
         finally:
             run.stop()
@@ -204,7 +216,7 @@ def _bytes_per_token(summaries: dict[str, dict[str, Any]]) -> float | None:
 
 
 def model_sets(width: int, layers: int) -> list[str]:
-    """A model of ``layers`` blocks of ``width``, syncing every 2 steps (so its log shows losses soon)."""
+    """A model of ``layers`` blocks of ``width``, syncing every 2 steps (so its history shows losses soon)."""
     model = [f"model.n_embd={width}", f"model.n_layer={layers}", "model.n_head=4", "model.block_size=64"]
     return [*model, "averaging.sync_every_steps=2"]
 
@@ -246,18 +258,20 @@ def memory_run(
     caps = [MemoryCap(f"{name}-{i}", limit) for i in range(stages)]
     row: dict[str, Any] = {"name": name, "stages": stages, "limit": limit, "model": model}
     try:
-        run.start("bootstrap", ["bootstrap", *base])
-        maddr = run.wait_line("bootstrap", JOIN_LINE)
+        maddr = run.start_bootstrap(base)
         for i in range(stages):
             stage = ["--stage", str(i)] if stages > 1 else []
-            run.start(f"peer-{i}", ["join", *base, *stage, "--initial-peers", maddr], wrap=caps[i].wrap())
+            join = ["join", *base, *stage, "--initial-peers", maddr, *run.files(f"peer-{i}")]
+            run.start(f"peer-{i}", join, wrap=caps[i].wrap())
         deadline = time.monotonic() + args.memory_budget_s
-        while time.monotonic() < deadline and steps_of(run.log("peer-0")) < args.memory_steps:
+        while time.monotonic() < deadline and run.steps("peer-0") < args.memory_steps:
             if any(p.poll() is not None for n, p in run.processes.items() if n != "bootstrap"):
                 break
-            time.sleep(1.0)
-        row["steps"] = steps_of(run.log("peer-0"))
-        row["losses"] = [float(x) for x in re.findall(r" loss ([\d.]+) ", run.log("peer-0"))]
+            time.sleep(1.0)  # polling a history file another process writes
+        row["steps"] = run.steps("peer-0")
+        row["losses"] = [
+            r["loss"] for r in run.records("peer-0") if r.get("round") and r.get("loss") is not None
+        ]
         row["exited"] = {
             n: p.poll() for n, p in run.processes.items() if n != "bootstrap" and p.poll() is not None
         }

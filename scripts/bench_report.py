@@ -5,7 +5,7 @@ Phases (one progress line each on stderr, with the elapsed time):
 
 1. codecs: ``scripts/bench_codecs.py --json`` (or ``--codecs-json FILE``, a saved last line);
 2. averaging: ``scripts/bench_averaging.py --json`` (or ``--averaging-json FILE``);
-3. training over the testbed (needs root; scripts/bench_scaling.py says what runs): in the bench
+3. training over the testbed (needs root; scripts/_plans.py says what runs): in the bench
    regime (per-peer batch 1, emulated devices of ``emulation.step_time_s``, links shaped so that one int8
    exchange takes at least half a round), the comparison of gossip int8 and int4, all-reduce,
    data-parallel, hivemind.Optimizer and solo with 4 trainers, one 3x slower; the speed-up over one
@@ -36,17 +36,17 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from testbed import netlab
+
 try:  # imported as scripts.bench_report (tests) or run as python scripts/bench_report.py
-    from scripts import bench_scaling, bench_testbed, bench_training, netlab
+    from scripts import _plans, _runner
     from scripts.bench_report_doc import write_outputs
 except ImportError:  # pragma: no cover - depends on how the caller was started
-    import bench_scaling
-    import bench_testbed
-    import bench_training
-    import netlab
+    import _plans
+    import _runner
     from bench_report_doc import write_outputs
 
-REPO = bench_training.REPO
+REPO = _runner.REPO
 SCRIPTS = REPO / "scripts"
 DOC = REPO / "docs" / "benchmarks.md"
 PARALLEL = 5
@@ -96,23 +96,23 @@ def load_json(path: Path) -> dict[str, Any]:
 
 def regime() -> dict[str, Any]:
     """The settings every testbed run shares, with the link rate they imply."""
-    h = int(bench_scaling.GOSSIP["sync_every_steps"])
-    step = bench_training.REGIME["step_time_s"]
+    h = int(_plans.GOSSIP["sync_every_steps"])
+    step = _runner.REGIME["step_time_s"]
     return {
-        **bench_training.REGIME,
-        **bench_scaling.GOSSIP,
-        "rate": bench_scaling.regime_rate(),
-        "n_params": bench_training.n_params(),
-        "config": bench_training.CONFIG,
+        **_runner.REGIME,
+        **_plans.GOSSIP,
+        "rate": _plans.regime_rate(),
+        "n_params": _runner.n_params(),
+        "config": _runner.CONFIG,
         "half_round_s": h * step / 2,
-        "eval_seconds": bench_scaling.EVAL_SECONDS,
+        "eval_seconds": _plans.EVAL_SECONDS,
     }
 
 
-def schedule(plans: list[bench_testbed.Plan], parallel: int) -> list[list[bench_testbed.Plan]]:
+def schedule(plans: list[_runner.Plan], parallel: int) -> list[list[_runner.Plan]]:
     """Groups of plans to run at once, at most ``parallel`` trainers each: first fit, longest budgets
     and then most trainers first, so that runs of about the same length share a group."""
-    groups: list[list[bench_testbed.Plan]] = []
+    groups: list[list[_runner.Plan]] = []
     for plan in sorted(plans, key=lambda p: (-p.budget_s, -p.peers)):
         group = next((g for g in groups if sum(p.peers for p in g) + plan.peers <= parallel), None)
         if group is None:
@@ -122,14 +122,14 @@ def schedule(plans: list[bench_testbed.Plan], parallel: int) -> list[list[bench_
     return groups
 
 
-def run_all(plans: list[bench_testbed.Plan], args: argparse.Namespace, root: Path, say: Progress) -> dict:
+def run_all(plans: list[_runner.Plan], args: argparse.Namespace, root: Path, say: Progress) -> dict:
     """Every plan's row by name, the groups run one after the other."""
     rows: dict[str, dict[str, Any]] = {}
     target, rate = args.target, regime()["rate"]
     for group in schedule(plans, args.parallel):
         names = ", ".join(f"{p.name} ({p.peers})" for p in group)
         say(f"testbed: {names} over {rate} links")
-        done = bench_testbed.run_plans(group, root=root, rate=rate, target=target, say=say)
+        done = _runner.run_plans(group, root=root, rate=rate, target=target, say=say)
         rows |= {plan.name: row for plan, row in zip(group, done, strict=True)}
     return rows
 
@@ -140,9 +140,9 @@ def testbed_phases(args: argparse.Namespace, root: Path, say: Progress) -> dict[
     if reason is not None:
         say(f"training over the testbed skipped: {reason}")
         return {"training": {"skipped": reason}, "scaling": {"skipped": reason}, "sweep": {"skipped": reason}}
-    comparison = bench_scaling.comparison_plans(args.peers, args.budget, SLOW_PEER)
-    scaling = bench_scaling.scaling_plans(args.scaling, args.cap) if args.scaling else []
-    sweep = bench_scaling.sweep_plans(bench_scaling.SWEEP, args.peers, args.budget) if args.sweep else []
+    comparison = _plans.comparison_plans(args.peers, args.budget, SLOW_PEER)
+    scaling = _plans.scaling_plans(args.scaling, args.cap) if args.scaling else []
+    sweep = _plans.sweep_plans(_plans.SWEEP, args.peers, args.budget) if args.sweep else []
     rows = run_all([*comparison, *scaling, *sweep], args, root, say)
     setting = {"target": args.target, **regime()}
     training = {
@@ -153,7 +153,7 @@ def testbed_phases(args: argparse.Namespace, root: Path, say: Progress) -> dict[
         "budget_s": args.budget,
         **setting,
     }
-    training |= bench_scaling.equal_samples(training["rows"])
+    training |= _plans.equal_samples(training["rows"])
     return {
         "training": training,
         "scaling": _scaling(args, scaling, rows, setting),
@@ -165,7 +165,7 @@ def _scaling(args, plans: list, rows: dict[str, dict[str, Any]], setting: dict[s
     if not plans:
         return {"skipped": "no device counts (--scaling)"}
     runs = [rows[p.name] for p in plans]
-    points = bench_scaling.scaling_points(runs)
+    points = _plans.scaling_points(runs)
     return {"points": points, "runs": runs, "counts": args.scaling, "cap_s": args.cap, **setting}
 
 
@@ -173,7 +173,7 @@ def _sweep(plans: list, rows: dict[str, dict[str, Any]], args, setting: dict[str
     if not plans:
         return {"skipped": "not run (--sweep)"}
     sweep = {"rows": [rows[p.name] for p in plans], "budget_s": args.budget, **setting}
-    return sweep | bench_scaling.equal_samples(sweep["rows"])
+    return sweep | _plans.equal_samples(sweep["rows"])
 
 
 def machine() -> dict[str, Any]:
@@ -207,7 +207,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--skip-training", action="store_true", help="codecs and averaging only")
     parser.add_argument("--peers", type=int, default=4, help="trainers in the comparison (4)")
     parser.add_argument("--budget", type=float, help="seconds of training per comparison run (150; quick 90)")
-    parser.add_argument("--target", type=float, default=bench_training.REGIME["target"], help="bits/byte")
+    parser.add_argument("--target", type=float, default=_runner.REGIME["target"], help="bits/byte")
     parser.add_argument("--scaling", type=int, nargs="*", help="device counts (1 2 4 8); none: skip")
     parser.add_argument("--cap", type=float, help="longest a scaling run may take (300 s; quick 150)")
     parser.add_argument("--sweep", action="store_true", help="also sweep gossip's outer lr, momentum and H")
@@ -267,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.note:
             report["note"] = args.note
     except KeyboardInterrupt:
-        say("interrupted: labs torn down; leftovers (if any): python scripts/netlab.py cleanup")
+        say("interrupted: labs torn down; leftovers (if any): python -m testbed cleanup")
         return 130
     report["outputs"] = [str(p) for p in write_outputs(report, args.doc, args.img_dir)]
     say(f"wrote {', '.join(report['outputs'])}")
@@ -277,5 +277,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    bench_testbed.interrupt_on_sigterm()
+    _runner.interrupt_on_sigterm()
     sys.exit(main())

@@ -2,108 +2,97 @@
 """How long a trainer takes to shut down after SIGINT, mid-step or mid-sync, and where the time goes.
 
 Starts ``swarm bootstrap`` and ``--trainers`` ``swarm join`` processes of ``--config`` (with the
-``--set`` overrides; each trainer checkpoints into a temporary directory), waits until the last one
-(the victim) is training, and sends it SIGINT
+``--set`` overrides; each trainer checkpoints into a temporary directory and writes ``--history`` and
+``--summary`` files), waits until the last one (the victim) has booked a round, and sends it SIGINT
 
-* ``--when step``: half-way through the inner step that makes a round due (step ``H``,
-  ``averaging.sync_every_steps``; half the step before's duration after it began);
-* ``--when sync``: ``--delay`` seconds after it started a round (its exchange runs in the background,
-  or holds the training thread with ``averaging.max_lag_rounds=0``).
+* ``--when step``: half-way through the inner step that makes its next round due, ``H``
+  (``averaging.sync_every_steps``) steps after the round, timed from the round's line in its history
+  and its own rate there (``samples_per_s``);
+* ``--when sync``: ``--delay`` seconds after that step ends and the round starts (its exchange runs in
+  the background, or holds the training thread with ``averaging.max_lag_rounds=0``).
 
-It prints the phases of the victim's way out, from its own lines (``peers/join.py``): the loop ending
-(the step or evaluation in progress), the checkpoint write and its size, leaving the swarm (averagers,
-DHT, ``p2pd``), and the total from the signal to the process's exit, measured here. The checkpoint
-write is what a stop cannot avoid: the last line gives the total in units of it. A trainer of an
-older version prints no phase lines; only the total is then shown. At the end every process gets
-SIGINT; what is still running 30 s later (after a graceful stop nothing should be) is named and
-killed, and the temporary directory is removed.
+The moment is aimed, not seen: the summary says which phase the stop found.
+
+It prints the phases of the victim's way out from its summary's ``stop`` (swarm/trainer/_phases.py
+``StopTimes``): the phase the stop found (``step_other``: an inner step, ``sync``: a round holding the
+loop), the loop ending, the checkpoint write and its size, leaving the swarm (averagers, DHT,
+``p2pd``), the summary's final evaluation, the steps and rounds booked after the stop, and the total
+from the signal to the process's exit, measured here. The checkpoint write is what a stop cannot
+avoid: the last line gives the total, less the summary's evaluation, in units of it. A trainer that
+wrote no summary shows only the total. At the end every process gets SIGINT; what is still running
+30 s later (after a graceful stop nothing should be) is named and killed, and the temporary directory
+is removed.
 
     .venv/bin/python scripts/bench_shutdown.py --config configs/gpt-125m.yaml --when step \\
         --set data.source=stdlib --set train.batch_size=2 --set model.block_size=128 ...
+    .venv/bin/python scripts/bench_shutdown.py --config configs/local-tiny.yaml --when sync  # ~1 min
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
-import re
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import psutil
 
 REPO = Path(__file__).resolve().parent.parent
-JOIN_PREFIX = "swarm join --initial-peers "
-ROUND_START = re.compile(r"step (\d+): starting round (\d+)")
-PHASES = {
-    "loop": re.compile(r"join: shutting down: stopped at step (\d+), round (\d+), the loop ended ([\d.]+) s"),
-    "checkpoint": re.compile(r"join: checkpoint saved in \S+ \(step (\d+), ([\d.]+) s\)"),
-    "leave": re.compile(r"join: left the swarm in ([\d.]+) s"),
-}
-AFTER_STOP = re.compile(r"^round\s+\d+ |starting round|took [\d.]+ s")
 GRACE_S = 30.0
+POLL_S = 0.05  # the history and summary are files other processes write: poll them
 
 
 class Proc:
-    """A ``swarm`` command in its own session, its output lines collected (with arrival times)."""
+    """A ``swarm`` command in its own session, its output in ``<root>/<name>.log``."""
 
-    def __init__(self, name: str, args: list[str], env: dict[str, str]) -> None:
-        self.name = name
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "peers.cli", *args],
-            cwd=REPO,
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            start_new_session=True,
-        )
-        self.lines: list[tuple[float, str]] = []
-        self._new = threading.Condition()
-        self.exited_at: float | None = None
-        threading.Thread(target=self._read, daemon=True).start()
+    def __init__(self, name: str, args: list[str], env: dict[str, str], root: Path) -> None:
+        self.name, self.log = name, root / f"{name}.log"
+        self.history, self.summary = root / f"{name}.history.jsonl", root / f"{name}.summary.json"
+        with self.log.open("wb") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "peers.cli", *args],
+                cwd=REPO,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
 
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            with self._new:
-                self.lines.append((time.monotonic(), line.rstrip("\n")))
-                self._new.notify_all()
-        self.proc.wait()
-        with self._new:
-            self.exited_at = time.monotonic()
-            self._new.notify_all()
+    def own_records(self) -> list[dict[str, Any]]:
+        """The trainer's own record in each line of its history so far, with the line's ``time``."""
+        if not self.history.exists():
+            return []
+        from swarm.metrics import read_history
 
-    def wait_for(
-        self, pattern: re.Pattern[str], timeout: float, since: int = 0
-    ) -> tuple[int, float, re.Match[str]]:
-        """The first line from ``since`` on matching ``pattern``: (its index, arrival time, match)."""
+        return [{**snap["peers"][0], "time": snap["time"]} for snap in read_history(self.history)]
+
+    def wait_for_record(self, accept: Any, timeout: float) -> dict[str, Any]:
+        """The first record of its history that ``accept`` takes; raises on exit or timeout."""
         deadline = time.monotonic() + timeout
-        with self._new:
-            while True:
-                for index in range(since, len(self.lines)):
-                    at, text = self.lines[index]
-                    if found := pattern.search(text):
-                        return index, at, found
-                since = len(self.lines)
-                remaining = deadline - time.monotonic()
-                if self.exited_at is not None or remaining <= 0:
-                    tail = "\n".join(text for _, text in self.lines[-30:])
-                    raise RuntimeError(f"{self.name}: no line matching {pattern.pattern!r}:\n{tail}")
-                self._new.wait(min(remaining, 1.0))
+        while time.monotonic() < deadline:
+            found = next((r for r in self.own_records() if accept(r)), None)
+            if found is not None:
+                return found
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited ({self.proc.returncode}); see {self.log}")
+            time.sleep(POLL_S)
+        raise RuntimeError(f"{self.name}: no such line in its history within {timeout:.0f} s")
 
     def wait_exit(self, timeout: float) -> float | None:
-        with self._new:
-            self._new.wait_for(lambda: self.exited_at is not None, timeout)
-            return self.exited_at
+        """When it exited (``time.monotonic()``), or None if it still runs after ``timeout``."""
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return None
+        return time.monotonic()
 
 
 def _sets(overrides: list[str]) -> list[str]:
@@ -134,64 +123,69 @@ def _stop_all(procs: list[Proc]) -> None:
         proc.kill()
 
 
-def _signal_moment(victim: Proc, args: argparse.Namespace) -> Callable[[], None]:
-    """Wait until the victim is near the moment ``args.when``; return how to wait the last bit to it."""
-    if args.when == "sync":
-        victim.wait_for(ROUND_START, args.timeout)
-        return lambda: time.sleep(args.delay)
+def _signal_time(victim: Proc, args: argparse.Namespace) -> float:
+    """When (``time.time()``) to send the signal, aimed from the first round the victim books (its
+    history's line then, and its rate there): a round is due ``H`` of its steps after the last one
+    (``averaging.sync_every_steps``); ``step`` aims at the middle of the step that makes it due,
+    ``sync`` at ``--delay`` after that step ends. Aimed, not seen: the summary's ``in_phase`` says
+    what the stop found."""
     from swarm.config import load_config
 
-    every = load_config(args.config, overrides=args.overrides, env={}).averaging.sync_every_steps
-    before = re.compile(rf"step {max(every - 1, 1)} took ([\d.]+) s")
-    _, _, step = victim.wait_for(before, args.timeout)
-    return lambda: time.sleep(float(step.group(1)) / 2)
+    config = load_config(args.config, overrides=args.overrides, env={})
+    every, batch = config.averaging.sync_every_steps, config.train.batch_size
+    record = victim.wait_for_record(lambda r: r.get("round") and r.get("samples_per_s"), args.timeout)
+    step_s = batch / record["samples_per_s"]
+    if args.when == "sync":
+        return record["time"] + every * step_s + args.delay
+    return record["time"] + (every - 0.5) * step_s
 
 
-def bench(args: argparse.Namespace, root: Path) -> dict[str, float]:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "SWARM_LOG_LEVEL": "DEBUG", "OMP_NUM_THREADS": args.threads}
+def bench(args: argparse.Namespace, root: Path) -> dict[str, Any]:
+    from peers.local import wait_for_join_line
+
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": args.threads}
     common = ["--config", str(args.config), *_sets(args.overrides)]
     procs: list[Proc] = []
     try:
-        boot = Proc("bootstrap", ["bootstrap", *common], env)
+        boot = Proc("bootstrap", ["bootstrap", *common], env, root)
         procs.append(boot)
-        _, _, line = boot.wait_for(re.compile(re.escape(JOIN_PREFIX) + r"(\S+)"), args.timeout)
+        maddr = wait_for_join_line(boot.log, boot.proc, timeout_s=args.timeout)
         for i in range(1, args.trainers + 1):
-            checkpoints = root / f"ckpt-{i}"
-            join = ["join", "--initial-peers", line.group(1), *common]
-            join += ["--set", f"train.checkpoint_dir={checkpoints}"]
-            procs.append(Proc(f"trainer-{i}", join, env))
-            procs[-1].wait_for(re.compile(r"joined run"), args.timeout)
+            name = f"trainer-{i}"
+            join = ["join", "--initial-peers", maddr, *common]
+            join += ["--set", f"train.checkpoint_dir={root / f'ckpt-{i}'}"]
+            join += ["--history", str(root / f"{name}.history.jsonl")]
+            join += ["--summary", str(root / f"{name}.summary.json")]
+            procs.append(Proc(name, join, env, root))
+            procs[-1].wait_for_record(lambda r: True, args.timeout)  # its first line: it joined
         victim = procs[-1]
-        last_bit = _signal_moment(victim, args)
-        last_bit()
-        mark = len(victim.lines)
+        at = _signal_time(victim, args)
+        time.sleep(max(0.0, at - time.time()))  # the moment is computed, not signalled by the victim
         sent = time.monotonic()
         victim.proc.send_signal(signal.SIGINT)
         exited = victim.wait_exit(args.timeout)
         if exited is None:
             raise RuntimeError(f"the victim did not exit within {args.timeout} s of SIGINT")
-        return _report(victim, mark, exited - sent, root / f"ckpt-{args.trainers}")
+        return _report(victim, exited - sent, root / f"ckpt-{args.trainers}")
     finally:
         _stop_all(procs)
 
 
-def _report(victim: Proc, mark: int, total: float, checkpoints: Path) -> dict[str, float]:
-    text = [line for _, line in victim.lines[mark:]]
-    numbers: dict[str, float] = {"total_s": total, "exit_code": float(victim.proc.returncode)}
-    for name, pattern in PHASES.items():
-        found = next((m for line in text if (m := pattern.search(line))), None)
-        if found is not None:
-            numbers[f"{name}_s"] = float(found.groups()[-1])
-        if found is not None and name == "loop":
-            numbers["stopped_at_step"] = float(found.group(1))
+def _report(victim: Proc, total: float, checkpoints: Path) -> dict[str, Any]:
+    numbers: dict[str, Any] = {"total_s": total, "exit_code": victim.proc.returncode}
+    summary = json.loads(victim.summary.read_text()) if victim.summary.exists() else {}
+    stop = summary.get("stop") or {}
+    for part in ("loop", "checkpoint", "leave", "final_eval"):
+        if stop.get(f"{part}_s") is not None:
+            numbers[f"{part}_s"] = stop[f"{part}_s"]
+    if stop:
+        numbers["stop_in_phase"] = stop.get("in_phase")
+        numbers["stopped_at_step"] = summary["steps"]
+        numbers["steps_after_stop"] = summary["steps"] - stop["at_step"]
+        numbers["rounds_after_stop"] = summary["rounds"] - stop["at_round"]
     files = sorted(checkpoints.glob("ckpt-*.pt"))
-    numbers["checkpoint_bytes"] = float(files[-1].stat().st_size) if files else 0.0
-    numbers["checkpoints_written"] = float(len(files))
-    started = [line for line in text if AFTER_STOP.search(line) and "join:" not in line]
-    print(f"victim's lines after the signal ({len(text)}):")
-    for line in text:
-        print(f"  | {line}")
-    print(f"steps or rounds started or booked after the signal: {len(started)}")
+    numbers["checkpoint_bytes"] = files[-1].stat().st_size if files else 0
+    numbers["checkpoints_written"] = len(files)
     return numbers
 
 
@@ -204,6 +198,7 @@ def main() -> None:
     parser.add_argument("--delay", type=float, default=0.5, help="--when sync: seconds after a round starts")
     parser.add_argument("--threads", default="1", help="OMP_NUM_THREADS of every process")
     parser.add_argument("--timeout", type=float, default=900.0, help="deadline of each wait (a hang)")
+    parser.add_argument("--json", action="store_true", help="also print the numbers as one JSON line")
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="bench-shutdown-"))
     try:
@@ -211,9 +206,13 @@ def main() -> None:
     finally:
         shutil.rmtree(root, ignore_errors=True)
     for key, value in numbers.items():
-        print(f"{key:>20}: {value:.2f}" if key.endswith("_s") else f"{key:>20}: {value:.0f}")
+        print(f"{key:>20}: {value:.2f}" if key.endswith("_s") else f"{key:>20}: {value}")
     if numbers.get("checkpoint_s"):
-        print(f"shutdown total / checkpoint write: {numbers['total_s'] / numbers['checkpoint_s']:.2f}x")
+        total = numbers["total_s"] - numbers.get("final_eval_s", 0.0)
+        print(f"shutdown total (less the summary's evaluation) / checkpoint write: "
+              f"{total / numbers['checkpoint_s']:.2f}x")  # fmt: skip
+    if args.json:
+        print(json.dumps(numbers))
 
 
 if __name__ == "__main__":

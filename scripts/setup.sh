@@ -14,7 +14,7 @@ want="$(sha256sum pyproject.toml | cut -d' ' -f1) $torch_spec"
 # as in many containers, nothing is ever cached otherwise, and every peer process a local swarm or the
 # tests start would compile swarm/ and peers/ again: about a second of CPU each.
 compile_project() {
-    "$venv/bin/python" -m compileall -q swarm peers tests scripts >/dev/null
+    "$venv/bin/python" -m compileall -q swarm peers testbed tests scripts >/dev/null
 }
 
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && [ -x "$venv/bin/swarm" ]; then

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Chaos soak: 8 trainers on the emulated internet, a random one SIGKILLed every ~15 s and restarted.
 
-Two runs of the same length, each in its own lab (scripts/netlab.py, needs root): a bootstrap in host
+Two runs of the same length, each in its own lab (testbed/netlab.py, needs root): a bootstrap in host
 0 and one ``swarm join --resume`` trainer per further host, with the tiny model of the churn test and
 an emulated device (``emulation.step_time_s``), so that eight trainers fit on two cores. The clock starts
 once every trainer has completed an exchange; then
@@ -39,11 +39,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from testbed import netlab
+
 try:  # imported as scripts.soak (tests) or run from scripts/ (python scripts/soak.py)
-    from scripts import bench_training, netlab, soak_report
+    from scripts import _runner, soak_report
 except ImportError:  # pragma: no cover - depends on how the caller was started
-    import bench_training
-    import netlab
+    import _runner
     import soak_report
 
 TRAINERS = 8
@@ -164,13 +165,13 @@ class Swarm:
 
         sets = [item for s in SETS for item in ("--set", s)]
         command, *rest = args
-        argv = [sys.executable, "-m", "peers.cli", command, "--config", bench_training.CONFIG, *sets, *rest]
+        argv = [sys.executable, "-m", "peers.cli", command, "--config", _runner.CONFIG, *sets, *rest]
         log_path.parent.mkdir(parents=True, exist_ok=True)
-        env = {**bench_training.child_env(), "SWARM_LOG_LEVEL": "INFO"}
+        env = {**_runner.child_env(), "SWARM_LOG_LEVEL": "INFO"}
         with log_path.open("wb") as out:
             return host.popen(
                 argv,
-                cwd=bench_training.REPO,
+                cwd=_runner.REPO,
                 env=env,
                 stdout=out,
                 stderr=subprocess.STDOUT,

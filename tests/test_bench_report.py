@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from scripts import bench_report, bench_scaling, bench_testbed, bench_training
+from scripts import _plans, _rows, _runner, bench_report
 from scripts.bench_report_doc import BEGIN, END, target_checks, write_outputs
 from swarm import PROTOCOL_VERSION, PeerRecord
 from swarm.metrics import HistoryWriter, SnapshotPolicy
@@ -90,11 +90,11 @@ def _record(index: int, rounds: int, eval_loss: float | None) -> PeerRecord:
     )
 
 
-def _row(tmp_path: Path, plan: bench_testbed.Plan, evals: list[list[float]], sent: float = 2.0) -> dict:
+def _row(tmp_path: Path, plan: _runner.Plan, evals: list[list[float]], sent: float = 2.0) -> dict:
     """A row built by the report's own code from trainer logs and summaries like real ones."""
-    run = bench_testbed.Run(tmp_path / plan.name, loads=[1.0, 3.0])
+    run = _runner.Run(tmp_path / plan.name, loads=[1.0, 3.0])
     run.log_dir.mkdir(parents=True)
-    watcher = bench_training.HistoryWatcher(run.log_dir, plan.peers, plan.batch)
+    watcher = _runner.HistoryWatcher(run.log_dir, plan.peers, plan.batch)
     steps = 10 * len(evals[0])
     histories = [
         HistoryWriter(run.log_dir / f"peer-{i}.history.jsonl", POLICY) for i in range(1, plan.peers + 1)
@@ -111,7 +111,7 @@ def _row(tmp_path: Path, plan: bench_testbed.Plan, evals: list[list[float]], sen
         watcher.poll(now=float(step), target=TARGET)
     row = {"name": plan.name, "backend": plan.backend, "label": plan.label, "peers": plan.peers}
     row |= {"devices": plan.devices or plan.peers, "budget_s": plan.budget_s}
-    return row | bench_testbed.measured_numbers(run, plan, watcher, float(len(evals[0])), TARGET)
+    return row | _runner.measured_numbers(run, plan, watcher, float(len(evals[0])), TARGET)
 
 
 EVALS = {
@@ -125,7 +125,7 @@ EVALS = {
 
 
 def _scaling(tmp_path: Path) -> dict:
-    plans = bench_scaling.scaling_plans([1, 2, 4], cap_s=3.0)
+    plans = _plans.scaling_plans([1, 2, 4], cap_s=3.0)
     curves = {
         "scale-one-1": [[6.0, 5.0, 4.4]],
         "scale-dataparallel-2": [[5.0, 4.4, 4.0]],
@@ -136,7 +136,7 @@ def _scaling(tmp_path: Path) -> dict:
     runs = [_row(tmp_path / "scaling", plan, curves[plan.name]) for plan in plans]
     setting = {"target": TARGET, **bench_report.regime()}
     return {
-        "points": bench_scaling.scaling_points(runs),
+        "points": _plans.scaling_points(runs),
         "runs": runs,
         "counts": [1, 2, 4],
         "cap_s": 3.0,
@@ -144,13 +144,13 @@ def _scaling(tmp_path: Path) -> dict:
 
 
 def _report(tmp_path: Path, codecs_json: Path) -> dict:
-    plans = bench_scaling.comparison_plans(4, budget_s=3.0, slow_peer=4)
+    plans = _plans.comparison_plans(4, budget_s=3.0, slow_peer=4)
     rows = [
         _row(tmp_path, plan, EVALS[plan.backend], sent=0.9 if plan.backend == "gossip-int4" else 2.0)
         for plan in plans
     ]
     training = {"rows": rows, "peers": 4, "slow_peer": 4, "slowdown": 3.0, "budget_s": 3.0}
-    training |= {"target": TARGET, **bench_report.regime()} | bench_scaling.equal_samples(rows)
+    training |= {"target": TARGET, **bench_report.regime()} | _plans.equal_samples(rows)
     report = {"command": "scripts/bench_report.py --test", "date": "today", "machine": bench_report.machine()}
     report |= {
         "codecs": bench_report.load_json(codecs_json),
@@ -185,8 +185,8 @@ def test_measured_numbers(tmp_path: Path, codecs_json: Path) -> None:
     # every backend reached 40 samples (data-parallel stopped there): each row's eval then
     assert gossip["eval_at_equal_samples"] == pytest.approx(5.15)
     assert rows["solo"]["eval_at_equal_samples"] == pytest.approx(3.8)
-    assert bench_scaling.eval_at([[0, 40, 5.0], [1, 80, 4.0]], 60) == pytest.approx(4.5)
-    assert bench_scaling.eval_at([[0, 40, 5.0]], 30) is None  # before the first evaluation
+    assert _plans.eval_at([[0, 40, 5.0], [1, 80, 4.0]], 60) == pytest.approx(4.5)
+    assert _plans.eval_at([[0, 40, 5.0]], 30) is None  # before the first evaluation
     # utilization: device seconds over the loop's wall time, from the summaries, mean over trainers
     loops = [3.0 + 1.0 + 2.0 * i for i in range(1, 5)]
     assert gossip["utilization"] == pytest.approx(sum(3.0 / w for w in loops) / 4)
@@ -288,15 +288,15 @@ def test_a_baseline_that_never_reached_the_target_is_timed_by_a_run_to_the_end(
 
 
 def test_link_rate_makes_an_exchange_take_half_a_round() -> None:
-    n, h, step = bench_training.n_params(), 10, 0.1
-    rate = bench_scaling.link_rate(n, h, step)
+    n, h, step = _runner.n_params(), 10, 0.1
+    rate = _plans.link_rate(n, h, step)
     kbit = int(rate.removesuffix("kbit"))
-    assert bench_scaling.exchange_seconds(bench_scaling.INT8_BYTES_PER_PARAM, n, kbit) >= h * step / 2
-    assert bench_scaling.exchange_seconds(bench_scaling.INT8_BYTES_PER_PARAM, n, kbit + 500) < h * step / 2
+    assert _plans.exchange_seconds(_plans.INT8_BYTES_PER_PARAM, n, kbit) >= h * step / 2
+    assert _plans.exchange_seconds(_plans.INT8_BYTES_PER_PARAM, n, kbit + 500) < h * step / 2
 
 
 def test_schedule_packs_trainers() -> None:
-    plans = [*bench_scaling.comparison_plans(4, 60.0, 4), *bench_scaling.scaling_plans([1, 2, 4, 8], 120.0)]
+    plans = [*_plans.comparison_plans(4, 60.0, 4), *_plans.scaling_plans([1, 2, 4, 8], 120.0)]
     groups = bench_report.schedule(plans, parallel=9)
     assert sorted(p.name for g in groups for p in g) == sorted(p.name for p in plans)
     assert all(sum(p.peers for p in g) <= 9 for g in groups)
@@ -336,8 +336,8 @@ def test_bench_lag_runs_differ_only_in_the_lag() -> None:
     runs.append({"name": "h20", "seconds_to_target": None})
     assert [r["speedup_vs_one"] for r in bench_lag.with_speedup(runs)] == [1.0, 1.5, None]
     row = {"name": "lag-1", "seconds_to_target": 9.0, "utilization": 0.5, "time_split": {"sync": 0.25}}
-    assert bench_lag.summary(row)["sync_share"] == 0.25
-    assert bench_lag.summary({"name": "x", "error": "boom"})["sync_share"] is None
+    assert _rows.short_row(row)["sync_share"] == 0.25
+    assert _rows.short_row({"name": "x", "error": "boom"})["sync_share"] is None
 
 
 def test_bench_baselines_runs_the_comparisons_plans_to_the_target() -> None:
@@ -345,7 +345,7 @@ def test_bench_baselines_runs_the_comparisons_plans_to_the_target() -> None:
 
     plans = bench_baselines.plans(cap_s=600)
     assert [p.name for p in plans] == ["gossip-int8", "allreduce", "hivemind"]
-    comparison = {p.name: p for p in bench_scaling.comparison_plans(4, 600, slow_peer=4)}
+    comparison = {p.name: p for p in _plans.comparison_plans(4, 600, slow_peer=4)}
     for plan in plans:  # the comparison's own plan, only run until the target instead of a budget
         assert plan.until_target and not comparison[plan.name].until_target
         assert (plan.sets, plan.peers, plan.slow_peer, plan.budget_s) == (
@@ -366,7 +366,7 @@ def test_the_testbed_scripts_say_why_they_cannot_run(monkeypatch, capsys) -> Non
     from scripts import bench_baselines, bench_lag
 
     reason = "requires root and iproute2 (ip, tc) with network-namespace support: not running as root"
-    monkeypatch.setattr(bench_testbed.netlab, "unavailable_reason", lambda: reason)
+    monkeypatch.setattr(_runner.netlab, "unavailable_reason", lambda: reason)
     for program, main in (("bench-baselines", bench_baselines.main), ("bench-lag", bench_lag.main)):
         with pytest.raises(SystemExit) as exited:
             main([])

@@ -7,10 +7,10 @@ import sys
 
 import pytest
 
-from scripts.netlab import NetLab, unavailable_reason
 from swarm.compression import get_codec
 from swarm.gossip._deadlines import MAX_PARTNERS, MIN_MEASURED_BYTES, PRIOR_RATE_BYTES_S, Deadlines
 from swarm.gossip._deadlines import payload_nbytes as wire_nbytes
+from testbed.netlab import NetLab, unavailable_reason
 from tests._processes import terminate_and_wait
 from tests.workers.tiny import ONE_THREAD
 

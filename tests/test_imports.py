@@ -1,4 +1,4 @@
-"""The import rules of swarm/ and peers/, checked on the source with ``ast`` (nothing is imported).
+"""The import rules of swarm/, peers/ and testbed/, checked on the source with ``ast`` (nothing is imported).
 
 1. No cycles between modules. Every import counts, at module level or inside a function; only imports
    under ``if TYPE_CHECKING:`` are left out, since they never run.
@@ -8,6 +8,11 @@
    imports the package, or a public module of it, and the package's ``__init__`` exports what they
    need.
 3. ``swarm/`` never imports ``peers/``.
+4. ``testbed/`` (the emulated internet that tests, benchmarks and users share) is no part of the
+   library: ``swarm/`` and ``peers/`` never import it, and it never imports ``peers/``.
+5. In ``scripts/``, one entry per benchmark or tool: an entry imports the shared modules (``_``-prefixed:
+   the runner, its rows, the report's plans) and its own parts (``bench_report_doc`` of
+   ``bench_report``), never another entry.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("swarm", "peers")
+PACKAGES = ("swarm", "peers", "testbed")
 
 
 @dataclass(frozen=True)
@@ -195,6 +200,44 @@ def test_swarm_never_imports_peers():
         if imp.importer.startswith("swarm") and imp.target.split(".")[0] == "peers"
     ]
     assert not bad, "swarm/ must not import peers/:\n" + "\n".join(bad)
+
+
+def test_the_testbed_stays_outside_the_library_and_programs():
+    bad = [
+        f"{imp.importer}:{imp.line} imports {imp.target}"
+        for imp in all_imports()
+        if (imp.importer.split(".")[0], imp.target.split(".")[0])
+        in {("swarm", "testbed"), ("peers", "testbed"), ("testbed", "peers")}
+    ]
+    assert not bad, "swarm/ and peers/ must not import testbed/, nor testbed/ peers/:\n" + "\n".join(bad)
+
+
+def scripts_imports() -> list[tuple[str, str]]:
+    """(importer, target) for every import of one module of scripts/ by another."""
+    names = {p.stem for p in (ROOT / "scripts").glob("*.py")} - {"__init__"}
+    found = []
+    for name in sorted(names):
+        tree = ast.parse((ROOT / "scripts" / f"{name}.py").read_text())
+        for node, _ in _walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module == "scripts":
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                targets = [(node.module or "").removeprefix("scripts.")]
+            else:
+                targets = [alias.name.removeprefix("scripts.") for alias in node.names]
+            found += [(name, target) for target in targets if target in names]
+    return found
+
+
+def test_scripts_entries_import_shared_modules_never_each_other():
+    imports = scripts_imports()
+    assert ("bench_lag", "_runner") in imports  # the checker sees the imports it judges
+    bad = [
+        f"scripts/{importer}.py imports scripts/{target}.py"
+        for importer, target in imports
+        if not target.startswith("_") and not target.startswith(importer)
+    ]
+    assert not bad, "an entry of scripts/ imports another (share it in a _ module):\n" + "\n".join(bad)
 
 
 def test_the_checker_sees_violations():

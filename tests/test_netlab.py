@@ -1,4 +1,4 @@
-"""The emulated-internet testbed (scripts/netlab.py): reachability, shaping, partitions, teardown, peers."""
+"""The emulated-internet testbed (testbed/netlab.py): reachability, shaping, partitions, teardown, peers."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from collections.abc import Iterator
 import pytest
 
 from peers.bootstrap import JOIN_LINE_PREFIX
-from scripts import netlab
-from scripts.netlab import NetLab, list_labs, nat_unavailable_reason, parse_rate, unavailable_reason
+from testbed import netlab
+from testbed.netlab import NetLab, list_labs, nat_unavailable_reason, parse_rate, unavailable_reason
 from tests._processes import swarm_cli, terminate_and_wait
 from tests.workers.tiny import cli_sets, tiny
 

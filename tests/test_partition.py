@@ -1,6 +1,6 @@
 """Partitions: a swarm split 2|2 by the namespace testbed keeps training in both halves, then heals.
 
-Four hosts (scripts/netlab.py), a trainer in each and the bootstrap in host 0. After every trainer has
+Four hosts (testbed/netlab.py), a trainer in each and the bootstrap in host 0. After every trainer has
 synced, ``lab.partition([0, 1], [2, 3])`` cuts all traffic between the halves (silently, like a
 broken internet path): the half without the bootstrap is a real partition, not one that still reaches
 the swarm's entry point. Asserted while split: every trainer keeps stepping and completes exchanges,
@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 
 from peers.bootstrap import JOIN_LINE_PREFIX
-from scripts.netlab import NetLab, unavailable_reason
 from swarm.state import list_checkpoints, read_checkpoint
+from testbed.netlab import NetLab, unavailable_reason
 from tests._processes import PeerProcess, heavy_scenario, swarm_cli, wait_until
 from tests.workers.tiny import ONE_THREAD, UNLIMITED, cli_sets, tiny
 

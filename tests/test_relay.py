@@ -1,4 +1,4 @@
-"""Two trainers, each behind its own home router (scripts/netlab.py ``add_nat_host``), beside a public
+"""Two trainers, each behind its own home router (testbed/netlab.py ``add_nat_host``), beside a public
 bootstrap: neither can be dialled, and both train together through the bootstrap, which relays.
 
 Each trainer is told it may be behind NAT (``--behind-nat``): the dial-back check finds it
@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from peers.bootstrap import JOIN_LINE_PREFIX
-from scripts.netlab import NetLab, nat_unavailable_reason
+from testbed.netlab import NetLab, nat_unavailable_reason
 from tests._processes import PeerProcess, heavy_scenario, swarm_cli, terminate_and_wait, wait_until
 from tests.workers.tiny import ONE_THREAD, UNLIMITED, cli_sets, tiny
 

@@ -70,6 +70,29 @@ def test_moved_device_time_is_capped_by_what_the_step_took_and_unknown_phases_ar
         pass
 
 
+def test_a_stop_records_where_it_found_the_loop_and_how_long_the_way_out_took() -> None:
+    clock = _Clock()
+    timers = PhaseTimers(clock)
+    assert timers.current() is None and timers.stop.summary() is None  # no stop: nothing to say
+    with timers.loop():
+        assert timers.current() == "loop"
+        with timers.phase("step_other"):
+            clock.now += 1.0
+            timers.stop.seen(7, 2, timers.current())
+            clock.now += 0.5
+            timers.stop.seen(8, 2, "sync")  # only the first sighting counts
+        clock.now += 0.25
+    with timers.stop.part("checkpoint"):
+        clock.now += 2.0
+    assert timers.stop.summary() == {
+        "at_step": 7,
+        "at_round": 2,
+        "in_phase": "step_other",
+        "loop_s": 0.75,
+        "checkpoint_s": 2.0,
+    }
+
+
 def test_a_lone_peers_summary_splits_its_loop_by_phase() -> None:
     """Emulated 50 ms steps: the device share is the emulated time, the rest is booked elsewhere."""
     config = load_config(
@@ -87,6 +110,7 @@ def test_a_lone_peers_summary_splits_its_loop_by_phase() -> None:
     try:
         peer.run(threading.Event())
         split = peer.summary()["phase_seconds"]
+        assert peer.summary()["stop"] is None  # it ended at max_steps
     finally:
         peer.close()
     assert split["device"] == pytest.approx(peer.progress.device_seconds, rel=1e-6)

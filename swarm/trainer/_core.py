@@ -172,6 +172,7 @@ class PeerCore:
         """Cancel the work in flight (an exchange does not commit) and refuse more; for shutdown."""
         if self.stop_seen_at is None:
             self.stop_seen_at = time.monotonic()
+            self.phases.stop.seen(self.progress.step, self.progress.round, self.phases.current())
         self._abort_work()
 
     def aborting_on(self, stop: threading.Event) -> AbstractContextManager[None]:
@@ -259,6 +260,8 @@ class PeerCore:
             "utilization": progress.utilization(),
             # the training loop's wall time split by phase (swarm/trainer/_phases.py)
             "phase_seconds": self.phases.summary(),
+            # where a stop found the loop and how long the way out took (None without a stop)
+            "stop": self.phases.stop.summary(),
             # the largest resident set this process had (Linux reports KiB): to check the memory estimate
             "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
             "rounds_by_role": details.get("rounds_by_role", {}),

@@ -1,13 +1,11 @@
 """An emulated internet on one machine: hosts in network namespaces on one bridge, links shaped by tc.
 
-Library and CLI (``demo``, ``cleanup``) in one file; docs/testbed.md describes both. Code under the
-repository root imports ``from scripts.netlab import NetLab``; a script run as ``python scripts/x.py``
-has ``scripts/`` on its path and writes ``import netlab``.
+docs/testbed.md describes it. ``python -m testbed`` builds a demo lab or removes leftover ones
+(testbed/__main__.py); the echo and sink servers the lab's checks use are testbed/_sockets.py.
 """
 
 from __future__ import annotations
 
-import argparse
 import atexit
 import contextlib
 import functools
@@ -19,19 +17,18 @@ import secrets
 import select
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from testbed._sockets import SERVER_PORT
+
 PREFIX = "swt-"
 SUBNET = "10.77.0.0/24"
 CMD_TIMEOUT_S = 10.0
-SERVER_PORT = 5201
 _UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "bps": 8, "kbps": 8e3, "mbps": 8e6}
 _BRIDGE = "br0"
 _BRIDGE_MAC = "02:77:00:00:00:01"  # fixed, locally administered: partitions send frames here to drop them
@@ -117,8 +114,9 @@ def _sysctl(netns: str, setting: str) -> None:
 
 
 def _helper(*args: str) -> list[str]:
-    """argv running this file's socket helpers (``_serve``/``_client``) with this interpreter."""
-    return [sys.executable, "-I", str(Path(__file__).resolve()), *args]
+    """argv running the socket helpers (``_serve``/``_client``, testbed/_sockets.py) with this
+    interpreter, isolated (``-I``): they need nothing but the standard library."""
+    return [sys.executable, "-I", str(Path(__file__).resolve().with_name("_sockets.py")), *args]
 
 
 @dataclass
@@ -236,7 +234,8 @@ class NetLab:
         for host in self.nat_hosts + self.hosts:
             host.stop_processes()
         for proc in self._servers.values():
-            proc.stdout.close()
+            if proc.stdout is not None:
+                proc.stdout.close()
         remove_labs(f"{self.prefix}-", owner_alive_ok=True)
 
     def shape(
@@ -301,7 +300,7 @@ class NetLab:
             _ip(host.netns, "neigh", "flush", "dev", _HOST_IF, "nud", "permanent")
 
     def server(self, host: int) -> int:
-        """Start (once) this file's echo/sink server in ``host``; return its port."""
+        """Start (once) the echo/sink server (testbed/_sockets.py) in ``host``; return its port."""
         with self._servers_lock:
             if host not in self._servers:
                 self._servers[host] = self._start_server(host)
@@ -310,6 +309,7 @@ class NetLab:
     def _start_server(self, host: int) -> subprocess.Popen:
         argv = _helper("_serve", "--port", str(SERVER_PORT))
         proc = self.hosts[host].popen(argv, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
+        assert proc.stdout is not None
         if not select.select([proc.stdout], [], [], 15.0)[0] or proc.stdout.readline().strip() != "ready":
             raise NetLabError(f"test server in host {host} did not start")
         return proc
@@ -317,7 +317,7 @@ class NetLab:
     def probe(
         self, src: int, dst: int, mode: str, nbytes: int = 64, timeout: float = 30.0, check: bool = True
     ) -> dict:
-        """Run this file's client in ``src`` against the server in ``dst``; return its JSON result."""
+        """Run the socket client in ``src`` against the server in ``dst``; return its JSON result."""
         port = self.server(dst)
         argv = _helper("_client", self.hosts[dst].ip, str(port), mode, str(nbytes), str(timeout))
         result = json.loads(self.hosts[src].run(argv, timeout=timeout + 10))
@@ -374,7 +374,7 @@ def list_labs(prefix: str = PREFIX) -> list[str]:
 
 def _owner_alive(netns: str) -> bool:
     match = re.match(rf"{re.escape(PREFIX)}(\d+)-", netns)
-    return bool(match) and Path(f"/proc/{match.group(1)}").exists()
+    return match is not None and Path(f"/proc/{match.group(1)}").exists()
 
 
 def remove_labs(prefix: str = PREFIX, owner_alive_ok: bool = False) -> list[str]:
@@ -393,114 +393,3 @@ def remove_labs(prefix: str = PREFIX, owner_alive_ok: bool = False) -> list[str]
         sh(["ip", "netns", "del", netns], check=False)
         removed.append(netns)
     return removed
-
-
-def _serve(port: int) -> None:
-    """Accept connections forever; first byte ``e``: echo until EOF, ``s``: count bytes, reply JSON."""
-    listener = socket.create_server(("0.0.0.0", port), backlog=16)
-    print("ready", flush=True)
-    while True:
-        conn, _ = listener.accept()
-        threading.Thread(target=_handle, args=(conn,), daemon=True).start()
-
-
-def _handle(conn: socket.socket) -> None:
-    with conn:
-        mode, first, total = conn.recv(1), None, 0
-        while chunk := conn.recv(1 << 16):
-            if mode == b"e":
-                conn.sendall(chunk)
-            elif first is None:  # the clock starts at the first chunk, so its bytes are not counted
-                first = time.monotonic()
-            else:
-                total += len(chunk)
-        if mode == b"s":
-            seconds = time.monotonic() - first if first else 0.0
-            conn.sendall(json.dumps({"bytes": total, "seconds": seconds}).encode())
-
-
-def _client(ip: str, port: int, mode: str, nbytes: int, timeout: float) -> dict:
-    try:
-        with socket.create_connection((ip, port), timeout=timeout) as conn:
-            conn.sendall(mode[0].encode())
-            return {"ok": True, **(_echo(conn) if mode == "echo" else _sink(conn, nbytes))}
-    except OSError as exc:
-        return {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
-
-
-def _echo(conn: socket.socket, rounds: int = 5) -> dict:
-    rtts = []
-    for _ in range(rounds):
-        start = time.monotonic()
-        conn.sendall(b"x" * 64)
-        got = 0
-        while got < 64:
-            chunk = conn.recv(64 - got)
-            if not chunk:
-                raise ConnectionError("echo server closed the connection")
-            got += len(chunk)
-        rtts.append((time.monotonic() - start) * 1000)
-    return {"rtt_ms": sorted(rtts)[rounds // 2]}
-
-
-def _sink(conn: socket.socket, nbytes: int) -> dict:
-    block = b"\0" * (1 << 16)
-    for offset in range(0, nbytes, len(block)):
-        conn.sendall(block[: nbytes - offset])
-    conn.shutdown(socket.SHUT_WR)
-    reply = b"".join(iter(lambda: conn.recv(4096), b""))
-    return json.loads(reply)
-
-
-def _demo(hosts: int, rate: str, mbytes: float) -> None:
-    expected = parse_rate(rate)
-    with NetLab(hosts=hosts, rate=rate) as lab:
-        print(f"lab {lab.prefix}: {hosts} hosts on {SUBNET}, every link {rate} each way (tbf)")
-        for src in range(hosts):
-            dst = (src + 1) % hosts
-            rtt = lab.rtt_ms(src, dst)
-            nbytes = int(mbytes * 1e6)
-            bits = lab.throughput(src, dst, nbytes=nbytes, timeout=30 + 3 * nbytes * 8 / expected)
-            link = f"h{src} {lab.hosts[src].ip} -> h{dst} {lab.hosts[dst].ip}"
-            print(f"{link}: rtt {rtt:.2f} ms, {bits / 1e6:.2f} Mbit/s ({bits / expected:.2f}x of {rate})")
-    print(f"torn down; namespaces left with prefix {lab.prefix}: {list_labs(lab.prefix) or 'none'}")
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    sub = parser.add_subparsers(dest="cmd", required=True)
-    demo = sub.add_parser("demo", help="build a lab, measure every link, tear it down")
-    demo.add_argument("--hosts", type=int, default=3)
-    demo.add_argument("--rate", default="50mbit")
-    demo.add_argument("--mbytes", type=float, default=4.0, help="payload per throughput measurement")
-    clean = sub.add_parser("cleanup", help="remove leftover lab namespaces and the processes in them")
-    clean.add_argument("--prefix", default=PREFIX)
-    clean.add_argument("--force", action="store_true", help="also labs whose creating process still runs")
-    serve = sub.add_parser("_serve")
-    serve.add_argument("--port", type=int, default=SERVER_PORT)
-    client = sub.add_parser("_client")
-    for name, kind in (("ip", str), ("port", int), ("mode", str), ("nbytes", int), ("timeout", float)):
-        client.add_argument(name, type=kind)
-    args = parser.parse_args(argv)
-    if args.cmd == "_serve":
-        _serve(args.port)
-    elif args.cmd == "_client":
-        print(json.dumps(_client(args.ip, args.port, args.mode, args.nbytes, args.timeout)))
-    elif reason := unavailable_reason():
-        print(f"netlab: {reason}", file=sys.stderr)
-        return 2
-    elif args.cmd == "demo":
-        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-        try:
-            _demo(args.hosts, args.rate, args.mbytes)
-        except KeyboardInterrupt:
-            print("interrupted; lab torn down", file=sys.stderr)
-            return 130
-    else:
-        removed = remove_labs(args.prefix, owner_alive_ok=args.force)
-        print(f"removed {len(removed)} namespaces" + "".join(f"\n  {name}" for name in removed))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,4 +1,5 @@
-"""Training runs over the emulated internet (scripts/netlab.py), for scripts/bench_report.py.
+"""The shared runner of the training benchmarks: the bench regime, the trainers' histories, and runs
+over the emulated internet (testbed/).
 
 One run = one lab: a bootstrap in host 0 and one trainer per further host, each started with
 ``swarm bootstrap`` / ``swarm join`` inside its namespace and listening on the host's 10.77.0.x address,
@@ -7,12 +8,15 @@ line); a run ends after its budget, or as soon as the mean held-out loss reaches
 plan says so, with SIGTERM to every trainer, which then writes its summary. Several runs may go at
 once (:func:`run_plans`), each in its own lab: the trainers' devices are emulated
 (``emulation.step_time_s``), so they mostly sleep, and each row says how much real compute a step
-took and how loaded the machine was. The labs tear themselves down even on Ctrl+C.
+took and how loaded the machine was. The labs tear themselves down even on Ctrl+C. A row's numbers
+come from the trainers' own files (scripts/_rows.py).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import json
 import os
 import signal
 import statistics
@@ -26,11 +30,106 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-try:  # imported as scripts.bench_testbed (tests) or run from scripts/ (python scripts/x.py)
-    from scripts import bench_training, netlab
+from testbed import netlab
+
+try:  # imported as scripts._runner (tests) or run from scripts/ (python scripts/x.py)
+    from scripts import _rows
 except ImportError:  # pragma: no cover - depends on how the caller was started
-    import bench_training
-    import netlab
+    import _rows
+
+REPO = Path(__file__).resolve().parent.parent
+CONFIG = "configs/local-tiny.yaml"
+
+REGIME: dict[str, float] = {"batch_size": 1, "lr": 1e-3, "step_time_s": 0.1, "target": 3.6}
+"""The bench regime (docs/benchmarks.md says why): per-peer batch, its learning rate, the emulated
+device's seconds per inner step, and the target held-out loss in bits/byte."""
+
+
+def regime_sets(batch_size: int | None = None, eval_every_rounds: int = 1) -> list[str]:
+    """``--set`` overrides every benchmark run shares: the regime, a cheap evaluation, no step limit."""
+    batch = int(batch_size or REGIME["batch_size"])
+    return [
+        f"train.batch_size={batch}",
+        f"train.lr={REGIME['lr']}",
+        f"emulation.step_time_s={REGIME['step_time_s']}",
+        "train.eval_batches=1",
+        f"train.eval_every_rounds={eval_every_rounds}",
+        "train.max_steps=1000000",
+    ]
+
+
+def child_env() -> dict[str, str]:
+    """One torch thread per trainer: N trainers on a few shared cores must not oversubscribe them."""
+    return {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+
+
+class HistoryWatcher:
+    """Reads the trainers' histories (``peer-<i>.history.jsonl``, ``swarm join --history``) as they
+    grow; timestamps joins, steps and each sync's eval loss.
+
+    A trainer's history holds its own record once when it joins, then once per sync (the monitor's
+    snapshot schema, docs/monitor.md). ``curve`` holds ``(seconds since the first join, swarm samples,
+    mean of the peers' latest eval losses)`` each time a poll sees that mean change once every peer
+    has reported one; swarm samples are the peers' latest steps times ``batch``.
+    """
+
+    def __init__(self, log_dir: Path, peers: int, batch: int = 1):
+        self.paths = [log_dir / f"peer-{i}.history.jsonl" for i in range(1, peers + 1)]
+        self.batch = batch
+        self.offsets = [0] * peers
+        self.latest: list[float | None] = [None] * peers
+        self.steps = [0] * peers
+        self.joined: list[float | None] = [None] * peers
+        self.first_round: list[tuple[float, int] | None] = [None] * peers
+        self.started: float | None = None
+        self.reached: float | None = None
+        self.curve: list[tuple[float, int, float]] = []
+
+    def poll(self, now: float, target: float) -> None:
+        for index, path in enumerate(self.paths):
+            if not path.exists():
+                continue
+            with path.open("rb") as history:
+                history.seek(self.offsets[index])
+                data = history.read()
+            complete = data[: data.rfind(b"\n") + 1]  # a line being written is read next time
+            self.offsets[index] += len(complete)
+            for line in complete.decode(errors="replace").splitlines():
+                self._snapshot(index, line, now)
+        if self.started is None or None in self.latest:
+            return
+        mean = statistics.fmean(self.latest)
+        if not self.curve or self.curve[-1][2] != mean:
+            self.curve.append((now - self.started, self.samples(), mean))
+        if self.reached is None and mean <= target:
+            self.reached = now - self.started
+
+    def samples(self) -> int:
+        return sum(self.steps) * self.batch
+
+    def _snapshot(self, index: int, line: str, now: float) -> None:
+        try:
+            [own] = json.loads(line)["peers"]
+        except (ValueError, KeyError, TypeError):
+            return  # not a trainer's own snapshot
+        if self.joined[index] is None:
+            self.joined[index] = now
+            self.started = now if self.started is None else self.started
+        self.steps[index] = int(own.get("step") or 0)
+        if self.first_round[index] is None and own.get("round"):
+            self.first_round[index] = (now, self.steps[index])
+        if own.get("eval_loss") is not None:
+            self.latest[index] = float(own["eval_loss"])
+
+
+@functools.cache
+def n_params() -> int:
+    from swarm.config import load_config
+    from swarm.training import build_model, count_parameters
+
+    config = load_config(REPO / CONFIG, overrides=[], env={})
+    return count_parameters(build_model(config.model, config.run.seed))
+
 
 START_TIMEOUT_S = 240.0  # on a busy 2-core machine eight trainers importing torch take a while
 STOP_GRACE_S = 30.0
@@ -64,7 +163,7 @@ def logs_root(program: str) -> Path:
     if reason is not None:
         print(f"{program}: the testbed is unavailable: {reason}", file=sys.stderr)
         raise SystemExit(2)
-    runs = bench_training.REPO / "runs"
+    runs = REPO / "runs"
     runs.mkdir(exist_ok=True)
     return Path(tempfile.mkdtemp(prefix=f"{program}-", dir=runs))
 
@@ -122,7 +221,7 @@ def run_plan(plan: Plan, *, root: Path, rate: str, target: float, say: Say) -> d
             _stop(run)
             return {**row, "error": str(exc)}
     numbers = measured_numbers(run, plan, watcher, seconds, target)
-    say(f"{plan.name}: {brief(numbers)}")
+    say(f"{plan.name}: {_rows.brief(numbers)}")
     return {**row, **numbers}
 
 
@@ -132,7 +231,7 @@ def _train(lab, run: Run, plan: Plan, target: float, say: Say) -> tuple:
     for index in range(1, plan.peers + 1):
         extra = ["--set", f"emulation.slowdown={plan.slowdown}"] if index == plan.slow_peer else []
         _start_trainer(lab, run, index, maddr, [*common, *extra])
-    watcher = bench_training.HistoryWatcher(run.log_dir, plan.peers, plan.batch)
+    watcher = HistoryWatcher(run.log_dir, plan.peers, plan.batch)
     deadline = time.monotonic() + START_TIMEOUT_S
     while watcher.started is None:
         _check(run, deadline, "no trainer joined")
@@ -152,7 +251,7 @@ def _train(lab, run: Run, plan: Plan, target: float, say: Say) -> tuple:
 
 
 def _common_args(sets: list[str]) -> list[str]:
-    return ["--config", bench_training.CONFIG, *[a for s in sets for a in ("--set", s)]]
+    return ["--config", CONFIG, *[a for s in sets for a in ("--set", s)]]
 
 
 def _start_bootstrap(lab, run: Run, common: list[str]) -> str:
@@ -186,8 +285,8 @@ def _start(run: Run, host, name: str, args: list[str]) -> subprocess.Popen:
     with (run.log_dir / f"{name}.log").open("wb") as log:
         proc = host.popen(
             [sys.executable, *entry, *args],
-            cwd=bench_training.REPO,
-            env=bench_training.child_env(),
+            cwd=REPO,
+            env=child_env(),
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
@@ -219,7 +318,7 @@ def _stop(run: Run) -> None:
 
 
 def measured_numbers(
-    run: Run, plan: Plan, watcher: bench_training.HistoryWatcher, seconds: float, target: float
+    run: Run, plan: Plan, watcher: HistoryWatcher, seconds: float, target: float
 ) -> dict[str, Any]:
     """A run's row from the trainers' summaries (their phase split included), the watcher's
     timestamps, the load samples."""
@@ -231,17 +330,17 @@ def measured_numbers(
         return {"error": f"{plan.peers - len(per_peer)} trainer(s) wrote no summary; see {run.log_dir}"}
     for peer in per_peer:
         peer["time_split"] = peer.get("phase_seconds")
-    step_time = _set_value(plan.sets, "emulation.step_time_s", 0.0)
+    step_time = _rows.set_value(plan.sets, "emulation.step_time_s", 0.0)
     joins = [t for t in watcher.joined if t is not None]
     curve = _curve(watcher, seconds)
     return {
-        "seconds_to_target": crossing(curve, target, 0),
-        "samples_to_target": crossing(curve, target, 1),
-        **bench_training.summary_numbers(per_peer),
-        **training_thread(per_peer),
+        "seconds_to_target": _rows.crossing(curve, target, 0),
+        "samples_to_target": _rows.crossing(curve, target, 1),
+        **_rows.summary_numbers(per_peer),
+        **_rows.training_thread(per_peer),
         "step_time_s": step_time,
-        "emulation_overrun": emulation_overrun(per_peer, step_time, plan),
-        "load_average": {"mean": _mean(run.loads), "max": max(run.loads, default=None)},
+        "emulation_overrun": _rows.emulation_overrun(per_peer, step_time, plan.slow_peer, plan.slowdown),
+        "load_average": {"mean": _rows.mean(run.loads), "max": max(run.loads, default=None)},
         "join_spread_s": max(joins) - min(joins) if joins else None,
         "samples_per_second": sum(p.get("samples", 0) for p in per_peer) / seconds,
         "seconds": seconds,
@@ -251,7 +350,7 @@ def measured_numbers(
     }
 
 
-def _curve(watcher: bench_training.HistoryWatcher, seconds: float) -> list[list[float]]:
+def _curve(watcher: HistoryWatcher, seconds: float) -> list[list[float]]:
     """The watcher's curve, ending with the swarm's samples at the stop (its eval then is the latest)."""
     points = [[round(t, 2), n, round(loss, 4)] for t, n, loss in watcher.curve if t <= seconds]
     if points and watcher.samples() > points[-1][1]:
@@ -271,68 +370,3 @@ PER_PEER_KEYS = (
     "rounds_by_role",
     "time_split",
 )
-
-
-def crossing(curve: list[list[float]], target: float, axis: int) -> float | None:
-    """Where the eval curve first reaches ``target``, on ``axis`` (0: seconds, 1: samples), linearly
-    interpolated from the point before (evaluations are seconds apart); None if it never does."""
-    for index, point in enumerate(curve):
-        if point[2] <= target:
-            if index == 0:
-                return point[axis]
-            before = curve[index - 1]
-            share = (before[2] - target) / (before[2] - point[2])
-            return before[axis] + share * (point[axis] - before[axis])
-    return None
-
-
-def training_thread(per_peer: list[dict[str, Any]]) -> dict[str, Any]:
-    """``utilization``: device seconds over the wall time of the training loop (from the first inner
-    step to the stop; start-up and joining left out), mean over trainers; ``time_split``: the share of
-    that wall time each phase of the trainers' own ``phase_seconds`` took (swarm/trainer/_phases.py,
-    ``other`` included); means over trainers."""
-    splits = [p["time_split"] for p in per_peer if p.get("time_split") and p["time_split"].get("loop")]
-    if not splits:
-        return {"utilization": None, "time_split": None}
-    parts = sorted({part for split in splits for part in split} - {"loop"})
-    shares = {part: _mean([s.get(part, 0.0) / s["loop"] for s in splits]) for part in parts}
-    return {"utilization": shares.get("device"), "time_split": shares}
-
-
-def emulation_overrun(per_peer: list[dict[str, Any]], step_time: float, plan: Plan) -> float | None:
-    """How much longer the device time was than the emulated step times: 0 when every step's real
-    compute fitted in ``emulation.step_time_s`` (the emulation held)."""
-    if not step_time:
-        return None
-    emulated = 0.0
-    for peer in per_peer:
-        factor = plan.slowdown if peer["name"] == f"peer-{plan.slow_peer}" else 1.0
-        emulated += peer.get("steps", 0) * step_time * factor
-    device = sum(p.get("device_seconds", 0.0) for p in per_peer)
-    return device / emulated - 1 if emulated else None
-
-
-def _set_value(sets: list[str], key: str, default: float) -> float:
-    values = [s.split("=", 1)[1] for s in sets if s.startswith(f"{key}=")]
-    return float(values[-1]) if values else default
-
-
-def _mean(values: list[float | None]) -> float | None:
-    present = [v for v in values if v is not None]
-    return statistics.fmean(present) if present else None
-
-
-def brief(row: dict[str, Any]) -> str:
-    """One line: time to target, final eval, utilization, real compute per step, load."""
-    if "error" in row:
-        return f"error: {row['error']}"
-    reached = row.get("seconds_to_target")
-    to_target = "not reached" if reached is None else f"{reached:.1f} s"
-    util = row.get("utilization")
-    compute = row.get("compute_per_step_s")
-    load = (row.get("load_average") or {}).get("mean")
-    parts = [f"to target {to_target}", f"final eval {row['final_eval_loss']:.3f}"]
-    parts.append("util -" if util is None else f"util {util:.0%}")
-    parts.append("compute -" if compute is None else f"compute {1000 * compute:.0f} ms/step")
-    parts.append("load -" if load is None else f"load {load:.1f}")
-    return ", ".join(parts)

@@ -1,6 +1,6 @@
 """What scripts/bench_report.py runs: the comparison, the speed-up over one device, the gossip sweep.
 
-Every run uses the bench regime (``bench_training.REGIME``): per-peer batch 1 at the learning rate
+Every run uses the bench regime (``_runner.REGIME``): per-peer batch 1 at the learning rate
 that batch wants, each inner step on an emulated device of ``emulation.step_time_s`` seconds, links
 shaped so that one int8 exchange takes at least half a round of device time (:func:`link_rate`).
 
@@ -21,12 +21,12 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
-try:  # imported as scripts.bench_scaling (tests) or run from scripts/ (python scripts/x.py)
-    from scripts import bench_training
-    from scripts.bench_testbed import Plan
+try:  # imported as scripts._plans (tests) or run from scripts/ (python scripts/x.py)
+    from scripts import _runner
+    from scripts._runner import Plan
 except ImportError:  # pragma: no cover - depends on how the caller was started
-    import bench_training
-    from bench_testbed import Plan
+    import _runner
+    from _runner import Plan
 
 GOSSIP: dict[str, float | str] = {
     "sync_every_steps": 5,
@@ -67,7 +67,7 @@ def regime_rate(sync_every: int | None = None) -> str:
     """:func:`link_rate` of the bench model on the regime's emulated device, for H = ``sync_every``
     (default: gossip's H in ``GOSSIP``)."""
     h = int(GOSSIP["sync_every_steps"]) if sync_every is None else sync_every
-    return link_rate(bench_training.n_params(), h, bench_training.REGIME["step_time_s"])
+    return link_rate(_runner.n_params(), h, _runner.REGIME["step_time_s"])
 
 
 def exchange_seconds(bytes_per_param: float, n_params: int, rate_kbit: float) -> float:
@@ -92,7 +92,7 @@ def _eval_every(rounds_per_second: float, seconds: float = EVAL_SECONDS) -> int:
 
 
 def _round_seconds(sync_every: int) -> float:
-    return sync_every * bench_training.REGIME["step_time_s"]
+    return sync_every * _runner.REGIME["step_time_s"]
 
 
 def gossip_sets(codec: str = "int8", **overrides: float) -> list[str]:
@@ -101,7 +101,7 @@ def gossip_sets(codec: str = "int8", **overrides: float) -> list[str]:
     settings = {**GOSSIP, **overrides}
     evals = _eval_every(1 / _round_seconds(int(settings["sync_every_steps"])))
     averaging = [f"averaging.{key}={_setting(value)}" for key, value in settings.items()]
-    sets = bench_training.regime_sets(eval_every_rounds=evals)
+    sets = _runner.regime_sets(eval_every_rounds=evals)
     return [*sets, "averaging.backend=gossip", f"compression.codec={codec}", *averaging]
 
 
@@ -109,7 +109,7 @@ def single_sets(batch: int) -> list[str]:
     """One device, plain AdamW: DiLoCo alone with outer lr 1 and no momentum changes nothing."""
     evals = _eval_every(1 / _round_seconds(10), EVAL_SECONDS / 2)
     return [
-        *bench_training.regime_sets(batch, eval_every_rounds=evals),
+        *_runner.regime_sets(batch, eval_every_rounds=evals),
         "averaging.backend=none",
         *_outer(10, 1.0, 0.0),
     ]
@@ -120,19 +120,19 @@ def comparison_plans(peers: int, budget_s: float, slow_peer: int | None) -> list
     h = int(GOSSIP["sync_every_steps"])
     outer = _outer(h, float(GOSSIP["outer_lr"]), float(GOSSIP["outer_momentum"]))
     allreduce = [
-        *bench_training.regime_sets(eval_every_rounds=_eval_every(1 / _round_seconds(h))),
+        *_runner.regime_sets(eval_every_rounds=_eval_every(1 / _round_seconds(h))),
         "averaging.backend=allreduce",
         "compression.codec=int8",
     ]
     # every data-parallel step waits for its all-reduce: seconds over these links
     dataparallel = [
-        *bench_training.regime_sets(eval_every_rounds=1),
+        *_runner.regime_sets(eval_every_rounds=1),
         "averaging.backend=allreduce",
         "compression.codec=int8",
         *_outer(1, 1.0, 0.0),
     ]
     hivemind = [
-        *bench_training.regime_sets(eval_every_rounds=_eval_every(1 / _round_seconds(h))),
+        *_runner.regime_sets(eval_every_rounds=_eval_every(1 / _round_seconds(h))),
         "averaging.backend=hivemind",
         "compression.codec=int8",
         f"averaging.sync_every_steps={peers * h}",
@@ -163,7 +163,7 @@ def comparison_plans(peers: int, budget_s: float, slow_peer: int | None) -> list
 
 def scaling_plans(counts: list[int], cap_s: float) -> list[Plan]:
     """Time to target with N equal devices: one device, ideal data-parallel and gossip int8 for each N."""
-    batch = int(bench_training.REGIME["batch_size"])
+    batch = int(_runner.REGIME["batch_size"])
     until = {"budget_s": cap_s, "until_target": True}
     plans = [Plan("scale-one-1", "one device", 1, single_sets(batch), "one device", **until)]
     for n in sorted(c for c in counts if c > 1):
