@@ -78,15 +78,15 @@ def check(
     wire per sync, see docs/hosting.md. With ``--device-memory``/``--host-memory``, also say whether
     the peer fits that machine, in which layout, and what to change if not (exit 1 if not).
     """
-    from swarm.training.fit import parse_memory_size
+    from swarm.learning.fit import parse_memory_size
 
     try:
         limits = [None if size is None else parse_memory_size(size) for size in (device_memory, host_memory)]
     except ValueError as exc:
         common.fail(str(exc))
     config = common.load_config_or_exit(file, set_ or ())
+    from swarm.learning.model import hf_model_config
     from swarm.pipeline import plan_stages
-    from swarm.training.model import hf_model_config
 
     try:
         if config.model.kind == "hf":
@@ -97,8 +97,8 @@ def check(
         raise typer.Exit(2) from None
     typer.echo(f"OK: {file} (config hash {config.config_hash()})")
     if estimate:
+        from swarm.learning.estimate import describe_estimate, estimate_peer
         from swarm.pipeline import describe_stages
-        from swarm.training.estimate import describe_estimate, estimate_peer
 
         device = "cpu" if config.train.device == "cpu" else "cuda"
         checkpointing = config.train.activation_checkpointing
@@ -112,8 +112,8 @@ def check(
 
 def _check_fit(config: RunConfig, device_bytes: int | None, host_bytes: int | None) -> None:
     """Print whether one peer fits the machine; exit 1 if it does not."""
-    from swarm.training.estimate import estimate_peer
-    from swarm.training.fit import describe_fit, fit_peer
+    from swarm.learning.estimate import estimate_peer
+    from swarm.learning.fit import describe_fit, fit_peer
 
     device = "cpu" if config.train.device == "cpu" else "cuda"
     fit = fit_peer(config, estimate_peer(config, device), device_bytes, host_bytes)

@@ -1,6 +1,6 @@
 """`swarm data prepare|verify`: tokenize a run's text once into a directory every peer memory-maps.
 
-The library side is :func:`swarm.training.prepare_tokens` and :class:`swarm.training.TokenFile`
+The library side is :func:`swarm.learning.prepare_tokens` and :class:`swarm.learning.TokenFile`
 (docs/training.md, "Prepared tokens"); torch is imported inside the commands.
 """
 
@@ -36,7 +36,7 @@ def prepare(
     the token file, starts on its own shard, and resumes by offset.
     """
     cfg = common.load_run_config(config, set_)
-    from swarm.training import TokenFileError, prepare_tokens
+    from swarm.learning import TokenFileError, prepare_tokens
 
     try:
         prepared = prepare_tokens(cfg.data, out, max_tokens=max_tokens, overwrite=overwrite)
@@ -60,7 +60,7 @@ def verify(
     The config (--config, --set) gives the tokenizer and eval_fraction the directory must match.
     """
     cfg = common.load_run_config(config, set_)
-    from swarm.training import TokenFile, TokenFileError, open_source
+    from swarm.learning import TokenFile, TokenFileError, open_source
 
     data = cfg.data.model_copy(update={"source": "tokens", "paths": [str(directory)]})
     try:

@@ -310,7 +310,7 @@ def _progress_line(members: list) -> str:
 
 def _finish(config: RunConfig, log_dir: Path, peers: int, summary_path: Path | None) -> None:
     """Collect the peers' summaries, print the table and write the JSON summary."""
-    from swarm.training import open_source, unigram_bits
+    from swarm.learning import open_source, unigram_bits
 
     rows = collect([log_dir / f"peer-{i}.summary.json" for i in range(1, peers + 1)])
     if not rows:

@@ -30,7 +30,7 @@ import torch
 
 from swarm.compression import get_codec
 from swarm.gossip import hypercube_partner
-from swarm.training import OuterOptimizer
+from swarm.learning import OuterOptimizer
 
 Tensors = dict[str, torch.Tensor]
 

@@ -125,7 +125,7 @@ class HistoryWatcher:
 @functools.cache
 def n_params() -> int:
     from swarm.config import load_config
-    from swarm.training import build_model, count_parameters
+    from swarm.learning import build_model, count_parameters
 
     config = load_config(REPO / CONFIG, overrides=[], env={})
     return count_parameters(build_model(config.model, config.run.seed))

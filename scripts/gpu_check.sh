@@ -32,8 +32,8 @@ rm -rf "$WORK" && mkdir -p "$WORK"
 # ---------------------------------------------------------------- 1. the CUDA tests (<= 3 minutes)
 TESTS_RC=0
 timeout 180 "$PYTHON" -m pytest -n 0 -q -p no:cacheprovider -k cuda -m "not multipeer" \
-  tests/test_training_device.py tests/test_training_inner.py tests/test_training_model.py \
-  tests/test_training_outer.py tests/test_estimate.py 2>&1 | tee "$WORK/tests.log" | tail -n 15 || TESTS_RC=$?
+  tests/test_learning_device.py tests/test_learning_inner.py tests/test_learning_model.py \
+  tests/test_learning_outer.py tests/test_estimate.py 2>&1 | tee "$WORK/tests.log" | tail -n 15 || TESTS_RC=$?
 TESTS_TAIL="$(tail -n 1 "$WORK/tests.log")"
 
 # ---------------------------------------------------------------- 2. a 2-peer gpt-125m swarm (<= 4 minutes)

@@ -18,8 +18,8 @@ from typing import Any
 import torch
 
 from swarm.config import RunConfig, load_config
-from swarm.training import build_model
-from swarm.training.estimate import activation_bytes, estimate_peer, model_shape
+from swarm.learning import build_model
+from swarm.learning.estimate import activation_bytes, estimate_peer, model_shape
 
 CONFIG = "configs/gpt-125m.yaml"
 

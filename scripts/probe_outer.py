@@ -41,7 +41,7 @@ import torch
 
 from swarm.compression import get_codec
 from swarm.config import load_config
-from swarm.training import (
+from swarm.learning import (
     InnerTrainer,
     OuterOptimizer,
     TrainBatches,

@@ -92,7 +92,7 @@ def test_local_swarm_gives_each_peer_its_share_of_the_cores(monkeypatch) -> None
 @heavy_scenario
 @pytest.mark.multipeer
 @pytest.mark.timeout(2 * DEADLINE_S + 180)
-def test_training_survives_random_kills_and_restarts(spawn, tmp_path) -> None:
+def test_learning_survives_random_kills_and_restarts(spawn, tmp_path) -> None:
     started = time.monotonic()
     baseline = ChaosSwarm(spawn, tmp_path / "baseline", OVERRIDES, size=SIZE).start()
     baseline.run(target_steps=STEPS, max_kills=0, deadline_s=DEADLINE_S, seed=0)

@@ -20,10 +20,10 @@ from swarm.compression import ErrorFeedback, get_codec
 from swarm.gossip import Committed, SyncOutcome, SyncResult, consensus_order, hypercube_partner
 from swarm.gossip._exchange import mix
 from swarm.gossip._protocol import Hello
+from swarm.learning import OuterOptimizer
 from swarm.trainer._gossip import GossipBackend
 from swarm.trainer._live import LiveModel
 from swarm.trainer._offers import DeltaOffers, ModelOffers, partner_round
-from swarm.training import OuterOptimizer
 
 BATCH = 2
 

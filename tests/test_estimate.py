@@ -13,8 +13,8 @@ from typer.testing import CliRunner
 from peers.cli import app
 from swarm.compression import HEADER_SIZE, get_codec
 from swarm.config import load_config
-from swarm.training import build_model, count_parameters
-from swarm.training.estimate import activation_bytes, adamw_state_bytes, estimate_peer, model_shape
+from swarm.learning import build_model, count_parameters
+from swarm.learning.estimate import activation_bytes, adamw_state_bytes, estimate_peer, model_shape
 from tests._processes import heavy_scenario, swarm_cli
 
 CONFIGS = sorted((Path(__file__).resolve().parent.parent / "configs").glob("*.yaml"))
@@ -142,7 +142,7 @@ def test_the_estimate_matches_the_measured_peak_memory(spawn, tmp_path: Path) ->
 
 
 def test_memory_sizes_parse_in_binary_units_and_garbage_is_named() -> None:
-    from swarm.training.fit import parse_memory_size
+    from swarm.learning.fit import parse_memory_size
 
     assert parse_memory_size("12GiB") == parse_memory_size("12 GB") == parse_memory_size("12g") == 12 << 30
     assert parse_memory_size("800MiB") == 800 << 20 and parse_memory_size("1048576") == 1 << 20
@@ -159,7 +159,7 @@ def _llama(*overrides: str):
 def test_a_peer_fits_in_the_layout_the_trainer_would_take_and_else_is_told_what_to_change() -> None:
     """Limits set around the estimate's own numbers: just above a layout's need it fits, just below it
     does not, and the advice names the setting that would make it fit."""
-    from swarm.training.fit import DEVICE_HEADROOM, fit_peer
+    from swarm.learning.fit import DEVICE_HEADROOM, fit_peer
 
     config = _llama()  # activation checkpointing on, outer_state_device auto
     estimate = estimate_peer(config, "cuda")

@@ -12,9 +12,9 @@ from typer.testing import CliRunner
 from peers.cli import app
 from swarm.config import RunConfig, load_config
 from swarm.export import MODEL_FILE, SWARM_FILE, generate, load_exported
+from swarm.learning import InnerTrainer, TrainBatches, build_model, evaluate, make_eval_set, open_source
 from swarm.state import save_checkpoint
 from swarm.trainer import Progress
-from swarm.training import InnerTrainer, TrainBatches, build_model, evaluate, make_eval_set, open_source
 from tests.workers.tiny import TINY, cli_sets
 
 LOCAL_TINY = str(Path(__file__).resolve().parent.parent / "configs" / "local-tiny.yaml")

@@ -10,7 +10,7 @@ import torch
 
 from swarm.config import ModelSection, load_config
 from swarm.export import MODEL_FILE, ExportedModel, export_model, generate, load_exported
-from swarm.training import GPT, build_model
+from swarm.learning import GPT, build_model
 
 transformers = pytest.importorskip("transformers")
 

@@ -16,9 +16,9 @@ from swarm.compression import get_codec
 from swarm.gossip import GossipAverager, PartnerInfo, SyncOutcome
 from swarm.gossip._exchange import ExchangeHooks
 from swarm.gossip._protocol import PROTOCOL_VERSION
+from swarm.learning import OuterOptimizer
 from swarm.trainer._live import LiveModel
 from swarm.trainer._offers import AnchorOffers, DeltaOffers
-from swarm.training import OuterOptimizer
 from tests.workers.gossip_pool import p2pd_pids, wait_no_leak
 
 BATCH = 4

@@ -11,9 +11,9 @@ from __future__ import annotations
 import torch
 
 from swarm.gossip import Committed, SyncOutcome, SyncResult
+from swarm.learning import OuterOptimizer
 from swarm.trainer._live import LiveModel
 from swarm.trainer._offers import MAX_WEIGHT_RATIO, DeltaOffers, ModelOffers
-from swarm.training import OuterOptimizer
 
 CLAIM = 1e29
 

@@ -110,7 +110,7 @@ def test_states_incompatible_stale_and_reported() -> None:
     assert ("stale", pid(5)) in kinds
 
 
-def test_training_peer_without_progress_becomes_stale() -> None:
+def test_learning_peer_without_progress_becomes_stale() -> None:
     a = snap([member(1, T0, step=5)])
     b = snap([member(1, T0 + 20, step=5)], a, T0 + 20)
     c = snap([member(1, T0 + 40, step=5)], b, T0 + 40)

@@ -15,10 +15,7 @@ import pytest
 import torch
 
 from swarm.config import RunConfig, load_config
-from swarm.network import NetworkOptions
-from swarm.pipeline import StagePeer, build_full, plan_stages, stage_parameters
-from swarm.state import list_checkpoints, read_checkpoint
-from swarm.training import (
+from swarm.learning import (
     InnerTrainer,
     OuterOptimizer,
     TrainBatches,
@@ -28,6 +25,9 @@ from swarm.training import (
     make_eval_set,
     open_source,
 )
+from swarm.network import NetworkOptions
+from swarm.pipeline import StagePeer, build_full, plan_stages, stage_parameters
+from swarm.state import list_checkpoints, read_checkpoint
 from tests._processes import wait_until
 
 pytestmark = pytest.mark.multipeer

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from scripts import probe_outer
-from swarm.training import OuterOptimizer
+from swarm.learning import OuterOptimizer
 
 
 def _peers(count: int) -> list[OuterOptimizer]:

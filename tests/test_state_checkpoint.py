@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from swarm.config import ModelSection, TrainSection
+from swarm.learning import InnerTrainer, OuterOptimizer, build_model
 from swarm.state import (
     CheckpointError,
     list_checkpoints,
@@ -20,7 +21,6 @@ from swarm.state import (
     save_checkpoint,
 )
 from swarm.state.checkpoint import HEADER_SIZE, MAGIC
-from swarm.training import InnerTrainer, OuterOptimizer, build_model
 
 HASH = "0123456789abcdef"
 

@@ -19,10 +19,10 @@ import torch.nn.functional as F
 from peers._trainer_output import format_sync_line
 from swarm import _tokenizer
 from swarm.config import ConfigError, diff_configs, load_config
+from swarm.learning import stdlib_files
+from swarm.learning.data import corpus_from_files
 from swarm.network import NetworkOptions
 from swarm.trainer import SyncReport, TrainingPeer
-from swarm.training import stdlib_files
-from swarm.training.data import corpus_from_files
 from tests.workers.tiny import TINY
 
 pytest.importorskip("transformers")
@@ -171,7 +171,7 @@ def test_a_streamed_dataset_is_tokenized_too(bpe512, tmp_path) -> None:
     path.write_text("\n".join(lines) + "\n")
     stream = datasets.load_dataset("text", data_files=str(path), split="train", streaming=True)
     tokenizer = _tokenizer.load_tokenizer(str(bpe512))
-    from swarm.training import HFStreamSource, TrainBatches, make_eval_set
+    from swarm.learning import HFStreamSource, TrainBatches, make_eval_set
 
     source = HFStreamSource(stream, eval_fraction=0.1, shuffle_buffer=50, tokenizer=tokenizer)
     eval_set = make_eval_set(source, 16, 4)

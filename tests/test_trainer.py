@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 
 from swarm.config import load_config
+from swarm.learning import evaluate
 from swarm.network import NetworkOptions
 from swarm.state import list_checkpoints, read_checkpoint
 from swarm.trainer import SyncReport, TrainingPeer
-from swarm.training import evaluate
 from tests._processes import heavy_scenario, swarm_cli, wait_until
 from tests.workers.tiny import TINY, cli_sets
 

@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from swarm.compression import FrameError, TensorStreamDecoder, encode_tensors, get_codec
+from swarm.learning import OuterOptimizer
 from swarm.state import StateTransferError
 from swarm.trainer._joining import progress_of, snapshot_of, state_limits
 from swarm.trainer._progress import Progress
-from swarm.training import OuterOptimizer
 
 
 def test_progress_of_takes_the_counters_of_an_honest_meta() -> None:

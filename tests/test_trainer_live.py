@@ -8,8 +8,8 @@ import time
 import pytest
 import torch
 
+from swarm.learning import OuterOptimizer
 from swarm.trainer._live import LiveModel, Update, probe_distance, probe_positions
-from swarm.training import OuterOptimizer
 
 BATCH = 4
 

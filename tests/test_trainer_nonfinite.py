@@ -8,10 +8,10 @@ import threading
 import torch
 
 from swarm.config import load_config
+from swarm.learning import all_finite
 from swarm.network import NetworkOptions
 from swarm.state import list_checkpoints, read_checkpoint
 from swarm.trainer import TrainingPeer
-from swarm.training import all_finite
 from tests.workers.tiny import TINY
 
 POISON_AT = (7, 18)  # inner steps after which a parameter is overwritten with NaN / Inf

@@ -37,8 +37,8 @@ from swarm._tokenizer import load_tokenizer
 from swarm.config import ModelSection, RunConfig
 from swarm.export._byte_tokenizer import BYTE_VOCAB, byte_tokenizer
 from swarm.export._gpt2 import from_gpt2, gpt2_config, to_gpt2
+from swarm.learning import build_model
 from swarm.state import CheckpointError, load_latest_checkpoint, read_checkpoint
-from swarm.training import build_model
 
 logger = logging.getLogger(__name__)
 
@@ -185,8 +185,8 @@ def _save_tokenizer(exported: ExportedModel, directory: Path) -> None:
 def load_exported(directory: str | os.PathLike[str]) -> ExportedModel:
     """Load what :func:`export_model` wrote (in eval mode, on the CPU); raises :class:`ExportError`.
 
-    The built-in GPT comes back as :class:`~swarm.training.GPT` (for ``swarm generate``), from either
-    layout; an hf model as :class:`~swarm.training.model.HFCausalLM` (needs transformers).
+    The built-in GPT comes back as :class:`~swarm.learning.GPT` (for ``swarm generate``), from either
+    layout; an hf model as :class:`~swarm.learning.model.HFCausalLM` (needs transformers).
     """
     root = Path(directory)
     meta_path = root / SWARM_FILE if (root / SWARM_FILE).is_file() else root / CONFIG_FILE
@@ -204,7 +204,7 @@ def load_exported(directory: str | os.PathLike[str]) -> ExportedModel:
     if section.kind == "hf":
         from transformers import AutoModelForCausalLM
 
-        from swarm.training.model import HFCausalLM
+        from swarm.learning.model import HFCausalLM
 
         model = HFCausalLM(AutoModelForCausalLM.from_pretrained(root))
     else:

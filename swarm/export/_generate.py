@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from swarm.training import GPT
+from swarm.learning import GPT
 
 BYTE_VOCAB = 256
 

@@ -3,7 +3,7 @@
 Both are pre-LayerNorm transformers with learned position embeddings and a head tied to the token
 embedding; every tensor maps one to one (GPT-2's ``Conv1D`` stores its weight transposed)::
 
-    swarm GPT (swarm/training/model.py)        GPT2LMHeadModel
+    swarm GPT (swarm/learning/model.py)        GPT2LMHeadModel
     wte, wpe                                   transformer.wte, transformer.wpe
     blocks.i.ln_1, ln_2 (LayerNorm, eps 1e-5)  transformer.h.i.ln_1, ln_2 (layer_norm_epsilon 1e-5)
     blocks.i.attn.qkv (C -> 3C, q|k|v, bias)   transformer.h.i.attn.c_attn (weight transposed)

@@ -11,8 +11,8 @@ import torch
 from swarm.compression import DecodeLimits
 from swarm.config import RunConfig
 from swarm.export._files import ExportedModel, ExportError, progress_counters, run_tokenizer
+from swarm.learning import build_model
 from swarm.state import StateTransferError, choose_donors, download_state, initial_peer_ids, progress_of
-from swarm.training import build_model
 
 if TYPE_CHECKING:
     from swarm import SwarmNode

@@ -32,12 +32,12 @@ from dataclasses import dataclass
 
 import torch
 
+from swarm.learning import EvalSet
 from swarm.pipeline._client import CallFailed, Reply, StageClient
 from swarm.pipeline._compute import DeviceClock
 from swarm.pipeline._protocol import EVAL_SAMPLES, Request, StageError
 from swarm.pipeline._router import Router
 from swarm.pipeline._stages import StageModule
-from swarm.training import EvalSet
 
 logger = logging.getLogger(__name__)
 

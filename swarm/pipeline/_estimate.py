@@ -1,6 +1,6 @@
 """What one stage peer needs: memory, and activation bytes on the wire per sample (``swarm config check``).
 
-The pieces are :mod:`swarm.training.estimate`'s, applied to one stage's tensors (sizes only):
+The pieces are :mod:`swarm.learning.estimate`'s, applied to one stage's tensors (sizes only):
 weights and gradients (float32), the inner AdamW state, the outer anchor and momentum, the
 pseudo-gradient's error-feedback residual and an exchange's buffers (the stage's own gossip), plus
 
@@ -21,8 +21,7 @@ import torch
 
 from swarm.compression import HEADER_SIZE, get_codec
 from swarm.config import RunConfig
-from swarm.pipeline._plan import StageSpec, check_pipeline, cut_stages, tensor_sizes
-from swarm.training.estimate import (
+from swarm.learning.estimate import (
     GIB,
     Shape,
     activation_bytes,
@@ -30,6 +29,7 @@ from swarm.training.estimate import (
     format_bytes,
     gossip_peak_buffer_bytes,
 )
+from swarm.pipeline._plan import StageSpec, check_pipeline, cut_stages, tensor_sizes
 
 
 class _Tensors:

@@ -30,6 +30,7 @@ import torch
 
 from swarm.config import RunConfig
 from swarm.gossip import ExchangeMetrics
+from swarm.learning import lr_at, nats_to_bits
 from swarm.membership import PeerState
 from swarm.network import NetworkOptions
 from swarm.pipeline._balance import Rebalancer, choose_stage, stage_loads
@@ -37,7 +38,6 @@ from swarm.pipeline._estimate import plan_stages
 from swarm.pipeline._roster import Roster
 from swarm.pipeline._stage_role import DataHolderRole, ServerRole, StageRole, make_role
 from swarm.trainer import PeerCore, RoundResult, SyncReport
-from swarm.training import lr_at, nats_to_bits
 
 logger = logging.getLogger(__name__)
 

@@ -18,6 +18,15 @@ import torch
 
 from swarm._node import SwarmNode
 from swarm.config import RunConfig
+from swarm.learning import (
+    Corpus,
+    EvalSet,
+    HFStreamSource,
+    TokenFile,
+    TrainBatches,
+    all_finite,
+    make_inner_optimizer,
+)
 from swarm.pipeline._balance import ACTIVE
 from swarm.pipeline._client import StageClient
 from swarm.pipeline._compute import DeviceClock, StageWorker
@@ -37,15 +46,6 @@ from swarm.trainer import (
     RoundResult,
     make_backend,
     roll_back,
-)
-from swarm.training import (
-    Corpus,
-    EvalSet,
-    HFStreamSource,
-    TokenFile,
-    TrainBatches,
-    all_finite,
-    make_inner_optimizer,
 )
 
 logger = logging.getLogger(__name__)

@@ -22,8 +22,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from swarm.config import ModelSection
+from swarm.learning.model import Block
 from swarm.pipeline._plan import StageSpec
-from swarm.training.model import Block
 
 INIT_STD = 0.02
 

@@ -113,7 +113,7 @@ class BackendContext:
 def outer_state_device(context: BackendContext) -> str | None:
     """``cpu`` when the outer state goes to host memory (``averaging.outer_state_device``), else None:
     next to the parameters."""
-    from swarm.training.estimate import outer_state_on_host
+    from swarm.learning.estimate import outer_state_on_host
 
     return "cpu" if outer_state_on_host(context.config, context.device) else None
 

@@ -18,9 +18,9 @@ from typing import Any
 import torch
 
 from swarm.config import RunConfig
+from swarm.learning import all_finite
 from swarm.state import load_latest_checkpoint, save_checkpoint
 from swarm.trainer._progress import Progress
-from swarm.training import all_finite
 
 logger = logging.getLogger(__name__)
 

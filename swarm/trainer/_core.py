@@ -28,6 +28,7 @@ from swarm._node import NodeInfo, SwarmNode
 from swarm._periodic import calling_on
 from swarm.config import RunConfig
 from swarm.gossip import ExchangeMetrics
+from swarm.learning import make_eval_set, open_source, resolve_device, total_samples_of
 from swarm.membership import PeerState
 from swarm.network import NetworkOptions, ReachabilityResult
 from swarm.p2p import RELAYED
@@ -37,7 +38,6 @@ from swarm.trainer._ledger import SwarmLedger
 from swarm.trainer._phases import PhaseTimers
 from swarm.trainer._progress import Progress
 from swarm.trainer._report import SyncReport
-from swarm.training import make_eval_set, open_source, resolve_device, total_samples_of
 
 logger = logging.getLogger(__name__)
 

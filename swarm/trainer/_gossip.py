@@ -41,6 +41,7 @@ from swarm.gossip import (
     consensus_order,
     hypercube_partner,
 )
+from swarm.learning import OuterOptimizer, all_finite
 from swarm.state import StateServer, StateTransferError, download_state, initial_peer_ids
 from swarm.trainer._backend import (
     BackendContext,
@@ -54,7 +55,6 @@ from swarm.trainer._joining import adopt, choose_donors, progress_of, snapshot_o
 from swarm.trainer._live import LiveModel, Update
 from swarm.trainer._offers import ANCHOR_WEIGHT, AnchorOffers, DeltaOffers, ModelOffers
 from swarm.trainer._sync import SyncWorker, make_averager
-from swarm.training import OuterOptimizer, all_finite
 
 logger = logging.getLogger(__name__)
 

@@ -18,9 +18,9 @@ from typing import Any
 import torch
 
 from swarm.compression import DecodeLimits
+from swarm.learning import OuterOptimizer
 from swarm.state import StateSnapshot, choose_donors, make_snapshot, progress_of
 from swarm.trainer._progress import Progress
-from swarm.training import OuterOptimizer
 
 __all__ = ["adopt", "choose_donors", "progress_of", "snapshot_of", "state_limits"]
 

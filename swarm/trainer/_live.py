@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from swarm._device import release_free_host_memory
-from swarm.training import OuterOptimizer, all_finite
+from swarm.learning import OuterOptimizer, all_finite
 
 Tensors = dict[str, torch.Tensor]
 

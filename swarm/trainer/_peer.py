@@ -27,13 +27,7 @@ import torch
 
 from swarm.config import RunConfig
 from swarm.gossip import ExchangeMetrics
-from swarm.network import NetworkOptions
-from swarm.trainer._backend import AveragingBackend, BackendContext, JoinResult, RoundResult
-from swarm.trainer._core import PeerCore
-from swarm.trainer._factory import make_backend
-from swarm.trainer._report import SyncReport
-from swarm.trainer._rollback import roll_back
-from swarm.training import (
+from swarm.learning import (
     InnerTrainer,
     Interrupted,
     Prefetcher,
@@ -44,6 +38,12 @@ from swarm.training import (
     evaluate,
     lr_at,
 )
+from swarm.network import NetworkOptions
+from swarm.trainer._backend import AveragingBackend, BackendContext, JoinResult, RoundResult
+from swarm.trainer._core import PeerCore
+from swarm.trainer._factory import make_backend
+from swarm.trainer._report import SyncReport
+from swarm.trainer._rollback import roll_back
 
 logger = logging.getLogger(__name__)
 
@@ -101,7 +101,7 @@ class TrainingPeer(PeerCore):
         """What the exchanges will allocate on the device, for a micro-batch sized automatically."""
         if self.config.train.micro_batch_size is not None or self.device.type != "cuda":
             return 0
-        from swarm.training.estimate import exchange_reserve_bytes
+        from swarm.learning.estimate import exchange_reserve_bytes
 
         return exchange_reserve_bytes(self.config, self.device)
 
@@ -214,7 +214,7 @@ class TrainingPeer(PeerCore):
     def evaluate(self, *, stop: threading.Event | None = None) -> float:
         """Score the model on the held-out split now; book it in bits per token and per byte.
 
-        A set ``stop`` abandons it (:class:`~swarm.training.Interrupted`), booking nothing."""
+        A set ``stop`` abandons it (:class:`~swarm.learning.Interrupted`), booking nothing."""
         batches = self.config.train.eval_batches
         self.inner.free_gradients()  # the evaluation's activations and logits take their place
         self.progress.eval_loss = evaluate(

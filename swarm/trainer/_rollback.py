@@ -11,9 +11,9 @@ import logging
 
 import torch
 
+from swarm.learning import all_finite
 from swarm.trainer._backend import AveragingBackend, JoinResult
 from swarm.trainer._progress import Progress
-from swarm.training import all_finite
 
 logger = logging.getLogger(__name__)
 

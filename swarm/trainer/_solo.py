@@ -13,8 +13,8 @@ import torch
 
 from swarm.config import AveragingSection
 from swarm.gossip import ExchangeMetrics
+from swarm.learning import OuterOptimizer
 from swarm.trainer._backend import BackendContext, JoinResult, NoGuard, RoundResult, outer_state_device
-from swarm.training import OuterOptimizer
 
 
 class RoundClock:

@@ -22,10 +22,10 @@ from hivemind.utils.timed_storage import get_dht_time
 
 from swarm import NetworkOptions, NodeInfo, SwarmNode
 from swarm.config import RunConfig
+from swarm.learning import build_model
 from swarm.membership import publish_run_config, run_config_key
 from swarm.membership._run_config import RunConfigRecord
 from swarm.state import StateServer, StateSnapshot, make_snapshot
-from swarm.training import build_model
 
 CLAIMED_SAMPLES = 10**15
 """What every hostile record claims to have trained (the ledger must not credit it)."""

@@ -43,6 +43,7 @@ from hivemind.averaging.group_info import GroupInfo
 from hivemind.compression import CompressionInfo
 
 from swarm.gossip import ExchangeMetrics
+from swarm.learning import OuterOptimizer
 from swarm.trainer._backend import (
     BackendContext,
     JoinResult,
@@ -59,7 +60,6 @@ from swarm.trainer.baselines._hivemind_wire import (
     WireCounters,
     hivemind_codec,
 )
-from swarm.training import OuterOptimizer
 
 logger = logging.getLogger(__name__)
 

@@ -34,6 +34,8 @@ from hivemind.utils.crypto import RSAPrivateKey
 
 from swarm.config import RunConfig
 from swarm.gossip import ExchangeMetrics
+from swarm.learning import all_finite
+from swarm.learning.inner import parameter_groups
 from swarm.trainer._backend import BackendContext, JoinResult, NoGuard, RoundResult
 from swarm.trainer.baselines._hivemind_wire import (
     MATCHMAKING_TIME_S,
@@ -42,8 +44,6 @@ from swarm.trainer.baselines._hivemind_wire import (
     WireCounters,
     hivemind_codec,
 )
-from swarm.training import all_finite
-from swarm.training.inner import parameter_groups
 
 
 class _CountingStateAverager(CountingAverager, TrainingStateAverager):

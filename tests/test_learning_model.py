@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from swarm.config import DataSection, ModelSection, TrainSection
-from swarm.training import (
+from swarm.learning import (
     GPT,
     InnerTrainer,
     TrainBatches,

@@ -1,18 +1,20 @@
-"""Training components: model, data, the inner loop and the outer (DiLoCo) step. See docs/training.md."""
+"""How a model learns on one device: model, data, the inner loop, evaluation and the outer (DiLoCo) step.
 
-from swarm.training._micro_batch import auto_micro_batch_size, is_oom
-from swarm.training._optimizer import (
+The peer that trains in the swarm with these is :mod:`swarm.trainer`. See docs/training.md."""
+
+from swarm.learning._micro_batch import auto_micro_batch_size, is_oom
+from swarm.learning._optimizer import (
     adamw8bit_works,
     bitsandbytes_installed,
     make_inner_optimizer,
     optimizer_name,
     optimizer_state_bytes,
 )
-from swarm.training._precision import Precision, resolve_precision
-from swarm.training._prefetch import Prefetcher
-from swarm.training._prepare import prepare_tokens
-from swarm.training._throughput import PEAK_TFLOPS, Throughput, flops_per_token, peak_flops, peak_memory_bytes
-from swarm.training.data import (
+from swarm.learning._precision import Precision, resolve_precision
+from swarm.learning._prefetch import Prefetcher
+from swarm.learning._prepare import prepare_tokens
+from swarm.learning._throughput import PEAK_TFLOPS, Throughput, flops_per_token, peak_flops, peak_memory_bytes
+from swarm.learning.data import (
     Corpus,
     HFStreamSource,
     TokenFile,
@@ -21,7 +23,7 @@ from swarm.training.data import (
     open_source,
     stdlib_files,
 )
-from swarm.training.evaluation import (
+from swarm.learning.evaluation import (
     EvalSet,
     Interrupted,
     chunked_cross_entropy,
@@ -30,15 +32,15 @@ from swarm.training.evaluation import (
     nats_to_bits,
     unigram_bits,
 )
-from swarm.training.inner import (
+from swarm.learning.inner import (
     InnerTrainer,
     StepStats,
     lr_at,
     resolve_device,
     total_samples_of,
 )
-from swarm.training.model import GPT, build_model, count_parameters, lm_loss
-from swarm.training.outer import OuterOptimizer, all_finite, drift
+from swarm.learning.model import GPT, build_model, count_parameters, lm_loss
+from swarm.learning.outer import OuterOptimizer, all_finite, drift
 
 __all__ = [
     "GPT",

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from swarm.config import AveragingSection, ModelSection
-from swarm.training import OuterOptimizer, build_model, drift
+from swarm.learning import OuterOptimizer, build_model, drift
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none present)")
 

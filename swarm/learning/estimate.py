@@ -42,9 +42,9 @@ from torch import nn
 
 from swarm.compression import HEADER_SIZE, get_codec
 from swarm.config import RunConfig
-from swarm.training._optimizer import adamw8bit_works, bitsandbytes_installed, optimizer_state_bytes
-from swarm.training.evaluation import VOCAB_CHUNK
-from swarm.training.model import build_model, count_parameters
+from swarm.learning._optimizer import adamw8bit_works, bitsandbytes_installed, optimizer_state_bytes
+from swarm.learning.evaluation import VOCAB_CHUNK
+from swarm.learning.model import build_model, count_parameters
 
 GIB = 1 << 30
 

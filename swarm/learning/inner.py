@@ -26,23 +26,23 @@ from torch import nn
 
 from swarm._device import describe_device
 from swarm.config import EmulationSection, TrainSection
-from swarm.training._micro_batch import auto_micro_batch_size, is_oom
-from swarm.training._optimizer import (
+from swarm.learning._micro_batch import auto_micro_batch_size, is_oom
+from swarm.learning._optimizer import (
     make_inner_optimizer,
     optimizer_name,
     optimizer_state_bytes,
     parameter_groups,  # noqa: F401  # re-exported: the hivemind baseline and tests import it from here
 )
-from swarm.training._precision import resolve_precision
-from swarm.training._throughput import (
+from swarm.learning._precision import resolve_precision
+from swarm.learning._throughput import (
     Throughput,
     flops_per_token,
     model_dims,
     peak_flops,
     peak_memory_bytes,
 )
-from swarm.training.evaluation import Interrupted, nats_to_bits
-from swarm.training.model import count_parameters, lm_loss
+from swarm.learning.evaluation import Interrupted, nats_to_bits
+from swarm.learning.model import count_parameters, lm_loss
 
 logger = logging.getLogger(__name__)
 
@@ -130,7 +130,7 @@ class InnerTrainer:
     """Takes inner optimizer steps on a model, one batch from an iterator of ``(x, y)`` at a time.
 
     ``train.precision`` picks the autocast type (and a loss scaler for fp16, see
-    :mod:`swarm.training._precision`); ``train.compile`` runs the forward through :func:`torch.compile`.
+    :mod:`swarm.learning._precision`); ``train.compile`` runs the forward through :func:`torch.compile`.
     Without ``micro_batch_size`` (nor ``train.micro_batch_size``) the micro-batch is sized from the
     memory free now, less the inner optimizer's state when it does not exist yet and
     ``reserve_bytes``: build the trainer after the rest of the persistent state.
@@ -230,7 +230,7 @@ class InnerTrainer:
         """One optimizer step on the next batch of ``batch_iter``, at ``lr`` when given.
 
         A set ``stop`` abandons the step before its next micro-batch and before the parameter update
-        (:class:`~swarm.training.evaluation.Interrupted`): the gradients are dropped, the parameters
+        (:class:`~swarm.learning.evaluation.Interrupted`): the gradients are dropped, the parameters
         and the optimizer state are those of the last step, and the drawn batch is not trained on.
 
         Out of memory in a forward or backward pass is not fatal: the gradients are dropped, the

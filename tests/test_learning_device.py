@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from swarm.config import ModelSection, TrainSection, load_config
-from swarm.training import (
+from swarm.learning import (
     EvalSet,
     InnerTrainer,
     Precision,
@@ -39,7 +39,7 @@ from swarm.training import (
     resolve_device,
     resolve_precision,
 )
-from swarm.training.estimate import estimate_peer
+from swarm.learning.estimate import estimate_peer
 from tests._markers import needs_cuda
 
 TINY = ModelSection(n_layer=1, n_head=2, n_embd=32, block_size=16)
@@ -80,7 +80,7 @@ def test_an_oom_halves_the_micro_batch_and_the_step_equals_one_at_the_smaller_si
         InnerTrainer(flaky, cfg, CPU, micro_batch_size=16),
         InnerTrainer(steady, cfg, CPU, micro_batch_size=4),
     ]
-    with caplog.at_level(logging.WARNING, logger="swarm.training.inner"):
+    with caplog.at_level(logging.WARNING, logger="swarm.learning.inner"):
         stats = [t.step(batches(1), lr=1e-2) for t in trainers]
         trainers[0].step(batches(1, seed=1))  # no further halving, no further log
     assert trainers[0].micro_batch_size == 4 and trainers[0].oom_retries == 2  # 16 -> 8 -> 4
@@ -151,7 +151,7 @@ def test_evaluation_at_the_micro_batch_in_vocabulary_chunks_equals_the_whole_bat
 
 
 def test_evaluation_stops_between_micro_batches() -> None:
-    from swarm.training import Interrupted
+    from swarm.learning import Interrupted
 
     stop = threading.Event()
     stop.set()
@@ -405,7 +405,7 @@ def test_cuda_evaluation_peak_stays_below_the_training_one() -> None:
 
 
 def test_the_config_headers_state_what_config_check_estimates() -> None:
-    from swarm.training.estimate import format_bytes
+    from swarm.learning.estimate import format_bytes
 
     for name, layouts in (("llama-1b", (False, True)), ("gpt-125m", (False, True))):
         path = f"configs/{name}.yaml"
@@ -461,7 +461,7 @@ def test_the_gpu_check_report_compares_the_peak_with_the_estimate_at_the_chosen_
 
 
 def test_the_micro_batch_leaves_room_for_exchanges_only_when_they_run_on_the_device(monkeypatch) -> None:
-    from swarm.training import estimate
+    from swarm.learning import estimate
 
     config = load_config("configs/local-tiny.yaml", env={})
     assert estimate.exchange_reserve_bytes(config, CPU) == 0

@@ -12,7 +12,7 @@ import torch
 
 from swarm._tokenizer import Tokenizer
 from swarm.config import DataSection
-from swarm.training._windows import encode, hash64, is_held_out
+from swarm.learning._windows import encode, hash64, is_held_out
 
 ENCODE_BATCH = 256
 """Documents tokenized in one call: a fast tokenizer encodes a batch in parallel."""

@@ -2,7 +2,7 @@
 
 ``swarm config check FILE --device-memory 12GiB --host-memory 16GiB`` asks this of
 :func:`fit_peer`. The layouts are the trainer's own choices
-(:func:`swarm.training.estimate.outer_state_on_host`): the outer state (anchor, momentum, residuals,
+(:func:`swarm.learning.estimate.outer_state_on_host`): the outer state (anchor, momentum, residuals,
 exchange buffers) on the device, or in host memory, with the config's activation checkpointing.
 ``averaging.outer_state_device: auto`` takes the device layout when it needs at most
 :data:`DEVICE_HEADROOM` of the device, else the host layout; ``device`` and ``host`` take theirs.
@@ -15,7 +15,7 @@ import re
 from dataclasses import dataclass
 
 from swarm.config import RunConfig
-from swarm.training.estimate import PeerEstimate, format_bytes
+from swarm.learning.estimate import PeerEstimate, format_bytes
 
 DEVICE_HEADROOM = 0.9
 """The share of a device's memory a layout may need (the trainer's ``auto`` threshold): the rest is

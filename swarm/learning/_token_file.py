@@ -1,6 +1,6 @@
 """``data.source: tokens``: a directory of pre-tokenized text that every peer memory-maps.
 
-Layout (written by :func:`swarm.training.prepare_tokens`, the ``swarm data prepare`` command)::
+Layout (written by :func:`swarm.learning.prepare_tokens`, the ``swarm data prepare`` command)::
 
     DIR/train.bin    the training tokens, little-endian uint16 (uint32 when the vocabulary needs it)
     DIR/eval.bin     the held-out tokens, in the same dtype
@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from swarm._tokenizer import Tokenizer
-from swarm.training._windows import window_starts
+from swarm.learning._windows import window_starts
 
 logger = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ at most ``depth`` batches, so the thread runs ahead by that much and no more.
 
 ``samples_drawn`` counts the samples handed to the consumer (not those waiting in the queue), so a
 checkpoint taken while batches wait records only what was trained on; :meth:`Prefetcher.give_back`
-returns the last batch handed out, like :meth:`swarm.training.TrainBatches.give_back`, and it is
+returns the last batch handed out, like :meth:`swarm.learning.TrainBatches.give_back`, and it is
 drawn again next.
 """
 

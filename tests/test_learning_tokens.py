@@ -17,8 +17,8 @@ from typer.testing import CliRunner
 
 from peers.cli import app
 from swarm.config import ConfigError, DataSection, load_config
-from swarm.training import TokenFile, TokenFileError, TrainBatches, open_source, prepare_tokens, stdlib_files
-from swarm.training.data import HFStreamSource
+from swarm.learning import TokenFile, TokenFileError, TrainBatches, open_source, prepare_tokens, stdlib_files
+from swarm.learning.data import HFStreamSource
 
 BLOCK = 16
 BATCH = 8
@@ -220,7 +220,7 @@ def test_prepared_bpe_tokens_match_the_tokenized_text(text_dir: Path, tmp_path: 
 
 
 def test_a_large_vocabulary_is_stored_as_uint32(tmp_path: Path) -> None:
-    from swarm.training._token_file import EVAL_FILE, TRAIN_FILE, TokenWriter, dtype_for
+    from swarm.learning._token_file import EVAL_FILE, TRAIN_FILE, TokenWriter, dtype_for
 
     assert (dtype_for(256), dtype_for(65536), dtype_for(65537)) == ("uint16", "uint16", "uint32")
     writer = TokenWriter(tmp_path / TRAIN_FILE, "uint32", 100_000)

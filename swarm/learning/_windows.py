@@ -1,6 +1,6 @@
 """What every token source shares: the held-out test, text to tokens, and the order of a peer's windows.
 
-The order is described in :mod:`swarm.training.data` ("Peer shards"); :func:`window_starts` computes it
+The order is described in :mod:`swarm.learning.data` ("Peer shards"); :func:`window_starts` computes it
 from the number of training tokens alone, so an in-memory corpus and a memory-mapped token file of the
 same tokens hand a peer exactly the same windows, and resuming after ``skip`` windows is arithmetic.
 """
@@ -44,7 +44,7 @@ def encode(texts: Sequence[bytes | str], tokenizer: Tokenizer | None) -> torch.T
 
 
 class TokenSource(Protocol):
-    """What :class:`~swarm.training.TrainBatches` and ``make_eval_set`` need from a source of tokens."""
+    """What :class:`~swarm.learning.TrainBatches` and ``make_eval_set`` need from a source of tokens."""
 
     @property
     def unit(self) -> str: ...

@@ -4,7 +4,7 @@ The micro-batch is sized after the persistent state exists (the model, the outer
 exchange's buffers where they live on the device), against the memory that is *free* then, less what
 is known to come later and is not there yet (the inner optimizer's state, made at its first step).
 Other processes on the GPU, allocator fragmentation and the exchange's temporaries can still exhaust
-it mid-run; :class:`swarm.training.InnerTrainer` then halves the micro-batch and retries the step.
+it mid-run; :class:`swarm.learning.InnerTrainer` then halves the micro-batch and retries the step.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from swarm.training._precision import Precision
-from swarm.training.model import lm_loss
+from swarm.learning._precision import Precision
+from swarm.learning.model import lm_loss
 
 logger = logging.getLogger(__name__)
 

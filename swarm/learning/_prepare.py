@@ -20,8 +20,8 @@ import numpy as np
 from swarm._atomic import replace_directory, write_json_synced
 from swarm._tokenizer import Tokenizer, load_tokenizer
 from swarm.config import DataSection
-from swarm.training._hf_stream import HFStreamSource
-from swarm.training._token_file import (
+from swarm.learning._hf_stream import HFStreamSource
+from swarm.learning._token_file import (
     CHUNK_BYTES,
     EVAL_FILE,
     FORMAT,
@@ -34,8 +34,8 @@ from swarm.training._token_file import (
     dtype_for,
     tokenizer_identity,
 )
-from swarm.training._windows import BYTE_VOCAB, encode
-from swarm.training.data import corpus_from_files, expand_paths, split_file, stdlib_files
+from swarm.learning._windows import BYTE_VOCAB, encode
+from swarm.learning.data import corpus_from_files, expand_paths, split_file, stdlib_files
 
 
 class _Budget:

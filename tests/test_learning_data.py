@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from swarm.config import DataSection, TrainSection
-from swarm.training import (
+from swarm.learning import (
     GPT,
     Corpus,
     EvalSet,
@@ -24,7 +24,7 @@ from swarm.training import (
     stdlib_files,
     unigram_bits,
 )
-from swarm.training.data import HFStreamSource, corpus_from_files, expand_paths, is_held_out
+from swarm.learning.data import HFStreamSource, corpus_from_files, expand_paths, is_held_out
 
 BLOCK = 16
 
@@ -174,7 +174,7 @@ def test_uniform_model_scores_eight_bits_per_byte() -> None:
     assert evaluate(Uniform(), eval_set, batches=3) == pytest.approx(math.log2(256), abs=1e-5)
 
 
-def test_training_and_held_out_loss_of_one_batch_are_the_same_number() -> None:
+def test_learning_and_held_out_loss_of_one_batch_are_the_same_number() -> None:
     """Both losses are bits per byte: scored on the very batch it trains on (lr 0, no dropout), the
     held-out evaluation gives the training step's loss; a step reporting nats would be ln 2 times it."""
     from swarm.config import ModelSection

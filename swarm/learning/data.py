@@ -6,11 +6,11 @@ Sources (``data.source``):
 * ``files``: local text files, directories (read recursively) or glob patterns (``data.paths``);
 * ``hf``: a Hugging Face ``datasets`` dataset, streamed (needs the optional ``datasets`` package);
 * ``tokens``: a directory of tokens that ``swarm data prepare`` wrote from one of the above, which every
-  peer memory-maps (:mod:`swarm.training._token_file`).
+  peer memory-maps (:mod:`swarm.learning._token_file`).
 
 Text is tokenized as raw bytes (token = byte value, 256 tokens, losses in bits per byte), or with the
 ``transformers`` tokenizer ``data.tokenizer`` names (losses in bits per token; the evaluation also
-reports bits per byte, :mod:`swarm.training.evaluation`).
+reports bits per byte, :mod:`swarm.learning.evaluation`).
 
 Held-out split: text is cut into pieces (a whole file, or 64 KiB of a longer one; a whole document
 for streams) and a piece is held out when a hash of its *content* falls below ``eval_fraction``. The
@@ -42,9 +42,9 @@ import torch
 
 from swarm._tokenizer import Tokenizer, load_tokenizer
 from swarm.config import DataSection, RunConfig
-from swarm.training._hf_stream import HFStreamSource
-from swarm.training._token_file import TokenFile, TokenFileError, open_token_file
-from swarm.training._windows import BYTE_VOCAB, MAX_SHARDS, TokenSource, encode, is_held_out, window_starts
+from swarm.learning._hf_stream import HFStreamSource
+from swarm.learning._token_file import TokenFile, TokenFileError, open_token_file
+from swarm.learning._windows import BYTE_VOCAB, MAX_SHARDS, TokenSource, encode, is_held_out, window_starts
 
 __all__ = [
     "BYTE_VOCAB",

@@ -18,8 +18,8 @@ import torch
 from torch import nn
 
 from swarm._tokenizer import Tokenizer
-from swarm.training._precision import Precision
-from swarm.training.data import TokenSource
+from swarm.learning._precision import Precision
+from swarm.learning.data import TokenSource
 
 LN2 = math.log(2)
 
@@ -27,7 +27,7 @@ LN2 = math.log(2)
 class Interrupted(Exception):
     """A stop event was set: the step or evaluation in progress was abandoned, nothing of it applied.
 
-    Raised between micro-batches (:meth:`~swarm.training.InnerTrainer.step`) and between held-out
+    Raised between micro-batches (:meth:`~swarm.learning.InnerTrainer.step`) and between held-out
     batches (:func:`evaluate`), so that a shutdown waits for at most one of them."""
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from swarm.config import EmulationSection, ModelSection, TrainSection
-from swarm.training import (
+from swarm.learning import (
     InnerTrainer,
     auto_micro_batch_size,
     build_model,
@@ -17,7 +17,7 @@ from swarm.training import (
     resolve_device,
     total_samples_of,
 )
-from swarm.training.inner import MIN_LR_RATIO, parameter_groups
+from swarm.learning.inner import MIN_LR_RATIO, parameter_groups
 from tests._markers import needs_cuda
 
 TINY = ModelSection(n_layer=1, n_head=2, n_embd=32, block_size=16)
