@@ -115,7 +115,10 @@ def test_joiner_adopts_live_parameters_and_slow_fast_peers_both_contribute(tmp_p
     base = _config(
         tmp_path,
         "averaging.sync_every_steps=1000",
-        "averaging.sync_every_seconds=1.0",
+        # a donor serves only its latest state, and the joiner reads its digest from a record up to a
+        # record interval (1 s) old: a round every second moved the donor on under all three download
+        # attempts in a loaded full run ("digest mismatch"); every 2.5 s leaves the record time to follow
+        "averaging.sync_every_seconds=2.5",
         "averaging.exchange=pseudo-gradient",  # weights are samples only in the pseudo-gradient rule
     )
     fast = _Runner(base, NetworkOptions())
