@@ -247,6 +247,7 @@ def test_eligible_partners_filters_and_random_order() -> None:
         PartnerInfo("othercfg", PROTOCOL_VERSION, "zzz"),
         PartnerInfo("banned", PROTOCOL_VERSION, "cfg"),
         PartnerInfo("leaving", PROTOCOL_VERSION, "cfg", leaving=True),
+        PartnerInfo("joining", PROTOCOL_VERSION, "cfg", joining=True),
     ]
     eligible = eligible_partners(
         candidates, self_id="me", protocol_version=PROTOCOL_VERSION, config_hash="cfg", banned=bans.is_banned

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from swarm.config import load_config
+from swarm.gossip import SyncOutcome, SyncResult
 from swarm.learning import evaluate
 from swarm.network import NetworkOptions
 from swarm.state import list_checkpoints, read_checkpoint
@@ -186,6 +187,53 @@ def test_joiner_adopts_live_parameters_and_slow_fast_peers_both_contribute(tmp_p
           f"{slow_own:.0f} and received {fast_received:.0f}")  # fmt: skip
     assert fast_own > 1.5 * slow_received, (with_slow, with_fast)
     assert fast_received > 1.5 * slow_own, (with_slow, with_fast)
+
+
+@pytest.mark.multipeer
+def test_a_joiner_without_a_trusted_donor_is_not_dialled_while_joining_and_retries_a_refused_adoption(
+    tmp_path, monkeypatch, caplog
+) -> None:
+    """With one donor that is not an initial peer there is no state to download: the joiner takes a
+    partner's anchor in an anchor exchange. While it joins its record says so and the live peer does
+    not dial it (a failed dial would be held against it, and the hold refuses the very exchange it
+    joins with); a refused first attempt is tried again rather than starting from the seed."""
+    base = _config(tmp_path, "averaging.sync_every_steps=5")
+    live = _Runner(base, NetworkOptions()).start()
+    runners = [live]
+    try:
+        wait_until(lambda: any(r.step >= TRAINED_STEPS for r in live.reports), 120, "the live peer to train")
+        monkeypatch.setattr("swarm.trainer._gossip.initial_peer_ids", lambda maddrs: frozenset())
+        joiner = _Runner(base, NetworkOptions(initial_peers=live.peer.node.visible_maddrs()))
+        runners.append(joiner)
+        joiner_id = joiner.peer.node.peer_id
+
+        def state_seen_by_live_peer() -> str | None:
+            members = {m.peer_id: m.record for m in live.peer.node.members()}
+            return members[joiner_id].state if joiner_id in members else None
+
+        wait_until(lambda: state_seen_by_live_peer() == "joining", 30, "the joiner's record to say joining")
+        # what the live peer's averagers see of it: a partner they skip (eligible_partners, test_gossip_unit)
+        assert [p.joining for p in live.peer.backend._partners() if p.peer_id == joiner_id] == [True]
+        anchor_averager = joiner.peer.backend._averagers()[1]
+        real_sync, calls = anchor_averager.sync, []
+
+        def refused_once(*args, **kwargs) -> SyncResult:
+            calls.append(1)
+            if len(calls) == 1:
+                partner = live.peer.node.peer_id
+                return SyncResult(SyncOutcome.REJECTED, partner, 0, 0, 0.0, 1.0, "test: refused")
+            return real_sync(*args, **kwargs)
+
+        monkeypatch.setattr(anchor_averager, "sync", refused_once)
+        with caplog.at_level(logging.INFO, logger="swarm.trainer._gossip"):
+            joiner.peer.join_swarm()
+        assert len(calls) == 2 and "attempt 1/3: test: refused" in caplog.text, caplog.text
+        assert joiner.peer.join_result.donors == ()  # no download: the anchor exchange
+        assert evaluate(joiner.peer.model, joiner.peer.eval_set, 2) < 8.0 - 1.0, "it started from the seed"
+        wait_until(lambda: state_seen_by_live_peer() == "idle", 30, "the joined peer's record to say idle")
+    finally:
+        for runner in runners:
+            runner.close()
 
 
 SYNC_LINE = re.compile(r"^round +\d+ step +(\d+) .* sync (\S+) with \S+ .* drift (\S+)$")

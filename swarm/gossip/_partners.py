@@ -28,6 +28,10 @@ class PartnerInfo:
     client_mode: bool = False
     leaving: bool = False
     """Its record says it is shutting down: not dialled, and failures with it are no misbehaviour."""
+    joining: bool = False
+    """Its record says it is still joining (taking over the swarm's state): not dialled until it has
+    joined. It serves nothing of the run's yet, and a dial that fails meanwhile (its handlers are not
+    up) would be held against it: then the ban refuses the very exchange it joins with."""
     relayed: bool = False
     """Reachable only through a relay (its record says ``reachability: relay``): dialled, but
     after direct partners are more likely (:func:`pick_order`)."""
@@ -151,7 +155,8 @@ def eligible_partners(
     banned: Callable[[str], bool],
     last_partner: str | None = None,
 ) -> list[PartnerInfo]:
-    """Candidates we may dial: not ourselves, dialable, staying, compatible, not banned; no duplicates.
+    """Candidates we may dial: not ourselves, dialable, joined, staying, compatible, not banned; no
+    duplicates.
 
     Never ``last_partner`` again when there is a choice: with back-to-back syncs the two peers that
     just finished are the only idle ones, and would pair up forever.
@@ -159,7 +164,9 @@ def eligible_partners(
     seen: set[str] = set()
     result = []
     for info in candidates:
-        if info.peer_id in seen or info.peer_id == self_id or info.client_mode or info.leaving:
+        if info.peer_id in seen or info.peer_id == self_id:
+            continue
+        if info.client_mode or info.leaving or info.joining:
             continue
         if info.protocol_version != protocol_version or info.config_hash != config_hash:
             continue

@@ -152,6 +152,7 @@ class GossipBackend:
                 m.record.config_hash,
                 m.record.client_mode,
                 leaving=m.record.state == "leaving",
+                joining=m.record.state == "joining",
                 relayed=m.record.reachability == "relay",
             )
             for m in self._members()
@@ -183,28 +184,37 @@ class GossipBackend:
         self._publish_state()
         return joined or JoinResult()
 
-    def _adopt_a_partner(self) -> None:
-        if not self._other_trainers():
-            logger.info("no other trainers and no kept state: starting from the config seed")
-            return
-        self._anchor_offers.weight = JOIN_WEIGHT
-        try:
-            result = self._averagers()[1].sync()
-        finally:
-            self._anchor_offers.weight = ANCHOR_WEIGHT
-        if not self.live.apply_pending():
-            logger.warning(
-                "could not fetch state from a live peer (%s); starting from the config seed", result.reason
-            )
-            return
-        logger.info("adopted the parameters of %s", result.partner)
+    def _adopt_a_partner(self, attempts: int = 3) -> None:
+        """Take a live partner's anchor (and model) through an anchor exchange at a negligible weight;
+        a partner that refuses or fails is tried again (another, or the same once it is free), since
+        a joiner that starts from the seed in a trained swarm is far from every partner it meets."""
+        for attempt in range(1, attempts + 1):
+            if not self._other_trainers():
+                logger.info("no other trainers and no kept state: starting from the config seed")
+                return
+            self._anchor_offers.weight = JOIN_WEIGHT
+            try:
+                result = self._averagers()[1].sync()
+            finally:
+                self._anchor_offers.weight = ANCHOR_WEIGHT
+            if self.live.apply_pending():
+                logger.info("adopted the parameters of %s", result.partner)
+                return
+            reason = result.reason
+            logger.warning("adopting a live peer's state, attempt %d/%d: %s", attempt, attempts, reason)
+            if result.outcome is SyncOutcome.CANCELLED:  # a shutdown: no more attempts
+                break
+        logger.warning("could not fetch state from a live peer; starting from the config seed")
 
     def _other_trainers(self) -> list[Any]:
-        """Live trainers other than us that can be dialled (not in client mode)."""
+        """Live trainers other than us that can be dialled: not in client mode, joined, staying."""
         return [
             m
             for m in self._members()
-            if m.record.role == "trainer" and m.peer_id != self._node.peer_id and not m.record.client_mode
+            if m.record.role == "trainer"
+            and m.peer_id != self._node.peer_id
+            and not m.record.client_mode
+            and m.record.state not in ("joining", "leaving")
         ]
 
     def _download_state(self, attempts: int = 3) -> JoinResult | None:
@@ -323,7 +333,7 @@ class GossipBackend:
         live trainers and us, in the run's hash order); True if we are the member that waits to be
         dialled (the later one in the order), so that the two do not dial each other at once."""
         me = self._node.peer_id
-        ids = [p.peer_id for p in self._partners() if not (p.client_mode or p.leaving)] + [me]
+        ids = [p.peer_id for p in self._partners() if not (p.client_mode or p.leaving or p.joining)] + [me]
         order = consensus_order(ids, salt=self._run_id)
         schedule_round = self._model_offers.round if self._models else self._own_rounds
         self._scheduled = hypercube_partner(order, me, schedule_round)

@@ -151,6 +151,8 @@ class TrainingPeer(PeerCore):
         fresh = self.resumed_from is None and self.progress.step == 0
         self.join_result = self.backend.join(fresh)
         self.progress.swarm_samples = self._swarm_samples()
+        self._state = "idle"  # joined: partners may dial us now (they do not dial a joining peer)
+        self.node.announce_soon()
 
     def _abort_work(self) -> None:
         if self._backend is not None:
