@@ -202,7 +202,7 @@ def test_a_joiner_without_a_trusted_donor_is_not_dialled_while_joining_and_retri
     runners = [live]
     try:
         wait_until(lambda: any(r.step >= TRAINED_STEPS for r in live.reports), 120, "the live peer to train")
-        monkeypatch.setattr("swarm.trainer._gossip.initial_peer_ids", lambda maddrs: frozenset())
+        monkeypatch.setattr("swarm.trainer._joining.initial_peer_ids", lambda maddrs: frozenset())
         joiner = _Runner(base, NetworkOptions(initial_peers=live.peer.node.visible_maddrs()))
         runners.append(joiner)
         joiner_id = joiner.peer.node.peer_id
@@ -225,7 +225,7 @@ def test_a_joiner_without_a_trusted_donor_is_not_dialled_while_joining_and_retri
             return real_sync(*args, **kwargs)
 
         monkeypatch.setattr(anchor_averager, "sync", refused_once)
-        with caplog.at_level(logging.INFO, logger="swarm.trainer._gossip"):
+        with caplog.at_level(logging.INFO, logger="swarm.trainer._joining"):
             joiner.peer.join_swarm()
         assert len(calls) == 2 and "attempt 1/3: test: refused" in caplog.text, caplog.text
         assert joiner.peer.join_result.donors == ()  # no download: the anchor exchange

@@ -42,7 +42,7 @@ from swarm.gossip import (
     hypercube_partner,
 )
 from swarm.learning import OuterOptimizer, all_finite
-from swarm.state import StateServer, StateTransferError, download_state, initial_peer_ids
+from swarm.state import StateServer
 from swarm.trainer._backend import (
     BackendContext,
     JoinResult,
@@ -51,9 +51,10 @@ from swarm.trainer._backend import (
     RoundRole,
     outer_state_device,
 )
-from swarm.trainer._joining import adopt, choose_donors, progress_of, snapshot_of, state_limits
+from swarm.trainer._joining import adopt_a_partner, download_swarm_state, snapshot_of
+from swarm.trainer._joining import other_trainers as others
 from swarm.trainer._live import LiveModel, Update
-from swarm.trainer._offers import ANCHOR_WEIGHT, AnchorOffers, DeltaOffers, ModelOffers
+from swarm.trainer._offers import AnchorOffers, DeltaOffers, ModelOffers
 from swarm.trainer._sync import SyncWorker, make_averager
 
 logger = logging.getLogger(__name__)
@@ -61,9 +62,6 @@ logger = logging.getLogger(__name__)
 SCHEDULE_GRACE = 0.5
 """Of a scheduled pair, the member that waits to be dialled waits at most this share of the last
 round's duration (and a quarter of ``exchange_timeout_s``) before it dials a partner itself."""
-
-JOIN_WEIGHT = 1e-9
-"""A joiner's weight in its first anchor exchange: it takes over its partner's parameters."""
 
 
 class GossipBackend:
@@ -177,72 +175,18 @@ class GossipBackend:
         """A fresh peer takes over the swarm's state: the donors' announced state, or else one partner's
         anchor through an anchor exchange at a negligible weight. Fresh or resumed, it then starts
         serving its own state to later joiners."""
-        joined = self._download_state() if fresh else None
-        if fresh and joined is None:
-            self._adopt_a_partner()
+        joined = None
+        if fresh:
+            model, run_id = self._context.model, self._run_id
+            joined = download_swarm_state(self._node, self._members, model, self.live, run_id)
+            if joined is None:
+                me = self._node.peer_id
+                adopt_a_partner(
+                    self._averagers()[1], self._anchor_offers, self.live, lambda: others(self._members(), me)
+                )
         self._joined_meta = joined.meta if joined is not None else {}
         self._publish_state()
         return joined or JoinResult()
-
-    def _adopt_a_partner(self, attempts: int = 3) -> None:
-        """Take a live partner's anchor (and model) through an anchor exchange at a negligible weight;
-        a partner that refuses or fails is tried again (another, or the same once it is free), since
-        a joiner that starts from the seed in a trained swarm is far from every partner it meets."""
-        for attempt in range(1, attempts + 1):
-            if not self._other_trainers():
-                logger.info("no other trainers and no kept state: starting from the config seed")
-                return
-            self._anchor_offers.weight = JOIN_WEIGHT
-            try:
-                result = self._averagers()[1].sync()
-            finally:
-                self._anchor_offers.weight = ANCHOR_WEIGHT
-            if self.live.apply_pending():
-                logger.info("adopted the parameters of %s", result.partner)
-                return
-            reason = result.reason
-            logger.warning("adopting a live peer's state, attempt %d/%d: %s", attempt, attempts, reason)
-            if result.outcome is SyncOutcome.CANCELLED:  # a shutdown: no more attempts
-                break
-        logger.warning("could not fetch state from a live peer; starting from the config seed")
-
-    def _other_trainers(self) -> list[Any]:
-        """Live trainers other than us that can be dialled: not in client mode, joined, staying."""
-        return [
-            m
-            for m in self._members()
-            if m.record.role == "trainer"
-            and m.peer_id != self._node.peer_id
-            and not m.record.client_mode
-            and m.record.state not in ("joining", "leaving")
-        ]
-
-    def _download_state(self, attempts: int = 3) -> JoinResult | None:
-        """Download the state of a trusted donor (an initial peer, e.g. a ``--serve-state`` bootstrap) or
-        the median of at least three distinct donors' (:func:`swarm.state.download_state`); retry with
-        fresh records when a donor moved on meanwhile. None when neither is there: the caller takes a
-        partner's anchor instead."""
-        model = self._context.model
-        trusted = initial_peer_ids(self._node.network.initial_peers)
-        for attempt in range(1, attempts + 1):
-            donors = choose_donors(self._members(), self._node.peer_id, trusted=trusted)
-            if not donors:
-                return None
-            try:
-                snapshot = download_state(
-                    self._node.dht, donors, run_id=self._run_id, trusted=trusted, limits=state_limits(model)
-                )
-                progress = progress_of(snapshot.meta)
-                with self.live.lock:
-                    adopt(model, self.outer, snapshot)
-            except (StateTransferError, ValueError) as exc:
-                logger.warning("state download attempt %d/%d failed: %s", attempt, attempts, exc)
-                continue
-            self.live.reset()
-            sources = snapshot.sources
-            logger.info("took over the state of %d donor(s), digest %s", len(sources), snapshot.digest[:12])
-            return JoinResult(sources, progress, snapshot.digest)
-        return None
 
     def _publish_state(self, wait: bool = True) -> None:
         """Serve our state to joiners and announce its digest (joiners ask for it in our record): at

@@ -1,4 +1,5 @@
-"""A trainer's state as donors serve it, and how a joiner takes it over.
+"""A trainer's state as donors serve it, and how a joiner takes it over: a download
+(:func:`download_swarm_state`), or else a live partner's anchor (:func:`adopt_a_partner`).
 
 Every trainer publishes, after each outer step, a snapshot of what a newcomer needs: the anchor
 parameters, the outer momentum and its progress counters; the snapshot's digest goes into its
@@ -13,16 +14,50 @@ copy of the state (:class:`~swarm.state.StateMirror`); they are re-exported here
 
 from __future__ import annotations
 
-from typing import Any
+import logging
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from swarm.compression import DecodeLimits
+from swarm.gossip import SyncOutcome
 from swarm.learning import OuterOptimizer
-from swarm.state import StateSnapshot, choose_donors, make_snapshot, progress_of
+from swarm.state import (
+    StateSnapshot,
+    StateTransferError,
+    choose_donors,
+    download_state,
+    initial_peer_ids,
+    make_snapshot,
+    progress_of,
+)
+from swarm.trainer._backend import JoinResult
+from swarm.trainer._offers import ANCHOR_WEIGHT
 from swarm.trainer._progress import Progress
 
-__all__ = ["adopt", "choose_donors", "progress_of", "snapshot_of", "state_limits"]
+if TYPE_CHECKING:
+    from swarm._node import SwarmNode
+    from swarm.gossip import GossipAverager
+    from swarm.membership import Member
+    from swarm.trainer._live import LiveModel
+    from swarm.trainer._offers import AnchorOffers
+
+__all__ = [
+    "adopt",
+    "adopt_a_partner",
+    "choose_donors",
+    "download_swarm_state",
+    "other_trainers",
+    "progress_of",
+    "snapshot_of",
+    "state_limits",
+]
+
+logger = logging.getLogger(__name__)
+
+JOIN_WEIGHT = 1e-9
+"""A joiner's weight in its first anchor exchange: it takes over its partner's parameters."""
 
 _PARAM, _MOMENTUM = "param/", "momentum/"
 
@@ -74,3 +109,77 @@ def adopt(model: torch.nn.Module, outer: OuterOptimizer, snapshot: StateSnapshot
         for name, t in snapshot.tensors.items()
         if name.startswith(_MOMENTUM) and name[len(_MOMENTUM) :] in params
     }
+
+
+def download_swarm_state(
+    node: SwarmNode,
+    members: Callable[[], Sequence[Member]],
+    model: torch.nn.Module,
+    live: LiveModel,
+    run_id: str,
+    attempts: int = 3,
+) -> JoinResult | None:
+    """Download the state of a trusted donor (an initial peer, e.g. a ``--serve-state`` bootstrap) or
+    the median of at least three distinct donors' (:func:`swarm.state.download_state`) into ``model``
+    and ``live``'s outer optimizer; retry with fresh ``members()`` when a donor moved on meanwhile.
+    None when neither is there: the caller takes a partner's anchor instead (:func:`adopt_a_partner`)."""
+    trusted = initial_peer_ids(node.network.initial_peers)
+    for attempt in range(1, attempts + 1):
+        donors = choose_donors(list(members()), node.peer_id, trusted=trusted)
+        if not donors:
+            return None
+        try:
+            limits = state_limits(model)
+            snapshot = download_state(node.dht, donors, run_id=run_id, trusted=trusted, limits=limits)
+            progress = progress_of(snapshot.meta)
+            with live.lock:
+                adopt(model, live.outer, snapshot)
+        except (StateTransferError, ValueError) as exc:
+            logger.warning("state download attempt %d/%d failed: %s", attempt, attempts, exc)
+            continue
+        live.reset()
+        sources = snapshot.sources
+        logger.info("took over the state of %d donor(s), digest %s", len(sources), snapshot.digest[:12])
+        return JoinResult(sources, progress, snapshot.digest)
+    return None
+
+
+def adopt_a_partner(
+    averager: GossipAverager,
+    offers: AnchorOffers,
+    live: LiveModel,
+    partners: Callable[[], Sequence[Member]],
+    attempts: int = 3,
+) -> None:
+    """Take a live partner's anchor (and model) through an anchor exchange of ``averager`` at a
+    negligible weight. A partner that refuses or fails is tried again (another, or the same once it
+    is free): a joiner that starts from the seed in a trained swarm is far from every partner it
+    meets. ``partners()``: the trainers it may adopt from (:func:`other_trainers`)."""
+    for attempt in range(1, attempts + 1):
+        if not partners():
+            logger.info("no other trainers and no kept state: starting from the config seed")
+            return
+        offers.weight = JOIN_WEIGHT
+        try:
+            result = averager.sync()
+        finally:
+            offers.weight = ANCHOR_WEIGHT
+        if live.apply_pending():
+            logger.info("adopted the parameters of %s", result.partner)
+            return
+        logger.warning("adopting a live peer's state, attempt %d/%d: %s", attempt, attempts, result.reason)
+        if result.outcome is SyncOutcome.CANCELLED:  # a shutdown: no more attempts
+            break
+    logger.warning("could not fetch state from a live peer; starting from the config seed")
+
+
+def other_trainers(members: Sequence[Member], me: str) -> list[Member]:
+    """Live trainers other than ``me`` to adopt from: dialable (not in client mode), joined, staying."""
+    return [
+        m
+        for m in members
+        if m.record.role == "trainer"
+        and m.peer_id != me
+        and not m.record.client_mode
+        and m.record.state not in ("joining", "leaving")
+    ]
