@@ -14,6 +14,7 @@ from typer.testing import CliRunner
 
 from peers.bootstrap import JOIN_LINE_PREFIX
 from peers.cli import app
+from swarm.metrics import read_history
 from swarm.network import IDENTITY_FILE_MODE, peer_id_of_identity
 from swarm.state import list_checkpoints, read_checkpoint
 from tests._cli import refused_output
@@ -166,8 +167,8 @@ def test_local_swarm_runs_and_stops_cleanly(spawn, tmp_path) -> None:
     assert expected_logs <= found, found
     # How far a trainer got in 4 s depends on the machine. One that reached the end of its run saved a
     # checkpoint (peer-N/checkpoints) and then wrote its summary; one stopped while starting up did
-    # neither. Nothing else may be there.
-    optional = {f"peer-{i}{suffix}" for i in (1, 2) for suffix in ("", ".summary.json")}
+    # neither; one that finished a round in the time wrote its history. Nothing else may be there.
+    optional = {f"peer-{i}{suffix}" for i in (1, 2) for suffix in ("", ".summary.json", ".history.jsonl")}
     assert found - expected_logs <= optional, found
     summaries = []
     for index in (1, 2):
@@ -183,6 +184,8 @@ def test_local_swarm_runs_and_stops_cleanly(spawn, tmp_path) -> None:
             assert saved and saved[0][0] == written["steps"], (saved, written)
             assert f"peer {written['peer_id']} joined run" in (logs / f"peer-{index}.log").read_text()
     assert ("[local] no peer wrote a summary" in output) == (not summaries), output
+    for history in logs.glob("peer-*.history.jsonl"):
+        assert read_history(history), f"{history.name} holds no readable record"
 
 
 @pytest.mark.multipeer
