@@ -23,7 +23,6 @@ from swarm.compression import ErrorFeedback
 from swarm.gossip._background import Background, Tensors
 from swarm.gossip._deadlines import Deadlines, payload_nbytes
 from swarm.gossip._exchange import (
-    ExchangeHooks,
     Mixed,
     as_named,
     commit,
@@ -74,6 +73,10 @@ class GossipAverager(ExchangeRoles, StreamService):
     result to ``offerer.committed()``; nothing is registered and nothing is written in place. With a
     ``companion_codec`` (offer mode only) every offer also carries a companion part, exchanged in the
     same handshake and committed with the first part or not at all.
+
+    ``wrap_channel`` is the transport seam: each exchange's data phase (our frames, END, the ACKs) runs
+    on ``wrap_channel(channel)``, a view of the stream with :class:`~swarm.gossip._protocol.Channel`'s
+    methods. By default the channel itself; the tests wrap it to tamper with or stall what we send.
     """
 
     what = "gossip exchange"
@@ -97,7 +100,7 @@ class GossipAverager(ExchangeRoles, StreamService):
         seed: int | None = None,
         swarm_key: SwarmKey | None = None,
         preferred_partner: Callable[[], str | None] | None = None,
-        _hooks: ExchangeHooks | None = None,
+        wrap_channel: Callable[[Channel], Channel] = lambda channel: channel,
         **tuning: Any,
     ) -> None:
         opts = self.options = dataclasses.replace(options or GossipOptions(), **tuning)
@@ -119,7 +122,8 @@ class GossipAverager(ExchangeRoles, StreamService):
         self._preferred_partner = preferred_partner
         self._offerer = offerer
         self._schema_hash = ""  # of the last tensors we exchanged: error feedback restarts when it changes
-        self._spec = opts.exchange_spec(_hooks)
+        self._spec = opts.exchange_spec()
+        self._wrap_channel = wrap_channel
         self._companion_spec = opts.companion_spec()
         self._handshake = Handshake(run_id, config_hash, handler, self._swarm_key, opts)
         self._use_ef = opts.error_feedback and not self._spec.codec.lossless
@@ -325,7 +329,8 @@ class GossipAverager(ExchangeRoles, StreamService):
         weights = (local.weight, theirs.weight)
         companion = companion_of(local, theirs, self._companion_spec)
         ef = self._ef.fork() if self._ef is not None else None  # its pending residuals are its own
-        exchange = run_exchange(channel, local.tensors, weights, self._spec, ef, blame, companion, turn)
+        data = self._wrap_channel(channel)
+        exchange = run_exchange(data, local.tensors, weights, self._spec, ef, blame, companion, turn)
         try:
             deadline = self._deadlines.exchange_s(partner, local.total_nbytes)
             ended = await settle(exchange, deadline, partner)
