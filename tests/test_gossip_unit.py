@@ -467,8 +467,8 @@ def test_lone_peer_returns_no_partner_immediately() -> None:
     assert not wait_no_leak(before, pgids=[], parent=os.getpid())
 
 
-def test_background_mode_and_serving_in_process() -> None:
-    """Two averagers in this process (each with its own daemon): A syncs in the background, B serves."""
+def test_repeated_syncs_and_serving_in_process() -> None:
+    """Two averagers in this process (each with its own daemon): A syncs again and again, B serves."""
     from hivemind.p2p import P2P
 
     before = p2pd_pids()
@@ -484,12 +484,10 @@ def test_background_mode_and_serving_in_process() -> None:
             target = (x + y) / 2
             second.set_tensors({"v": y})
             first._partner_source = lambda: [PartnerInfo(second.peer_id, PROTOCOL_VERSION, "")]
-            results = []
-            first.start_background(lambda: {"v": x}, interval_s=0.05, on_result=results.append)
+            results = [first.sync({"v": x})]
             deadline = time.monotonic() + 20
             while first.metrics().exchanges_ok < 3 and time.monotonic() < deadline:
-                time.sleep(0.05)
-            first.stop()
+                results.append(first.sync())
             assert first.metrics().exchanges_ok >= 3, results
             # the server counts an exchange when the initiator's final ACK arrives, a moment after
             # the initiator counted it: wait (bounded) for the two counts to meet

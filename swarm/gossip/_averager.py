@@ -1,7 +1,7 @@
 """GossipAverager: quantized pairwise averaging with random live partners over hivemind P2P.
 
-Threads: the caller's thread (``sync``, ``start_background``'s worker) and one private event-loop
-thread that owns the P2P client, serves incoming exchanges, and runs outgoing ones. The exchange lock
+Threads: the caller's thread (``sync``) and one private event-loop thread that owns the P2P client,
+serves incoming exchanges, and runs outgoing ones. The exchange lock
 (:class:`~swarm.gossip._gate.ExchangeGate`) is held only for local, short work: taking an offer,
 committing, and ``paused()``; never while a partner's data is awaited, so a slow partner cannot make
 our own sync wait. The gate's generation lets only one of overlapping exchanges commit.
@@ -16,11 +16,12 @@ import logging
 import random
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from swarm.compression import ErrorFeedback
-from swarm.gossip._background import Background, Tensors
 from swarm.gossip._deadlines import Deadlines, payload_nbytes
 from swarm.gossip._exchange import (
     Mixed,
@@ -50,6 +51,8 @@ if TYPE_CHECKING:
     from swarm.network import SwarmKey
 
 logger = logging.getLogger(__name__)
+
+Tensors = Mapping[str, torch.Tensor] | Sequence[torch.Tensor]
 
 
 class GossipAverager(ExchangeRoles, StreamService):
@@ -142,7 +145,6 @@ class GossipAverager(ExchangeRoles, StreamService):
         self._local: Local | None = None
         self._last_partner: str | None = None
         self._weight = float(initial_weight)
-        self._background: Background | None = None
         self._aborted = False
         self._inflight: asyncio.Task[SyncResult] | None = None  # only touched on the loop thread
         self._serving: asyncio.Task[None] | None = None  # the served exchange in flight, if any
@@ -237,25 +239,6 @@ class GossipAverager(ExchangeRoles, StreamService):
         """Strikes (bans so far, expired ones included) per peer since its last good exchange."""
         return self._reputation.bans.strikes()
 
-    def start_background(
-        self,
-        get_tensors: Callable[[], Tensors] | None = None,
-        interval_s: float = 1.0,
-        *,
-        get_weight: Callable[[], float] | None = None,
-        on_result: Callable[[SyncResult], None] | None = None,
-    ) -> None:
-        """Sync every ``interval_s`` (with +-20% jitter) in a background thread until :meth:`stop`."""
-        if self._background is not None:
-            raise RuntimeError("background syncing is already running")
-        self._background = Background(self, get_tensors, interval_s, get_weight, on_result)
-
-    def stop(self) -> None:
-        """Stop background syncing (serving goes on until :meth:`close`)."""
-        background, self._background = self._background, None
-        if background is not None:
-            background.stop()
-
     def abort(self) -> None:
         """Cancel the sync in flight and refuse new ones (they return CANCELLED); for a prompt shutdown.
 
@@ -275,9 +258,8 @@ class GossipAverager(ExchangeRoles, StreamService):
                 task.cancel()
 
     def _stop_work(self) -> None:
-        """On :meth:`close`: abort what is in flight and stop background syncing."""
+        """On :meth:`close`: abort what is in flight."""
         self.abort()
-        self.stop()
 
     # ------------------------------------------------------------------ state
 
