@@ -14,11 +14,11 @@ import torch
 
 from swarm.compression import get_codec
 from swarm.gossip import GossipAverager, PartnerInfo, SyncOutcome
-from swarm.gossip._exchange import ExchangeHooks
 from swarm.gossip._protocol import PROTOCOL_VERSION
 from swarm.learning import OuterOptimizer
 from swarm.trainer._live import LiveModel
 from swarm.trainer._offers import AnchorOffers, DeltaOffers
+from tests._faults import stalling
 from tests.workers.gossip_pool import p2pd_pids, wait_no_leak
 
 BATCH = 4
@@ -54,10 +54,10 @@ def pair() -> Iterator[Callable[..., tuple[GossipAverager, GossipAverager]]]:
     before = p2pd_pids()
     made: list[GossipAverager] = []
 
-    def make(first_offers, second_offers, *, codec: str = "fp32", hooks=None, **options):
+    def make(first_offers, second_offers, *, codec="fp32", wrap_channel=lambda channel: channel, **options):
         first = GossipAverager(
             run_id="offer", partner_source=list, p2p_factory=P2P.create, offerer=first_offers,
-            codec=codec, chunk_bytes=4096, _hooks=hooks, **options,
+            codec=codec, chunk_bytes=4096, wrap_channel=wrap_channel, **options,
         )  # fmt: skip
         made.append(first)
         maddrs = first._loop.run(first._p2p.get_visible_maddrs(), timeout=10)
@@ -139,7 +139,7 @@ def test_a_dialled_peer_trains_through_a_stalled_exchange_and_a_cancelled_one_ap
     a.step()
     b.step()
     stalled = threading.Event()
-    first, second = pair(a.offers, b.offers, hooks=ExchangeHooks(stall_after_frames=1, on_stall=stalled.set))
+    first, second = pair(a.offers, b.offers, wrap_channel=stalling(1, stalled.set))
     results: list = []
     initiator = threading.Thread(target=lambda: results.append(first.sync()))
     initiator.start()

@@ -5,18 +5,22 @@ from __future__ import annotations
 import asyncio
 import math
 import socket
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
 
 from swarm.compression import get_codec
-from swarm.gossip._exchange import ExchangeHooks, ExchangeSpec, Mixed, run_exchange
+from swarm.gossip._exchange import ExchangeSpec, Mixed, run_exchange
 from swarm.gossip._partners import BanList
 from swarm.gossip._protocol import Channel
 from swarm.gossip._robust import ClipPolicy, centered_clip, centered_clip_named, clip_scale, robust_mix
 from swarm.gossip._validation import NormPolicy
+from tests._faults import TamperingChannel
 
 POLICY = ClipPolicy(clip_ratio=2.0, hard_factor=10.0)
+INT8 = get_codec("int8")
 
 
 def _norm(tensors: dict[str, torch.Tensor]) -> float:
@@ -36,19 +40,22 @@ async def _channel_pair() -> tuple[Channel, Channel]:
 
 
 def _exchange(
-    codec: str, left: dict, right: dict, weights: tuple[float, float], hooks: ExchangeHooks | None = None
+    codec: str,
+    left: dict,
+    right: dict,
+    weights: tuple[float, float],
+    wrap: Callable[[Channel], Any] | None = None,
 ) -> tuple[Mixed, Mixed]:
     """One robust exchange over an in-memory stream; returns both sides' results."""
 
     async def scenario() -> tuple[Mixed, Mixed]:
         a, b = await _channel_pair()
         c = get_codec(codec)
-        spec_a = ExchangeSpec(codec=c, chunk_bytes=16384, policy=NormPolicy(), hooks=hooks, clip=POLICY)
-        spec_b = ExchangeSpec(codec=c, chunk_bytes=16384, policy=NormPolicy(), clip=POLICY)
+        spec = ExchangeSpec(codec=c, chunk_bytes=16384, policy=NormPolicy(), clip=POLICY)
         try:
             return await asyncio.gather(
-                run_exchange(a, left, weights, spec_a, None),
-                run_exchange(b, right, weights[::-1], spec_b, None),
+                run_exchange(a if wrap is None else wrap(a), left, weights, spec, None),
+                run_exchange(b, right, weights[::-1], spec, None),
             )
         finally:
             a.close()
@@ -135,8 +142,14 @@ def test_blame_uses_our_recent_norm_not_only_the_current_one() -> None:
 
 def test_tampered_partner_is_clipped_and_suspect_over_a_stream() -> None:
     left, right = _state(9), _state(10)
-    hooks = ExchangeHooks(tamper=lambda named: [(n, t * 50) for n, t in named])
-    _, mixed_b = _exchange("int8", left, right, (1.0, 1.0), hooks)
+    tamperers: list[TamperingChannel] = []
+
+    def wrap(channel: Channel) -> TamperingChannel:
+        tamperers.append(TamperingChannel(channel, lambda named: [(n, t * 50) for n, t in named], INT8))
+        return tamperers[-1]
+
+    _, mixed_b = _exchange("int8", left, right, (1.0, 1.0), wrap)
+    assert [t.tampered for t in tamperers] == [1]
     assert mixed_b.clip.hard and mixed_b.clip.clipped  # the honest side suspects the tamperer
     moved = _norm({n: mixed_b.tensors[n] - right[n] for n in right})
     assert moved <= POLICY.clip_ratio * _norm(right) / 2 * (1 + 1e-3)

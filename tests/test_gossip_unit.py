@@ -9,6 +9,8 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -18,7 +20,6 @@ from swarm.gossip import PROTOCOL_VERSION, GossipAverager, PartnerInfo, SyncOutc
 from swarm.gossip import _partners as partners_module
 from swarm.gossip._exchange import (
     Companion,
-    ExchangeHooks,
     ExchangeSpec,
     PartnerRejected,
     commit,
@@ -32,6 +33,7 @@ from swarm.gossip._protocol import Channel, Hello, MsgKind, PartHello, ProtocolE
 from swarm.gossip._reputation import HOLD_S, Reputation
 from swarm.gossip._robust import ClipStats
 from swarm.gossip._validation import NormPolicy, ValidationError, schema_hash, schema_of, validate_received
+from tests._faults import TamperingChannel, stalling
 from tests.workers.gossip_pool import p2pd_pids, wait_no_leak
 
 
@@ -330,17 +332,20 @@ CHUNK = 16384
 
 
 async def _exchange_pair(
-    codec: str, left: dict, right: dict, weights: tuple[float, float], hooks: ExchangeHooks | None = None
+    codec: str,
+    left: dict,
+    right: dict,
+    weights: tuple[float, float],
+    wrap: Callable[[Channel], Any] | None = None,
 ) -> tuple[object, object, ErrorFeedback | None]:
     a, b = await _channel_pair()
     c = get_codec(codec)
     policy = NormPolicy()
     ef = ErrorFeedback(c) if codec != "fp32" else None
-    spec_a = ExchangeSpec(codec=c, chunk_bytes=CHUNK, policy=policy, hooks=hooks)
-    spec_b = ExchangeSpec(codec=c, chunk_bytes=CHUNK, policy=policy)
+    spec = ExchangeSpec(codec=c, chunk_bytes=CHUNK, policy=policy)
     results = await asyncio.gather(
-        run_exchange(a, left, weights, spec_a, ef),
-        run_exchange(b, right, weights[::-1], spec_b, None),
+        run_exchange(a if wrap is None else wrap(a), left, weights, spec, ef),
+        run_exchange(b, right, weights[::-1], spec, None),
         return_exceptions=True,
     )
     a.close()
@@ -405,8 +410,15 @@ def test_exchange_over_memory_stream(codec: str) -> None:
 def test_exchange_rejects_tampered_data_on_both_sides() -> None:
     left = {"w": torch.randn(64, 100)}
     right = {"w": torch.randn(64, 100)}
-    hooks = ExchangeHooks(tamper=lambda named: [(n, t * 1000) for n, t in named])
-    res_a, res_b, _ = asyncio.run(_exchange_pair("fp32", left, right, (1.0, 1.0), hooks))
+    tamperers: list[TamperingChannel] = []
+
+    def wrap(channel: Channel) -> TamperingChannel:
+        tamper = TamperingChannel(channel, lambda named: [(n, t * 1000) for n, t in named], get_codec("fp32"))
+        tamperers.append(tamper)
+        return tamper
+
+    res_a, res_b, _ = asyncio.run(_exchange_pair("fp32", left, right, (1.0, 1.0), wrap))
+    assert [t.tampered for t in tamperers] == [1]
     assert isinstance(res_b, ValidationError) and "norm" in str(res_b)
     assert isinstance(res_a, PartnerRejected)
 
@@ -456,8 +468,8 @@ def test_lone_peer_returns_no_partner_immediately() -> None:
     assert not wait_no_leak(before, pgids=[], parent=os.getpid())
 
 
-def test_background_mode_and_serving_in_process() -> None:
-    """Two averagers in this process (each with its own daemon): A syncs in the background, B serves."""
+def test_repeated_syncs_and_serving_in_process() -> None:
+    """Two averagers in this process (each with its own daemon): A syncs again and again, B serves."""
     from hivemind.p2p import P2P
 
     before = p2pd_pids()
@@ -473,12 +485,10 @@ def test_background_mode_and_serving_in_process() -> None:
             target = (x + y) / 2
             second.set_tensors({"v": y})
             first._partner_source = lambda: [PartnerInfo(second.peer_id, PROTOCOL_VERSION, "")]
-            results = []
-            first.start_background(lambda: {"v": x}, interval_s=0.05, on_result=results.append)
+            results = [first.sync({"v": x})]
             deadline = time.monotonic() + 20
             while first.metrics().exchanges_ok < 3 and time.monotonic() < deadline:
-                time.sleep(0.05)
-            first.stop()
+                results.append(first.sync())
             assert first.metrics().exchanges_ok >= 3, results
             # the server counts an exchange when the initiator's final ACK arrives, a moment after
             # the initiator counted it: wait (bounded) for the two counts to meet
@@ -506,11 +516,8 @@ def test_abort_cancels_a_stalled_exchange_without_commit_and_refuses_partners() 
     side, and from then on the aborted averager answers BUSY to partners."""
     from hivemind.p2p import P2P
 
-    from swarm.gossip._exchange import ExchangeHooks
-
     before = p2pd_pids()
     stalled = threading.Event()
-    hooks = ExchangeHooks(stall_after_frames=1, on_stall=stalled.set)
     # timeouts far beyond the test's deadlines: the stalled exchange can only end by the abort
     patient = dict(exchange_timeout_s=3600.0, chunk_timeout_s=3600.0)
     first = GossipAverager(
@@ -519,7 +526,7 @@ def test_abort_cancels_a_stalled_exchange_without_commit_and_refuses_partners() 
         p2p_factory=P2P.create,
         codec="fp32",
         chunk_bytes=4096,
-        _hooks=hooks,
+        wrap_channel=stalling(1, stalled.set),
         **patient,
     )
     try:

@@ -28,7 +28,7 @@ from torch.utils._pytree import tree_flatten
 from swarm.compression import encode_tensors, get_codec
 from swarm.gossip import PROTOCOL_VERSION, GossipAverager, PartnerInfo, SyncOutcome
 from swarm.gossip import _exchange as exchange_module
-from swarm.gossip._exchange import ExchangeHooks, ExchangeSpec, mix, run_exchange, settle
+from swarm.gossip._exchange import ExchangeSpec, mix, run_exchange, settle
 from swarm.gossip._gate import ExchangeGate, Turn
 from swarm.gossip._metrics import MetricsRecorder
 from swarm.gossip._options import GossipOptions
@@ -37,8 +37,9 @@ from swarm.gossip._reputation import Reputation
 from swarm.gossip._robust import Blame, ClipPolicy, ClipStats, centered_clip_named, clip_scale, robust_mix
 from swarm.gossip._validation import NormPolicy, tensor_norm, validate_received
 from swarm.trainer._live import progress_norm, relative_norm
+from tests._faults import stalling
 from tests._processes import wait_until
-from tests.workers.gossip_pool import adversary_hooks, p2pd_pids, wait_no_leak
+from tests.workers.gossip_pool import adversary_channel, p2pd_pids, wait_no_leak
 
 POLICY = ClipPolicy(clip_ratio=2.0, hard_factor=10.0)
 DIM = 4096
@@ -428,8 +429,7 @@ def test_a_slow_served_exchange_does_not_hold_the_lock(averagers) -> None:
     patient = dict(exchange_timeout_s=120.0, chunk_timeout_s=60.0, busy_patience_s=0.3)
     victim = averagers(**patient)
     stalled = threading.Event()
-    hooks = ExchangeHooks(stall_after_frames=1, on_stall=stalled.set)
-    slow = averagers(chunk_bytes=4096, _hooks=hooks, **patient)
+    slow = averagers(chunk_bytes=4096, wrap_channel=stalling(1, stalled.set), **patient)
     honest = averagers(**patient)
     v, h = torch.randn(5000), torch.randn(5000)
     v0, h0 = v.clone(), h.clone()
@@ -459,8 +459,8 @@ def test_bad_data_bans_a_sender_without_a_record_or_leaving(averagers) -> None:
     """NaN from a peer we have no record of, and from one whose record says it is leaving: both are
     banned at once (a strike, not a failure held until the members are read again)."""
     victim = averagers()
-    unknown = averagers(_hooks=adversary_hooks("nan", "fp32"))
-    leaving = averagers(_hooks=adversary_hooks("nan", "fp32"))
+    unknown = averagers(wrap_channel=adversary_channel("nan", "fp32"))
+    leaving = averagers(wrap_channel=adversary_channel("nan", "fp32"))
     victim.set_tensors([torch.randn(2000)])
     victim._partner_source = lambda: [_partner(leaving, leaving=True)]
     for attacker in (unknown, leaving):

@@ -39,8 +39,8 @@ from swarm.state import (
     save_checkpoint,
 )
 from swarm.state._merge import merge_meta
-from swarm.state._server import ServerHooks
 from swarm.state._transfer_protocol import Kind, handler_name
+from tests._faults import faulty_snapshot
 from tests.workers.fuzz import FakeP2P, FakeWriter, jmsg, parse_messages, peer_id
 from tests.workers.state_transfer import make_state
 
@@ -316,8 +316,8 @@ def test_one_peer_cannot_take_more_than_two_streams_of_a_donor() -> None:
 
     snapshot = make_snapshot(*make_state(1), chunk_bytes=CHUNK)
     fake = FakeP2P("donor")
-    with StateServer(run_id=RUN, p2p_factory=fake.factory, _hooks=ServerHooks(before_frame=hold)) as server:
-        server.publish(snapshot)
+    with StateServer(run_id=RUN, p2p_factory=fake.factory) as server:
+        server.publish(faulty_snapshot(snapshot, before_frame=hold))
 
         async def scenario() -> None:
             held = [asyncio.create_task(_stream(fake, "attacker", _request(snapshot))) for _ in range(2)]

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from swarm.state import StateServer, StateTransferError, download_state, make_snapshot
-from swarm.state._server import ServerHooks
+from tests._faults import faulty_snapshot
 from tests._processes import PeerProcess
 from tests.workers.state_transfer import make_state
 
@@ -138,9 +138,9 @@ def test_publish_during_download_never_mixes_states(client_dht: Callable[[list[s
     server_dht = client_dht([])
     old = make_snapshot(*make_state(1), chunk_bytes=16384)
     new = make_snapshot(*make_state(2, step=20), chunk_bytes=16384)
-    with StateServer(server_dht, RUN, _hooks=ServerHooks(before_frame=gate)) as server:
+    with StateServer(server_dht, RUN) as server:
         assert server.digest is None
-        server.publish(old)
+        server.publish(faulty_snapshot(old, before_frame=gate))
         assert server.digest == old.digest
         client = client_dht([str(m) for m in server_dht.get_visible_maddrs()])
         donors, trusted = [(server.peer_id, old.digest)], {server.peer_id}

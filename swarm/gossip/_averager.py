@@ -1,7 +1,7 @@
 """GossipAverager: quantized pairwise averaging with random live partners over hivemind P2P.
 
-Threads: the caller's thread (``sync``, ``start_background``'s worker) and one private event-loop
-thread that owns the P2P client, serves incoming exchanges, and runs outgoing ones. The exchange lock
+Threads: the caller's thread (``sync``) and one private event-loop thread that owns the P2P client,
+serves incoming exchanges, and runs outgoing ones. The exchange lock
 (:class:`~swarm.gossip._gate.ExchangeGate`) is held only for local, short work: taking an offer,
 committing, and ``paused()``; never while a partner's data is awaited, so a slow partner cannot make
 our own sync wait. The gate's generation lets only one of overlapping exchanges commit.
@@ -16,14 +16,14 @@ import logging
 import random
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from swarm.compression import ErrorFeedback
-from swarm.gossip._background import Background, Tensors
 from swarm.gossip._deadlines import Deadlines, payload_nbytes
 from swarm.gossip._exchange import (
-    ExchangeHooks,
     Mixed,
     as_named,
     commit,
@@ -52,6 +52,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+Tensors = Mapping[str, torch.Tensor] | Sequence[torch.Tensor]
+
 
 class GossipAverager(ExchangeRoles, StreamService):
     """Averages the registered tensors with random partners; serves partners while alive.
@@ -74,6 +76,10 @@ class GossipAverager(ExchangeRoles, StreamService):
     result to ``offerer.committed()``; nothing is registered and nothing is written in place. With a
     ``companion_codec`` (offer mode only) every offer also carries a companion part, exchanged in the
     same handshake and committed with the first part or not at all.
+
+    ``wrap_channel`` is the transport seam: each exchange's data phase (our frames, END, the ACKs) runs
+    on ``wrap_channel(channel)``, a view of the stream with :class:`~swarm.gossip._protocol.Channel`'s
+    methods. By default the channel itself; the tests wrap it to tamper with or stall what we send.
     """
 
     what = "gossip exchange"
@@ -97,7 +103,7 @@ class GossipAverager(ExchangeRoles, StreamService):
         seed: int | None = None,
         swarm_key: SwarmKey | None = None,
         preferred_partner: Callable[[], str | None] | None = None,
-        _hooks: ExchangeHooks | None = None,
+        wrap_channel: Callable[[Channel], Channel] = lambda channel: channel,
         **tuning: Any,
     ) -> None:
         opts = self.options = dataclasses.replace(options or GossipOptions(), **tuning)
@@ -119,7 +125,8 @@ class GossipAverager(ExchangeRoles, StreamService):
         self._preferred_partner = preferred_partner
         self._offerer = offerer
         self._schema_hash = ""  # of the last tensors we exchanged: error feedback restarts when it changes
-        self._spec = opts.exchange_spec(_hooks)
+        self._spec = opts.exchange_spec()
+        self._wrap_channel = wrap_channel
         self._companion_spec = opts.companion_spec()
         self._handshake = Handshake(run_id, config_hash, handler, self._swarm_key, opts)
         self._use_ef = opts.error_feedback and not self._spec.codec.lossless
@@ -138,7 +145,6 @@ class GossipAverager(ExchangeRoles, StreamService):
         self._local: Local | None = None
         self._last_partner: str | None = None
         self._weight = float(initial_weight)
-        self._background: Background | None = None
         self._aborted = False
         self._inflight: asyncio.Task[SyncResult] | None = None  # only touched on the loop thread
         self._serving: asyncio.Task[None] | None = None  # the served exchange in flight, if any
@@ -233,25 +239,6 @@ class GossipAverager(ExchangeRoles, StreamService):
         """Strikes (bans so far, expired ones included) per peer since its last good exchange."""
         return self._reputation.bans.strikes()
 
-    def start_background(
-        self,
-        get_tensors: Callable[[], Tensors] | None = None,
-        interval_s: float = 1.0,
-        *,
-        get_weight: Callable[[], float] | None = None,
-        on_result: Callable[[SyncResult], None] | None = None,
-    ) -> None:
-        """Sync every ``interval_s`` (with +-20% jitter) in a background thread until :meth:`stop`."""
-        if self._background is not None:
-            raise RuntimeError("background syncing is already running")
-        self._background = Background(self, get_tensors, interval_s, get_weight, on_result)
-
-    def stop(self) -> None:
-        """Stop background syncing (serving goes on until :meth:`close`)."""
-        background, self._background = self._background, None
-        if background is not None:
-            background.stop()
-
     def abort(self) -> None:
         """Cancel the sync in flight and refuse new ones (they return CANCELLED); for a prompt shutdown.
 
@@ -271,9 +258,8 @@ class GossipAverager(ExchangeRoles, StreamService):
                 task.cancel()
 
     def _stop_work(self) -> None:
-        """On :meth:`close`: abort what is in flight and stop background syncing."""
+        """On :meth:`close`: abort what is in flight."""
         self.abort()
-        self.stop()
 
     # ------------------------------------------------------------------ state
 
@@ -325,7 +311,8 @@ class GossipAverager(ExchangeRoles, StreamService):
         weights = (local.weight, theirs.weight)
         companion = companion_of(local, theirs, self._companion_spec)
         ef = self._ef.fork() if self._ef is not None else None  # its pending residuals are its own
-        exchange = run_exchange(channel, local.tensors, weights, self._spec, ef, blame, companion, turn)
+        data = self._wrap_channel(channel)
+        exchange = run_exchange(data, local.tensors, weights, self._spec, ef, blame, companion, turn)
         try:
             deadline = self._deadlines.exchange_s(partner, local.total_nbytes)
             ended = await settle(exchange, deadline, partner)

@@ -57,21 +57,6 @@ class NotCommitted(SwarmError):
     first, :mod:`swarm.gossip._gate`): neither side commits, and neither is to blame."""
 
 
-@dataclass
-class ExchangeHooks:
-    """Test-only knobs: an adversarial sender and a deterministic mid-exchange stall.
-
-    ``tamper`` rewrites the outgoing (name, tensor) list before encoding, ``codec`` replaces the
-    codec used to encode it (e.g. one that does not refuse NaN); ``stall_after_frames`` makes the
-    sender stop forever after that many DATA frames, calling ``on_stall`` once first.
-    """
-
-    tamper: Callable[[NamedTensors], NamedTensors] | None = None
-    codec: Any = None
-    stall_after_frames: int | None = None
-    on_stall: Callable[[], None] | None = None
-
-
 @dataclass(frozen=True)
 class ExchangeSpec:
     """Everything about an exchange that is fixed for the averager's lifetime."""
@@ -79,7 +64,6 @@ class ExchangeSpec:
     codec: Any
     chunk_bytes: int
     policy: NormPolicy
-    hooks: ExchangeHooks | None = None
     clip: ClipPolicy | None = None
     min_rate_bytes_s: float = 0.0
     """The rate floor of the data phase, each way (0: none): :func:`swarm.gossip._deadlines.rate_floor`."""
@@ -123,7 +107,7 @@ class _Part:
         cls, local: Mapping[str, torch.Tensor], spec: ExchangeSpec, error_feedback: ErrorFeedback | None
     ) -> _Part:
         schema: Schema = {name: (tuple(t.shape), t.dtype) for name, t in local.items()}
-        own = None if _codec(spec).lossless else TensorStreamDecoder(expected=schema)
+        own = None if spec.codec.lossless else TensorStreamDecoder(expected=schema)
         return cls(local, spec, error_feedback, schema, own)
 
     async def sent(self) -> Mapping[str, torch.Tensor]:
@@ -257,15 +241,10 @@ async def _cancel(task: asyncio.Task[Any]) -> None:
         await task
 
 
-def _codec(spec: ExchangeSpec) -> Any:
-    hooks = spec.hooks
-    return hooks.codec if hooks is not None and hooks.codec is not None else spec.codec
-
-
 def _own_values(own: TensorStreamDecoder) -> dict[str, torch.Tensor]:
     try:
         return own.finish()
-    except FrameError as exc:  # only a tampering test hook makes our own frames disagree with our schema
+    except FrameError as exc:  # a bug of ours: our own encoder's frames disagree with our schema
         raise ProtocolError(f"our own frames do not decode to our schema: {exc}") from exc
 
 
@@ -292,10 +271,7 @@ async def _send_all(
     own: TensorStreamDecoder | None,
     sending: Sending,
 ) -> None:
-    hooks, codec = spec.hooks, _codec(spec)
-    if hooks is not None and hooks.tamper is not None:
-        named = hooks.tamper(named)
-    frames = encode_tensors(named, codec, chunk_bytes=spec.chunk_bytes, error_feedback=error_feedback)
+    frames = encode_tensors(named, spec.codec, chunk_bytes=spec.chunk_bytes, error_feedback=error_feedback)
     count = 0
     while (frame := await in_thread(_next_frame, frames, own)) is not None:
         sending.writing = True
@@ -304,16 +280,7 @@ async def _send_all(
         finally:
             sending.writing = False
         count += 1
-        if hooks is not None and hooks.stall_after_frames == count:
-            await _stall(hooks.on_stall)
     await channel.send_json(MsgKind.END, {"frames": count})
-
-
-async def _stall(on_stall: Callable[[], None] | None) -> None:
-    if on_stall is not None:
-        on_stall()
-    await asyncio.Event().wait()
-    raise AssertionError("unreachable")
 
 
 async def _receive_all(channel: Channel, schema: Schema) -> dict[str, torch.Tensor]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from swarm.compression import get_codec
-from swarm.gossip._exchange import ExchangeHooks, ExchangeSpec
+from swarm.gossip._exchange import ExchangeSpec
 from swarm.gossip._robust import ClipPolicy
 from swarm.gossip._validation import NormPolicy
 
@@ -86,19 +86,17 @@ class GossipOptions:
         """The largest DATA message we accept: a chunk plus room for the frame header."""
         return self.chunk_bytes + 64 * 1024
 
-    def exchange_spec(self, hooks: ExchangeHooks | None = None) -> ExchangeSpec:
+    def exchange_spec(self) -> ExchangeSpec:
         """What every exchange of the averager uses: codec, chunking, norm checks, clip policy."""
-        return self._spec(self.codec, self.clip_ratio, hooks, self.blame_ratio)
+        return self._spec(self.codec, self.clip_ratio, self.blame_ratio)
 
     def companion_spec(self) -> ExchangeSpec | None:
-        """The same for the companion part (its codec and clip ratio, no test hooks), or None."""
+        """The same for the companion part (its codec and clip ratio), or None."""
         if self.companion_codec is None:
             return None
-        return self._spec(self.companion_codec, self.companion_clip_ratio, None)
+        return self._spec(self.companion_codec, self.companion_clip_ratio)
 
-    def _spec(
-        self, codec: str, clip_ratio: float, hooks: ExchangeHooks | None, blame_ratio: float | None = None
-    ) -> ExchangeSpec:
+    def _spec(self, codec: str, clip_ratio: float, blame_ratio: float | None = None) -> ExchangeSpec:
         clip = None
         if self.robust_clip:
             clip = ClipPolicy(clip_ratio, self.clip_floor, self.clip_hard_factor, blame_ratio=blame_ratio)
@@ -106,7 +104,6 @@ class GossipOptions:
             codec=get_codec(codec, block_size=self.block_size),
             chunk_bytes=self.chunk_bytes,
             policy=NormPolicy(max_norm_ratio=self.max_norm_ratio, norm_floor=self.norm_floor),
-            hooks=hooks,
             clip=clip,
             min_rate_bytes_s=self.min_rate_bytes_s,
             rate_window_s=self.chunk_timeout_s,

@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -60,15 +59,6 @@ class ServeStats:
 
 
 @dataclass(frozen=True)
-class ServerHooks:
-    """Test-only: ``before_frame(index)`` runs in a worker thread before each frame is sent (it may
-    block); ``corrupt(index, frame)`` replaces the frame's bytes."""
-
-    before_frame: Callable[[int], None] | None = None
-    corrupt: Callable[[int, bytes], bytes] | None = None
-
-
-@dataclass(frozen=True)
 class _Published:
     snapshot: StateSnapshot
     hashes_hex: list[str]
@@ -83,7 +73,8 @@ class StateServer(StreamService):
     swarm (``swarm_key``, by default the key ``dht`` was started with) a client must pass the swarm key
     handshake before its request is read. Admission: at most :data:`MAX_STREAMS_PER_PEER` streams per
     peer id and :data:`MAX_CONCURRENT_STREAMS` parts being sent in all, each kept above the progress
-    floor :data:`MIN_SEND_BYTES_PER_S`.
+    floor :data:`MIN_SEND_BYTES_PER_S`. Each frame is read with ``snapshot.frame(index)`` in a worker
+    thread right before it is sent: the one place a served frame's bytes come from.
     """
 
     what = "state request"
@@ -95,7 +86,6 @@ class StateServer(StreamService):
         *,
         p2p_factory: P2PFactory | None = None,
         swarm_key: SwarmKey | None = None,
-        _hooks: ServerHooks | None = None,
     ) -> None:
         super().__init__(
             run_id,
@@ -105,7 +95,6 @@ class StateServer(StreamService):
             swarm_key=swarm_key,
             auth_timeout_s=IO_TIMEOUT_S,
         )
-        self._hooks = _hooks
         self._lock = threading.Lock()
         self._published: _Published | None = None
         self._stats = ServeStats()
@@ -194,7 +183,7 @@ class StateServer(StreamService):
                 send_json(writer, Kind.HEADER, header, IO_TIMEOUT_S), 70 * len(published.hashes_hex)
             )
             for index in indices:
-                data = await asyncio.to_thread(self._frame, snapshot, index)
+                data = await asyncio.to_thread(snapshot.frame, index)
                 await floor.within(send(writer, Kind.FRAME, data, IO_TIMEOUT_S), len(data))
                 self._count(frames_sent=1)
         except SlowPeerError:
@@ -202,12 +191,3 @@ class StateServer(StreamService):
             raise
         self._count(parts_served=1)
         return len(indices)
-
-    def _frame(self, snapshot: StateSnapshot, index: int) -> bytes:
-        hooks = self._hooks
-        if hooks is not None and hooks.before_frame is not None:
-            hooks.before_frame(index)
-        data = snapshot.frame(index)
-        if hooks is not None and hooks.corrupt is not None:
-            data = hooks.corrupt(index, data)
-        return data

@@ -9,7 +9,6 @@ regenerates them to compute the true mean) so that only results cross the pipe.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import multiprocessing as mp
 import os
@@ -43,23 +42,6 @@ def make_vector(seed: int, numel: int, offset: float = 0.0) -> torch.Tensor:
 # ---------------------------------------------------------------------------- adversaries
 
 
-class NanCodec:
-    """Wraps a float codec: encodes normally, then plants NaN in the encoded values (the real codecs
-    refuse to encode NaN, so this is how a hostile peer would put NaN on the wire)."""
-
-    def __init__(self, inner: Any) -> None:
-        self._inner = inner
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
-
-    def encode(self, t: torch.Tensor) -> Any:
-        encoded = self._inner.encode(t)
-        data = encoded.data.clone()
-        data.view(-1)[:: max(1, data.numel() // 7)] = float("nan")
-        return dataclasses.replace(encoded, data=data)
-
-
 def _tamper_shape(named: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
     return [(name, t.reshape(-1)[:-1].clone()) for name, t in named]
 
@@ -73,15 +55,17 @@ def _tamper_x10(named: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.
     return [(name, t * 10.0) for name, t in named]
 
 
-def adversary_hooks(kind: str, codec: str, on_stall: Callable[[], None] | None = None) -> Any:
-    """Test-only hooks that make a peer send NaN, a wrong shape, a 1000x norm, or a 10x norm."""
+def adversary_channel(kind: str, codec: str, block_size: int = 64) -> Callable[[Any], Any]:
+    """A ``wrap_channel`` (tests/_faults.py) that makes a peer send NaN, a wrong shape, a 1000x norm,
+    or a 10x norm."""
     from swarm.compression import get_codec
-    from swarm.gossip._exchange import ExchangeHooks
+    from tests._faults import NanCodec, tampering, unchanged
 
+    wire = get_codec(codec, block_size=block_size)
     if kind == "nan":
-        return ExchangeHooks(codec=NanCodec(get_codec(codec)))
+        return tampering(unchanged, NanCodec(wire))
     tampers = {"shape": _tamper_shape, "norm": _tamper_norm, "x10": _tamper_x10}
-    return ExchangeHooks(tamper=tampers[kind])
+    return tampering(tampers[kind], wire)
 
 
 # ---------------------------------------------------------------------------- worker side
@@ -123,16 +107,16 @@ class _Worker:
         **kwargs: Any,
     ) -> str:
         from swarm.gossip import GossipAverager
-        from swarm.gossip._exchange import ExchangeHooks
+        from tests._faults import stalling
 
         self.close_averager()
-        hooks = None
         if adversary is not None:
-            hooks = adversary_hooks(adversary, kwargs.get("codec", "int8"))
+            codec, block_size = kwargs.get("codec", "int8"), kwargs.get("block_size", 64)
+            kwargs["wrap_channel"] = adversary_channel(adversary, codec, block_size)
         elif stall_after_frames is not None:
-            hooks = ExchangeHooks(stall_after_frames=stall_after_frames, on_stall=self.stalled.set)
+            kwargs["wrap_channel"] = stalling(stall_after_frames, self.stalled.set)
         self.averager = GossipAverager(
-            run_id=run_id, dht=self.dht, partner_source=lambda: self.partners, _hooks=hooks, **kwargs
+            run_id=run_id, dht=self.dht, partner_source=lambda: self.partners, **kwargs
         )
         self.tensor = make_vector(seed, numel, offset)
         self.averager.set_tensors([self.tensor])

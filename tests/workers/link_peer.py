@@ -19,8 +19,8 @@ import hivemind
 import torch
 
 from swarm.gossip import GossipAverager, PartnerInfo
-from swarm.gossip._exchange import ExchangeHooks
 from swarm.gossip._protocol import PROTOCOL_VERSION
+from tests._faults import stalling
 
 RUN_ID = "link-test"
 
@@ -45,7 +45,6 @@ def main() -> None:
     initial = [args.initial_peer] if args.initial_peer else None
     dht = hivemind.DHT(initial_peers=initial, host_maddrs=[args.listen], start=True, startup_timeout=60)
     partners: list[PartnerInfo] = []
-    hooks = ExchangeHooks(stall_after_frames=1) if args.stall else None
     averager = GossipAverager(
         run_id=RUN_ID,
         dht=dht,
@@ -55,7 +54,7 @@ def main() -> None:
         max_attempts=1,
         busy_patience_s=0.0,
         seed=0,
-        _hooks=hooks,
+        wrap_channel=stalling(1) if args.stall else lambda channel: channel,
     )
     try:
         averager.set_tensors(

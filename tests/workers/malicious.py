@@ -3,8 +3,8 @@
 Each peer is a fork of a forkserver that has already imported torch, hivemind and the trainer (a
 fresh interpreter per peer costs seconds of CPU on a 2-core machine), in its own process group so
 that its DHT process and p2p daemon can be found (and, if they outlive a graceful stop, killed). An
-attacker is an ordinary :class:`TrainingPeer` whose pseudo-gradient averager gets
-``ExchangeHooks(tamper=...)`` patched in here: no attack code lives in the product.
+attacker is an ordinary :class:`TrainingPeer` whose pseudo-gradient averager gets a tampering or
+stalling channel (tests/_faults.py) patched in here: no attack code lives in the product.
 
 Each peer also records the bans its averagers pronounce and the hard exchanges that count towards
 them, as they happen (from the averagers' own "banning peer" and "suspicious partner" log records),
@@ -85,16 +85,15 @@ def _install_attack(peer: Any, attack: str) -> None:
     """Patch the attack into the peer's pseudo-gradient averager: a tamper of what it sends ("claim"
     also states a huge weight), or "stall": it stops after its first frame of every exchange, served
     or initiated, and holds the stream open (issue 28, finding 9)."""
-    from swarm.gossip._exchange import ExchangeHooks
+    from tests._faults import stalling, tampering
 
     averager = peer.backend.deltas
     if attack == "stall":
-        hooks = ExchangeHooks(stall_after_frames=1)
+        averager._wrap_channel = stalling(1)
     else:
-        hooks = ExchangeHooks(tamper=ATTACKS[attack])
+        averager._wrap_channel = tampering(ATTACKS[attack], averager._spec.codec)
     if attack == "claim":
         _claim_weight(averager)
-    averager._spec = dataclasses.replace(averager._spec, hooks=hooks)
 
 
 def _log_clips() -> None:

@@ -35,7 +35,7 @@ def main() -> None:
     from hivemind.p2p import P2P
 
     from swarm.state import StateServer, make_snapshot
-    from swarm.state._server import ServerHooks
+    from tests._faults import faulty_snapshot
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--run-id", required=True)
@@ -56,11 +56,10 @@ def main() -> None:
         maddrs.extend(await p2p.get_visible_maddrs())
         return p2p
 
-    hooks = ServerHooks(corrupt=flip_byte) if args.corrupt else None
-    server = StateServer(run_id=args.run_id, p2p_factory=own_daemon, _hooks=hooks)
+    server = StateServer(run_id=args.run_id, p2p_factory=own_daemon)
     try:
         snapshot = make_snapshot(*make_state(args.seed, args.step), chunk_bytes=args.chunk_bytes)
-        server.publish(snapshot)
+        server.publish(faulty_snapshot(snapshot, corrupt=flip_byte) if args.corrupt else snapshot)
         print("READY", server.peer_id, maddrs[0], snapshot.digest, flush=True)
         last = None
         while not stop.wait(0.05):
