@@ -18,7 +18,6 @@ protocol overhead), ``failed`` (failed gossip exchanges / failed hivemind rounds
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import logging
@@ -35,6 +34,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+try:  # imported as scripts.x (tests) or run from scripts/ (python scripts/x.py)
+    from scripts._cli import bench_parser
+except ImportError:  # pragma: no cover - depends on how the caller was started
+    from _cli import bench_parser
 
 CONTEXT = mp.get_context("forkserver")
 SWARM_CODECS = ("int8", "fp16", "fp32")
@@ -286,13 +290,7 @@ def _mean_file(directory: str, peers: int, numel: int) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument(
-        "--quick", action="store_true", help="4 peers, 2M params, no swarm fp16 row, 15 s per row"
-    )
-    parser.add_argument("--json", action="store_true", help="print one JSON object on the last line")
+    parser = bench_parser(__doc__, "4 peers, 2M params, no swarm fp16 row, 15 s per row")
     parser.add_argument("--peers", type=int, nargs="+", default=None)
     parser.add_argument("--params", type=int, default=None)
     parser.add_argument("--timeout", type=float, default=None, help="seconds per row")

@@ -13,7 +13,6 @@ ParseFromString -> extract, bytes = ByteSize() of the runtime_pb2.Tensor.
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
 from collections.abc import Callable
@@ -23,6 +22,12 @@ from rich.console import Console
 from rich.table import Table
 
 from swarm.compression import CODEC_NAMES, TensorStreamDecoder, encode_tensors, get_codec
+
+try:  # imported as scripts.x (tests) or run from scripts/ (python scripts/x.py)
+    from scripts._cli import bench_parser
+except ImportError:  # pragma: no cover - depends on how the caller was started
+    from _cli import bench_parser
+
 
 HIVEMIND_BASELINE = "hivemind.BlockwiseQuantization"
 
@@ -114,13 +119,7 @@ def row(name: str, x: torch.Tensor, nbytes: int, t_enc: float, t_dec: float, out
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument(
-        "--quick", action="store_true", help="2M values, 2 repeats: under a minute on 2 cores"
-    )
-    parser.add_argument("--json", action="store_true", help="print one JSON object on the last line")
+    parser = bench_parser(__doc__, "2M values, 2 repeats: under a minute on 2 cores")
     parser.add_argument("--n", type=int, default=None, help="number of values (default 10M, 2M with --quick)")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     args = parser.parse_args()

@@ -42,8 +42,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import psutil
-
 REPO = Path(__file__).resolve().parent.parent
 GRACE_S = 30.0
 POLL_S = 0.05  # the history and summary are files other processes write: poll them
@@ -99,25 +97,16 @@ def _sets(overrides: list[str]) -> list[str]:
     return [item for override in overrides for item in ("--set", override)]
 
 
-def _session_leftovers(sids: set[int]) -> list[psutil.Process]:
-    found = []
-    for proc in psutil.process_iter(["status"]):
-        try:
-            if proc.info["status"] != psutil.STATUS_ZOMBIE and os.getsid(proc.pid) in sids:
-                found.append(proc)
-        except (psutil.Error, ProcessLookupError, PermissionError):
-            continue
-    return found
-
-
 def _stop_all(procs: list[Proc]) -> None:
     """SIGINT each process, wait, then name and kill whatever of their sessions is left."""
+    from peers.local import _session_processes
+
     for p in procs:
         if p.proc.poll() is None:
             p.proc.send_signal(signal.SIGINT)
     for p in procs:
         p.wait_exit(GRACE_S)
-    leftovers = _session_leftovers({p.proc.pid for p in procs})
+    leftovers = _session_processes({p.proc.pid for p in procs})
     for proc in leftovers:
         print(f"leftover after a graceful stop: pid {proc.pid} {proc.name()}; killing it", file=sys.stderr)
         proc.kill()

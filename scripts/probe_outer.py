@@ -261,19 +261,12 @@ def scaling_plan(
     batch N) and every rule at every N, each over ``samples`` samples in all with a full cosine
     schedule, at every inner learning rate of ``lrs`` (:func:`best_per_rule` keeps each one's best)."""
 
+    common = Probe(sync_every=sync_every, cosine=True, eval_batches=2, target=target)
+
     def base(n: int, lr: float) -> Probe:
         steps = samples // n
         every = max(sync_every, (steps // 24) // sync_every * sync_every)
-        return Probe(
-            peers=n,
-            lr=lr,
-            steps=steps,
-            sync_every=sync_every,
-            cosine=True,
-            eval_every=every,
-            eval_batches=2,
-            target=target,
-        )
+        return replace(common, peers=n, lr=lr, steps=steps, eval_every=every)
 
     plan = [("one device", 1, replace(base(1, lr), mode="solo")) for lr in lrs]
     for n in peers:

@@ -122,6 +122,14 @@ class Dialler:
             self.to_relay, ForwardKind.FORWARD, {"to": TARGET.to_base58(), "handler": HANDLER}, 5
         )  # type: ignore[arg-type]
 
+    @classmethod
+    async def forwarded(cls, relay: RelayForwarder, peer: str, daemon: FakeDaemon) -> Dialler:
+        """A dialler that asked for the forward, once the relay opened it to the target."""
+        dialler = cls(relay, peer)
+        await dialler.ask()
+        await _until(lambda: daemon.opened, "the forward")
+        return dialler
+
 
 def _on_loop(relay: RelayForwarder, coro: Coroutine[Any, Any, Any]) -> Any:
     return relay._loop.run(coro, timeout=60)
@@ -158,12 +166,9 @@ def test_a_hundred_concurrent_forwards_from_one_dialler_get_at_most_its_share(da
 
 def test_a_stream_past_the_byte_cap_is_closed(daemon, relay_of) -> None:
     relay = relay_of(RelayLimits(stream_bytes=100_000))
-    peer = _peer()
 
     async def scenario() -> int:
-        d = Dialler(relay, peer)
-        await d.ask()
-        await _until(lambda: daemon.opened, "the forward")
+        d = await Dialler.forwarded(relay, _peer(), daemon)
         to_target, _ = daemon.opened[0]
         for _ in range(50):
             if d.task.done():
@@ -180,12 +185,9 @@ def test_a_stream_past_the_byte_cap_is_closed(daemon, relay_of) -> None:
 
 def test_a_busy_stream_is_closed_at_its_lifetime(daemon, relay_of) -> None:
     relay = relay_of(RelayLimits(stream_lifetime_s=0.5))
-    peer = _peer()
 
     async def scenario() -> None:
-        d = Dialler(relay, peer)
-        await d.ask()
-        await _until(lambda: daemon.opened, "the forward")
+        d = await Dialler.forwarded(relay, _peer(), daemon)
         while not d.task.done():  # never idle: only the lifetime ends it
             d.to_relay.write(b"x")
             await asyncio.sleep(0.01)
@@ -202,9 +204,7 @@ def test_a_dialler_past_its_byte_budget_is_cut_off_and_refused_until_the_window_
     peer, other = _peer(), _peer()
 
     async def scenario() -> tuple[str, int]:
-        d = Dialler(relay, peer)
-        await d.ask()
-        await _until(lambda: daemon.opened, "the forward")
+        d = await Dialler.forwarded(relay, peer, daemon)
         while not d.task.done():
             d.to_relay.write(secrets.token_bytes(10_000))
             await asyncio.sleep(0)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from swarm.gossip import Committed, SyncOutcome, SyncResult
+from swarm.gossip import Committed, Offer, SyncOutcome, SyncResult
 from swarm.learning import OuterOptimizer
 from swarm.trainer._live import LiveModel
 from swarm.trainer._offers import MAX_WEIGHT_RATIO, DeltaOffers, ModelOffers
@@ -18,17 +18,21 @@ from swarm.trainer._offers import MAX_WEIGHT_RATIO, DeltaOffers, ModelOffers
 CLAIM = 1e29
 
 
-def _live(seed: int = 0) -> tuple[torch.nn.Module, LiveModel]:
-    torch.manual_seed(seed)
+def _offered(
+    offerer: type[DeltaOffers] | type[ModelOffers], steps: int
+) -> tuple[LiveModel, DeltaOffers | ModelOffers, Offer]:
+    """A model trained ``steps`` inner steps, its ``offerer`` and that offerer's first offer."""
+    torch.manual_seed(0)
     model = torch.nn.Linear(6, 4)
-    return model, LiveModel(model, OuterOptimizer(model, lr=1.0, momentum=0.0), 2)
-
-
-def _train(model: torch.nn.Module, live: LiveModel, steps: int) -> None:
+    live = LiveModel(model, OuterOptimizer(model, lr=1.0, momentum=0.0), 2)
     for _ in range(steps):
         with live.updating(), torch.no_grad():
             for p in model.parameters():
                 p.add_(0.01)
+    offers = offerer(live)
+    offer = offers.offer()
+    assert offer is not None
+    return live, offers, offer
 
 
 def _committed(mixed: dict[str, torch.Tensor], partner_weight: float) -> Committed:
@@ -41,11 +45,7 @@ def _anchor_move(live: LiveModel, before: dict[str, torch.Tensor]) -> float:
 
 
 def test_a_claimed_weight_cannot_scale_the_applied_pseudo_gradient() -> None:
-    model, live = _live()
-    _train(model, live, 3)
-    offers = DeltaOffers(live)
-    offer = offers.offer()
-    assert offer is not None
+    live, offers, offer = _offered(DeltaOffers, 3)
     before = {n: t.clone() for n, t in live.outer.anchor.items()}
     # the mix as the averager computes it with the claimed weight: almost all the partner's mean,
     # which the robust clip keeps near ours (here: equal to ours, the most harmless-looking case)
@@ -59,11 +59,7 @@ def test_a_claimed_weight_cannot_scale_the_applied_pseudo_gradient() -> None:
 
 
 def test_a_claimed_weight_cannot_pull_our_model_past_the_pair_mean() -> None:
-    model, live = _live()
-    _train(model, live, 2)
-    offers = ModelOffers(live)
-    offer = offers.offer()
-    assert offer is not None
+    live, offers, offer = _offered(ModelOffers, 2)
     ours = {n: t.clone() for n, t in offer.tensors.items()}  # the offer's tensors are used up on apply
     theirs = {n: t + 1.0 for n, t in ours.items()}
     share = CLAIM / (offer.weight + CLAIM)  # how the averager weighted the liar: all of it

@@ -40,18 +40,10 @@ from swarm.learning import (
     resolve_precision,
 )
 from swarm.learning.estimate import estimate_peer
+from tests._learning import CPU, TINY, batches
 from tests._markers import needs_cuda
 
-TINY = ModelSection(n_layer=1, n_head=2, n_embd=32, block_size=16)
-CPU = torch.device("cpu")
 CUDA = torch.device("cuda")
-
-
-def batches(count: int, batch_size: int = 16, seed: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    generator = torch.Generator().manual_seed(seed)
-    for _ in range(count):
-        x = torch.randint(256, (batch_size, TINY.block_size + 1), generator=generator)
-        yield x[:, :-1], x[:, 1:]
 
 
 class OutOfMemoryAbove(nn.Module):

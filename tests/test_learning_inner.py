@@ -18,17 +18,8 @@ from swarm.learning import (
     total_samples_of,
 )
 from swarm.learning.inner import MIN_LR_RATIO, parameter_groups
+from tests._learning import CPU, TINY, batches
 from tests._markers import needs_cuda
-
-TINY = ModelSection(n_layer=1, n_head=2, n_embd=32, block_size=16)
-CPU = torch.device("cpu")
-
-
-def batches(count: int, batch_size: int = 16, seed: int = 0):
-    generator = torch.Generator().manual_seed(seed)
-    for _ in range(count):
-        x = torch.randint(256, (batch_size, TINY.block_size + 1), generator=generator)
-        yield x[:, :-1], x[:, 1:]
 
 
 def test_resolve_device() -> None:

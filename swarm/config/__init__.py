@@ -22,7 +22,7 @@ from swarm.config._schema import (
     TrainSection,
 )
 from swarm.config._sources import ENV_ALLOWLIST
-from swarm.config._view import HASH_VERSION, diff_configs, per_peer_keys
+from swarm.config._view import HASH_VERSION, diff_configs, per_peer_keys, swarm_view
 
 __all__ = [
     "ENV_ALLOWLIST",
@@ -45,4 +45,5 @@ __all__ = [
     "diff_configs",
     "load_config",
     "per_peer_keys",
+    "swarm_view",
 ]

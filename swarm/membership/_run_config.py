@@ -33,7 +33,7 @@ from hivemind.utils.timed_storage import get_dht_time
 from pydantic.v1 import confloat, constr
 
 from swarm._periodic import PeriodicTask
-from swarm.config import PER_PEER_KEYS, RUN_ID_PATTERN, RunConfig, load_config
+from swarm.config import PER_PEER_KEYS, RUN_ID_PATTERN, RunConfig, load_config, swarm_view
 from swarm.membership._record import FrozenModel
 from swarm.membership._signed import StrictSchemaValidator, signer_peer_id
 
@@ -114,12 +114,7 @@ def shareable_dump(config: RunConfig) -> dict[str, Any]:
         from swarm.pipeline import resolve_num_stages
 
         dump["pipeline"]["num_stages"] = resolve_num_stages(config)
-    shared: dict[str, Any] = {}
-    for section, values in dump.items():
-        if section in PER_PEER_KEYS:
-            continue
-        shared[section] = {k: v for k, v in values.items() if f"{section}.{k}" not in PER_PEER_KEYS}
-    return shared
+    return swarm_view(dump, PER_PEER_KEYS)
 
 
 def shareable_yaml(config: RunConfig) -> str:

@@ -8,21 +8,14 @@ from __future__ import annotations
 import json
 import logging
 import os
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from swarm.membership import Member
 from swarm.metrics._policy import SnapshotPolicy
 from swarm.metrics._snapshot import SwarmSnapshot, build_snapshot
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class _OwnRecord:
-    peer_id: str
-    record: Any
-    expires_at: float
 
 
 class HistoryWriter:
@@ -50,7 +43,7 @@ class HistoryWriter:
         """
         if self.policy is None:
             raise ValueError("HistoryWriter.append_record needs a SnapshotPolicy")
-        own = _OwnRecord(record.peer_id, record, now + self.policy.record_ttl_s)
+        own = Member(record.peer_id, record, now + self.policy.record_ttl_s)
         snapshot = build_snapshot([own], self._previous, now, self.policy)
         self._previous = snapshot
         self.append(snapshot)

@@ -112,9 +112,7 @@ Prove = Callable[[bytes, bytes, bytes], bytes]
 async def _initiate(
     reader: asyncio.StreamReader, writer: asyncio.StreamWriter, prove: Prove, peer: str, timeout: float
 ) -> None:
-    nonce_i = secrets.token_bytes(NONCE_BYTES)
-    await write_message(writer, AuthKind.NONCE, nonce_i, timeout)
-    nonce_r = await _read(reader, AuthKind.NONCE, timeout)
+    nonce_i, nonce_r = await _swap_nonces(reader, writer, timeout)
     await write_message(writer, AuthKind.PROOF, prove(b"initiator", nonce_i, nonce_r), timeout)
     try:
         kind, proof_r = await read_message(reader, AuthKind, lambda kind: PROOF_BYTES, timeout)
@@ -135,9 +133,7 @@ async def _initiate(
 async def _respond(
     reader: asyncio.StreamReader, writer: asyncio.StreamWriter, prove: Prove, peer: str, timeout: float
 ) -> None:
-    nonce_r = secrets.token_bytes(NONCE_BYTES)
-    await write_message(writer, AuthKind.NONCE, nonce_r, timeout)
-    nonce_i = await _read(reader, AuthKind.NONCE, timeout)
+    nonce_r, nonce_i = await _swap_nonces(reader, writer, timeout)
     proof_i = await _read(reader, AuthKind.PROOF, timeout)
     try:
         _check(proof_i, prove(b"initiator", nonce_i, nonce_r), peer)  # before we reveal anything keyed
@@ -146,6 +142,15 @@ async def _respond(
             await write_message(writer, AuthKind.REFUSED, b"", timeout)
         raise
     await write_message(writer, AuthKind.PROOF, prove(b"responder", nonce_i, nonce_r), timeout)
+
+
+async def _swap_nonces(
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, timeout: float
+) -> tuple[bytes, bytes]:
+    """Send a fresh nonce and read the peer's (both sides do, in this order): ``(ours, theirs)``."""
+    ours = secrets.token_bytes(NONCE_BYTES)
+    await write_message(writer, AuthKind.NONCE, ours, timeout)
+    return ours, await _read(reader, AuthKind.NONCE, timeout)
 
 
 async def _read(reader: asyncio.StreamReader, expected: AuthKind, timeout: float) -> bytes:

@@ -53,12 +53,8 @@ class ForwardKind(enum.IntEnum):
     REFUSED = 0x74
 
 
-def _limit(kind: ForwardKind) -> int:
-    return MAX_CONTROL_BYTES
-
-
 async def read_control(reader: asyncio.StreamReader, timeout: float) -> tuple[ForwardKind, dict[str, Any]]:
-    kind, payload = await read_message(reader, ForwardKind, _limit, timeout)
+    kind, payload = await read_message(reader, ForwardKind, lambda kind: MAX_CONTROL_BYTES, timeout)
     return kind, parse_json(payload)
 
 
