@@ -55,7 +55,6 @@ KILL_WAIT_S = 15.0  # a lone kill: the DHT worker polls its parent every second,
 STOP_GRACE_S = 60.0
 SETTLE_S = 10.0  # after the graceful stop, how long the sessions may take to empty before it is a leak
 POLL_S = 0.5
-HISTORY, SUMMARY = ".history.jsonl", ".summary.json"  # a life's files: life-N.log, life-N.history.jsonl, ...
 BATCH = 8
 SETS = [
     "model.n_layer=1",
@@ -89,16 +88,10 @@ class Life:
 
     proc: subprocess.Popen
     log: Path
+    history: Path
+    summary: Path
     resumed_step: int
     killed: str | None = None
-
-    @property
-    def history(self) -> Path:
-        return self.log.with_suffix(HISTORY)
-
-    @property
-    def summary(self) -> Path:
-        return self.log.with_suffix(SUMMARY)
 
     def exchanged(self) -> bool:
         """Whether its history's last line counts a committed exchange (either role)."""
@@ -159,13 +152,13 @@ class Swarm:
         progress = newest_checkpoint(trainer.checkpoints)
         args = ["join", "--initial-peers", self.maddr, "--host-maddrs", trainer.host.maddr(), "--resume"]
         log_path = trainer.directory / f"life-{len(trainer.lives)}.log"
-        summary, history = log_path.with_suffix(SUMMARY), log_path.with_suffix(HISTORY)
+        history, summary = log_path.with_suffix(".history.jsonl"), log_path.with_suffix(".summary.json")
         files = ["--summary", str(summary), "--history", str(history)]
         args += ["--public-name", f"soak-{trainer.index}", *files]
         args += ["--set", f"train.checkpoint_dir={trainer.checkpoints}"]
         args += ["--set", f"network.identity_path={trainer.directory / 'identity.key'}"]
         proc = self._spawn(trainer.host, log_path, args)
-        trainer.lives.append(Life(proc, log_path, int(progress["step"]) if progress else 0))
+        trainer.lives.append(Life(proc, log_path, history, summary, int(progress["step"]) if progress else 0))
 
     def _spawn(self, host: netlab.Host, log_path: Path, args: list[str]) -> subprocess.Popen:
         from peers.local import _die_with_parent

@@ -12,7 +12,7 @@ check every figure:
   the samples trained.
 * **exchanges that failed**, by role and cause, from the summary (``--summary``,
   ``exchanges_failed_by_cause``) of each incarnation that stopped gracefully. A killed one writes no
-  summary: its failed exchanges (both roles, no cause) are the last line of its history's.
+  summary: its failed exchanges (both roles, cause unknown) come from the last line of its history.
 * **leftover processes** after the graceful stop, and processes of a killed trainer still alive after
   the kill: any makes the report fail.
 """
@@ -212,8 +212,8 @@ def render(churn: dict[str, Any], baseline: dict[str, Any] | None) -> str:
     unread = churn["failures_without_cause"]
     if unread["lives"]:
         lines.append(
-            f"\nplus {unread['exchanges']} failed exchanges (both roles, cause unknown) of the "
-            f"{unread['lives']} lives that wrote no summary (killed), from their histories"
+            f"\nlives that wrote no summary (killed), not in the table: {unread['lives']}, with "
+            f"{unread['exchanges']} failed exchanges (both roles, cause unknown) in their histories"
         )
     lines.append("")
     for run in runs:
