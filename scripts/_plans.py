@@ -286,13 +286,14 @@ def paired_evals(a: dict[str, Any], b: dict[str, Any]) -> tuple[float, float | N
 # ---------------------------------------------------------------------- markdown and plot
 
 
-def _fmt(value: Any, spec: str, none: str = "-") -> str:
+def fmt(value: Any, spec: str = ".2f", none: str = "-") -> str:
+    """``value`` formatted by ``spec``, ``none`` when it is None."""
     return none if value is None else format(value, spec)
 
 
 def _load(row: dict[str, Any]) -> str:
     load = row.get("load_average") or {}
-    return f"{_fmt(load.get('mean'), '.1f')} / {_fmt(load.get('max'), '.1f')}"
+    return f"{fmt(load.get('mean'), '.1f')} / {fmt(load.get('max'), '.1f')}"
 
 
 def _compute(row: dict[str, Any]) -> str:
@@ -326,10 +327,10 @@ def render_scaling(scaling: dict[str, Any], image: str | None) -> list[str]:
     for p in scaling.get("points", []):
         run = runs.get(p.get("run"), {})
         bound = "" if p.get("reached") else "< "
-        speed = _fmt(p.get("speedup_vs_one"), ".2f")
-        values = [p["backend"], str(p["peers"]), _fmt(p.get("seconds_to_target"), ".1f", "not reached")]
-        values += [f"{bound}{speed}x", f"{p['peers']}x", _fmt(run.get("samples_to_target"), ",.0f")]
-        values += [_fmt(run.get("join_spread_s"), ".1f"), _compute(run), _load(run)]
+        speed = fmt(p.get("speedup_vs_one"), ".2f")
+        values = [p["backend"], str(p["peers"]), fmt(p.get("seconds_to_target"), ".1f", "not reached")]
+        values += [f"{bound}{speed}x", f"{p['peers']}x", fmt(run.get("samples_to_target"), ",.0f")]
+        values += [fmt(run.get("join_spread_s"), ".1f"), _compute(run), _load(run)]
         lines.append("| " + " | ".join(values) + " |")
     errors = [f"{r['name']}: {r['error']}" for r in scaling.get("runs", []) if r.get("error")]
     lines += ["", *[f"Failed: {e}" for e in errors]] if errors else []
@@ -350,7 +351,7 @@ def render_sweep(sweep: dict[str, Any]) -> list[str]:
         f"{sweep['budget_s']:.0f} s each, in the bench regime; each setting over links on which one int8 "
         "exchange takes half of its round (so a smaller H gets faster links).",
         "",
-        f"Eval at equal samples: when the swarm had processed {_fmt(sweep.get('equal_samples'), ',.0f')} "
+        f"Eval at equal samples: when the swarm had processed {fmt(sweep.get('equal_samples'), ',.0f')} "
         "samples, the most that every setting reached; it does not depend on how fast the machine was.",
         "",
         "| setting | links | s to target | final eval | eval at equal samples | utilization | B/param/sync "
@@ -362,10 +363,10 @@ def render_sweep(sweep: dict[str, Any]) -> list[str]:
             lines.append(f"| {row['label']} | {row.get('rate')} | failed: {row['error']} |" + " |" * 7)
             continue
         values = [row["label"], row.get("rate") or "unshaped"]
-        values.append(_fmt(row.get("seconds_to_target"), ".1f", "not reached"))
-        values += [_fmt(row.get("final_eval_loss"), ".3f"), _fmt(row.get("eval_at_equal_samples"), ".3f")]
-        values += [_fmt(row.get("utilization"), ".0%"), _fmt(row.get("wire_bytes_per_param_per_sync"), ".2f")]
-        values += [_compute(row), _load(row), _fmt(row.get("steps_per_peer"), ".0f")]
+        values.append(fmt(row.get("seconds_to_target"), ".1f", "not reached"))
+        values += [fmt(row.get("final_eval_loss"), ".3f"), fmt(row.get("eval_at_equal_samples"), ".3f")]
+        values += [fmt(row.get("utilization"), ".0%"), fmt(row.get("wire_bytes_per_param_per_sync"), ".2f")]
+        values += [_compute(row), _load(row), fmt(row.get("steps_per_peer"), ".0f")]
         lines.append("| " + " | ".join(values) + " |")
     return [*lines, ""]
 

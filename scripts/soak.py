@@ -13,10 +13,11 @@ once every trainer has completed an exchange; then
 * the **baseline** runs as long without kills.
 
 Both end with SIGTERM to every trainer, then the bootstrap; whatever still runs in their sessions or
-the lab's namespaces is reported as left over, then killed. The report (scripts/soak_report.py):
-samples trained against samples in the final checkpoints and the ledger's view, the final held-out
-loss against the baseline's, the exchanges that failed by cause, leftover processes. It exits 1 when
-a check fails. docs/security.md has a measured report and how to read it.
+the lab's namespaces is reported as left over, then killed. The report (scripts/soak_report.py, from
+what the trainers write: each life's ``--history`` and ``--summary``, the final checkpoints): samples
+trained against samples in the final checkpoints and the ledger's view, the final held-out loss
+against the baseline's, the exchanges that failed by cause, leftover processes. It exits 1 when a
+check fails. docs/security.md has a measured report and how to read it.
 
     sudo .venv/bin/python scripts/soak.py --quick   # 2 minutes per run (about 7 minutes in all)
     sudo .venv/bin/python scripts/soak.py           # 10 minutes per run
@@ -34,7 +35,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -83,18 +83,20 @@ def log(message: str) -> None:
 
 @dataclass
 class Life:
-    """One incarnation of a trainer: its process (the leader of its own session) and log."""
+    """One incarnation of a trainer: its process (the leader of its own session) and its files:
+    ``life-N.log`` (its output), its ``--history`` and its ``--summary`` beside it."""
 
     proc: subprocess.Popen
     log: Path
+    history: Path
+    summary: Path
     resumed_step: int
     killed: str | None = None
 
-    def output(self) -> str:
-        return self.log.read_text(errors="replace") if self.log.exists() else ""
-
     def exchanged(self) -> bool:
-        return any(line.outcome == "ok" for line in soak_report.sync_lines(self.output()))
+        """Whether its history's last line counts a committed exchange (either role)."""
+        record = soak_report.last_record(self.history)
+        return record is not None and int(record["exchanges_ok"]) > 0
 
 
 @dataclass
@@ -111,10 +113,6 @@ class Trainer:
     @property
     def checkpoints(self) -> Path:
         return self.directory / "checkpoints"
-
-    @property
-    def summary(self) -> Path:
-        return self.directory / "summary.json"
 
 
 def newest_checkpoint(directory: Path) -> dict | None:
@@ -153,12 +151,14 @@ class Swarm:
         """Start (or restart) ``trainer`` with ``--resume`` from its own checkpoints and identity."""
         progress = newest_checkpoint(trainer.checkpoints)
         args = ["join", "--initial-peers", self.maddr, "--host-maddrs", trainer.host.maddr(), "--resume"]
-        args += ["--public-name", f"soak-{trainer.index}", "--summary", str(trainer.summary)]
+        log_path = trainer.directory / f"life-{len(trainer.lives)}.log"
+        history, summary = log_path.with_suffix(".history.jsonl"), log_path.with_suffix(".summary.json")
+        files = ["--summary", str(summary), "--history", str(history)]
+        args += ["--public-name", f"soak-{trainer.index}", *files]
         args += ["--set", f"train.checkpoint_dir={trainer.checkpoints}"]
         args += ["--set", f"network.identity_path={trainer.directory / 'identity.key'}"]
-        log_path = trainer.directory / f"life-{len(trainer.lives)}.log"
         proc = self._spawn(trainer.host, log_path, args)
-        trainer.lives.append(Life(proc, log_path, int(progress["step"]) if progress else 0))
+        trainer.lives.append(Life(proc, log_path, history, summary, int(progress["step"]) if progress else 0))
 
     def _spawn(self, host: netlab.Host, log_path: Path, args: list[str]) -> subprocess.Popen:
         from peers.local import _die_with_parent
@@ -294,39 +294,18 @@ def describe_pid(pid: int) -> str:
 
 
 def collect(swarm: Swarm, name: str, seconds: float) -> soak_report.RunResult:
-    """The run's inputs for the report: every life's steps, final checkpoints, summaries, failures."""
-    lives, finals, losses, failures = [], [], [], Counter()
+    """The run's inputs for the report: every life's history and summary, the final checkpoints."""
+    lives: list[soak_report.Life] = []
+    finals: list[soak_report.FinalState] = []
     for trainer in swarm.trainers:
-        summary = _read_json(trainer.summary)
-        for life in trainer.lives:
-            text = life.output()
-            syncs = soak_report.sync_lines(text)
-            final_step = int(summary["steps"]) if life is trainer.current and summary else None
-            last_step = syncs[-1].step if syncs else None
-            lives.append(
-                soak_report.Life(trainer.index, life.resumed_step, last_step, life.killed, final_step)
-            )
-            failures.update(soak_report.failures(text))
-        if summary and summary.get("eval_loss") is not None:
-            losses.append(float(summary["eval_loss"]))
+        lives += [
+            soak_report.Life.read(trainer.index, life.resumed_step, life.killed, life.history, life.summary)
+            for life in trainer.lives
+        ]
         progress = newest_checkpoint(trainer.checkpoints)
         if progress is not None:
-            finals.append(
-                soak_report.FinalState(
-                    trainer.index,
-                    int(progress["step"]),
-                    int(progress["samples_total"]),
-                    int(progress.get("swarm_samples", 0)),
-                )
-            )
-    return soak_report.RunResult(name, seconds, lives, finals, losses, failures)
-
-
-def _read_json(path: Path) -> dict | None:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
+            finals.append(soak_report.FinalState.of(trainer.index, progress))
+    return soak_report.RunResult(name, seconds, lives, finals)
 
 
 def run_one(name: str, args: argparse.Namespace, root: Path, seconds: float, period_s: float | None) -> dict:

@@ -1,69 +1,50 @@
-"""The arithmetic of scripts/soak.py's report: what the trainers' logs, summaries and checkpoints say.
+"""The arithmetic of scripts/soak.py's report: what the trainers' histories, summaries and checkpoints say.
 
-No processes here, only numbers from given inputs, so tests/test_soak.py can check every figure:
+No processes here, only numbers from given inputs (files the trainers wrote), so tests/test_soak.py can
+check every figure:
 
-* **samples**: trained (every incarnation's steps, from the step it resumed at to the last step it
-  printed, or its summary at the graceful stop; times the batch) against accounted for (the steps in
-  each trainer's final checkpoint, times the batch; and each trainer's ledger view of the swarm,
-  ``progress.swarm_samples``). Trained minus accounted is the work of killed trainers after their last
-  checkpoint, done again after the restart. More accounted than trained means samples counted that
-  nobody trained: the report fails; so does a ledger view above the samples trained.
-* **exchanges that failed**, by cause, from the INFO line the gossip averager logs for each exchange
-  that did not commit (``swarm.gossip._metrics.log_failure``), per role.
+* **samples**: trained (every incarnation's steps, from the step it resumed at to the last step its
+  history (``swarm join --history``) holds, or its summary's at the graceful stop; times the batch)
+  against accounted for (the steps in each trainer's final checkpoint, times the batch; and each
+  trainer's ledger view of the swarm, ``progress.swarm_samples``). Trained minus accounted is the work
+  of killed trainers after their last checkpoint, done again after the restart. More accounted than
+  trained means samples counted that nobody trained: the report fails; so does a ledger view above
+  the samples trained.
+* **exchanges that failed**, by role and cause, from the summary (``--summary``,
+  ``exchanges_failed_by_cause``) of each incarnation that stopped gracefully. A killed one writes no
+  summary: its failed exchanges (both roles, cause unknown) come from the last line of its history.
 * **leftover processes** after the graceful stop, and processes of a killed trainer still alive after
   the kill: any makes the report fail.
 """
 
 from __future__ import annotations
 
-import re
+import json
 import statistics
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
-FAILURE_LINE = re.compile(r"exchange failed as (\w+) with (\S+) at (\w+) \((\w+)\): (.*)$")
-_PEER_ID = re.compile(r"^(?:\S+ )?\S{40,}: ")  # "12D3KooW...: " before a dialled partner's answer
+from swarm.metrics import read_history
 
 
-@dataclass(frozen=True)
-class SyncLine:
-    """One per-sync line of a trainer (peers/_trainer_output.py): step, outcome, held-out loss."""
-
-    step: int
-    outcome: str
-    eval_loss: float | None
-
-
-def sync_lines(text: str) -> list[SyncLine]:
-    """The per-sync lines in a trainer's output, parsed (the words keep their positions)."""
-    found = []
-    for line in text.splitlines():
-        words = line.split()
-        if len(words) > 16 and words[0] == "round" and words[2] == "step" and words[12] == "sync":
-            evaluation = None if words[7] == "-" else float(words[7])
-            found.append(SyncLine(int(words[3]), words[13], evaluation))
-    return found
+def last_record(history: Path) -> dict[str, Any] | None:
+    """The trainer's own record in the last line of its history, None before its first line (the
+    first is its record when it joined, then one per sync)."""
+    snapshots = read_history(history) if history.exists() else []
+    peers = snapshots[-1]["peers"] if snapshots else []
+    return peers[0] if len(peers) == 1 else None
 
 
-def failure_cause(stage: str, outcome: str, reason: str) -> str:
-    """``STAGE OUTCOME: KIND``, KIND being the reason's first part (an exception name, "exchange timed
-    out", a partner's refusal) without the partner id in front of it."""
-    text = _PEER_ID.sub("", reason.strip(), count=1)
-    kind = text.split(":", 1)[0].strip() or "no reason given"
-    return f"{stage} {outcome}: {kind}"
-
-
-def failures(text: str) -> Counter[tuple[str, str]]:
-    """Exchanges that did not commit in one trainer's output, counted by (role, cause)."""
-    counts: Counter[tuple[str, str]] = Counter()
-    for line in text.splitlines():
-        match = FAILURE_LINE.search(line)
-        if match:
-            role, _, stage, outcome, reason = match.groups()
-            counts[(role, failure_cause(stage, outcome, reason))] += 1
-    return counts
+def read_summary(path: Path) -> dict[str, Any] | None:
+    """A trainer's ``--summary``, None where it wrote none (killed) or it does not parse."""
+    try:
+        summary = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return summary if isinstance(summary, dict) else None
 
 
 @dataclass(frozen=True)
@@ -74,9 +55,31 @@ class Life:
 
     trainer: int
     resumed_step: int
-    last_step: int | None  # the last step it printed a sync line at; None: it printed none
+    last_step: int | None  # the step in its history's last line; None: it wrote none
     killed: str | None = None
     final_step: int | None = None
+    failed: int = 0  # exchanges that did not commit, both roles, in its history's last line
+    failures: Counter[tuple[str, str]] | None = None  # by (role, cause), from its summary; None: none
+    eval_loss: float | None = None  # its summary's held-out loss of the final model
+
+    @classmethod
+    def read(cls, trainer: int, resumed_step: int, killed: str | None, history: Path, summary: Path) -> Life:
+        """The life as its history and summary (either may be missing) tell it."""
+        record, numbers = last_record(history), read_summary(summary)
+        failures = None
+        if numbers is not None:
+            by_role = numbers.get("exchanges_failed_by_cause") or {}
+            failures = Counter({(r, c): n for r, causes in by_role.items() for c, n in causes.items()})
+        return cls(
+            trainer,
+            resumed_step,
+            None if record is None else int(record["step"]),
+            killed,
+            None if numbers is None else int(numbers["steps"]),
+            0 if record is None else int(record["exchanges_failed"]) + int(record["exchanges_rejected"]),
+            failures,
+            None if numbers is None or numbers.get("eval_loss") is None else float(numbers["eval_loss"]),
+        )
 
     @property
     def end_step(self) -> int:
@@ -97,6 +100,12 @@ class FinalState:
     step: int
     samples_total: int
     swarm_samples: int
+
+    @classmethod
+    def of(cls, trainer: int, progress: dict[str, Any]) -> FinalState:
+        """From a checkpoint's ``progress``."""
+        step, samples = int(progress["step"]), int(progress["samples_total"])
+        return cls(trainer, step, samples, int(progress.get("swarm_samples", 0)))
 
 
 def account(lives: Sequence[Life], finals: Sequence[FinalState], batch: int) -> dict[str, Any]:
@@ -127,8 +136,6 @@ class RunResult:
     seconds: float
     lives: list[Life]
     finals: list[FinalState]
-    eval_losses: list[float]
-    failures: Counter[tuple[str, str]] = field(default_factory=Counter)
     exit_codes: dict[str, int | None] = field(default_factory=dict)
     kill_leftovers: list[str] = field(default_factory=list)
     leftovers: list[str] = field(default_factory=list)
@@ -138,6 +145,11 @@ class RunResult:
 def summarize(run: RunResult, batch: int, trainers: int) -> dict[str, Any]:
     """The run's figures and the checks that fail it."""
     samples = account(run.lives, run.finals, batch)
+    losses = [life.eval_loss for life in run.lives if life.eval_loss is not None]
+    unread = [life for life in run.lives if life.failures is None]
+    counts: Counter[tuple[str, str]] = Counter()
+    for life in run.lives:
+        counts.update(life.failures or {})
     checks = {
         "no_leftover_processes": not run.leftovers and not run.namespaces_left,
         "killed_trainers_left_nothing": not run.kill_leftovers,
@@ -153,10 +165,12 @@ def summarize(run: RunResult, batch: int, trainers: int) -> dict[str, Any]:
         "seconds": run.seconds,
         "kills": samples["kills"],
         "samples": samples,
-        "final_eval_loss": statistics.fmean(run.eval_losses) if run.eval_losses else None,
-        "eval_losses": run.eval_losses,
+        "final_eval_loss": statistics.fmean(losses) if losses else None,
+        "eval_losses": losses,
         "steps_per_trainer": statistics.fmean(f.step for f in run.finals) if run.finals else 0.0,
-        "failures": _failure_rows(run.failures),
+        "failures": _failure_rows(counts),
+        # lives without a summary (the killed ones): their failed exchanges, both roles, causes unknown
+        "failures_without_cause": {"lives": len(unread), "exchanges": sum(life.failed for life in unread)},
         "exit_codes": run.exit_codes,
         "kill_leftovers": run.kill_leftovers,
         "leftovers": run.leftovers,
@@ -167,7 +181,10 @@ def summarize(run: RunResult, batch: int, trainers: int) -> dict[str, Any]:
 
 
 def _failure_rows(counts: Counter[tuple[str, str]]) -> list[dict[str, Any]]:
-    causes = sorted({cause for _, cause in counts}, key=lambda c: -sum(counts[(r, c)] for r, _ in counts))
+    totals: Counter[str] = Counter()
+    for (_, cause), count in counts.items():
+        totals[cause] += count
+    causes = sorted(totals, key=lambda cause: (-totals[cause], cause))
     return [
         {"cause": cause, "initiator": counts[("initiator", cause)], "responder": counts[("responder", cause)]}
         for cause in causes
@@ -192,6 +209,12 @@ def render(churn: dict[str, Any], baseline: dict[str, Any] | None) -> str:
     ]
     rows = churn["failures"] or [{"cause": "(none)", "initiator": 0, "responder": 0}]
     lines += [f"| {r['cause']} | {r['initiator']} | {r['responder']} |" for r in rows]
+    unread = churn["failures_without_cause"]
+    if unread["lives"]:
+        lines.append(
+            f"\nlives that wrote no summary (killed), not in the table: {unread['lives']}, with "
+            f"{unread['exchanges']} failed exchanges (both roles, cause unknown) in their histories"
+        )
     lines.append("")
     for run in runs:
         failed = [name for name, passed in run["checks"].items() if not passed]
@@ -222,7 +245,10 @@ _FIGURES = [
     ("final held-out loss, bits/byte (mean)", _loss),
     (
         "failed exchanges (both roles)",
-        lambda r: str(sum(f["initiator"] + f["responder"] for f in r["failures"])),
+        lambda r: str(
+            sum(f["initiator"] + f["responder"] for f in r["failures"])
+            + r["failures_without_cause"]["exchanges"]
+        ),
     ),
     ("leftover processes after the stop", lambda r: str(len(r["leftovers"]))),
 ]

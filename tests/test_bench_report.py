@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from scripts import _plans, _rows, _runner, bench_report
-from scripts.bench_report_doc import BEGIN, END, target_checks, write_outputs
+from scripts.bench_report_doc import BEGIN, END, write_outputs
+from scripts.bench_report_targets import target_checks
 from swarm import PROTOCOL_VERSION, PeerRecord
 from swarm.metrics import HistoryWriter, SnapshotPolicy
 

@@ -13,6 +13,8 @@ from swarm.config import PER_PEER_KEYS, SECTIONS, RunConfig
 
 REPO = Path(__file__).resolve().parents[1]
 DOCS = REPO / "docs"
+REPORT_PARTS = ("bench_report_doc", "bench_report_targets")
+"""The modules of scripts/ that write the benchmarks doc's generated block, and cite its sections."""
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 NUMBERS = {
     "eight": 8,
@@ -74,7 +76,7 @@ def test_the_configuration_doc_marks_exactly_the_per_peer_keys(section: str) -> 
 def test_the_benchmarks_doc_keeps_the_generated_block_and_the_sections_it_cites() -> None:
     text = (DOCS / "benchmarks.md").read_text()
     assert text.count(BEGIN) == 1 and text.count(END) == 1 and text.index(BEGIN) < text.index(END)
-    generator = (REPO / "scripts" / "bench_report_doc.py").read_text()
+    generator = "".join((REPO / "scripts" / f"{part}.py").read_text() for part in REPORT_PARTS)
     cited = set(re.findall(r'docs/benchmarks\.md, "([^"]+)"', generator))
     cited |= set(re.findall(r'see "([^"]+)" below', generator))
     assert cited

@@ -32,8 +32,8 @@ import swarm.state._server as transfer
 from swarm.compression import DecodeLimits
 from swarm.network._reachability import CheckLimits, ReachabilityChecker
 from swarm.network._reachability import Kind as ReachKind
-from swarm.network._reachability import ask as reach_ask
 from swarm.network._reachability import handler_name as reach_handler
+from swarm.network._reachability_ask import ask as reach_ask
 from swarm.p2p import HEADER_LEN, ProtocolError
 from swarm.state import StateServer, StateTransferError, make_snapshot
 from swarm.state._transfer_protocol import (

@@ -12,12 +12,11 @@ from swarm.network._reachability import (
     CheckLimits,
     ReachabilityChecker,
     RequestRefused,
-    ask,
-    check_reachability,
     dialable_from,
     handler_name,
     source_ip,
 )
+from swarm.network._reachability_ask import ask, check_reachability
 from tests.test_reachability import RUN, pair  # noqa: F401  (the two-daemon fixture)
 
 

@@ -128,6 +128,7 @@ def test_honest_peers_train_through_an_attacker_and_ban_it(swarms, tmp_path) -> 
         attackers = {swarm.peer_ids[i]: attack for i, attack in attacks.items()}
         honest = _honest(name)
         report[name] = {
+            "training_s": round(max(r["finished"] for r in reports) - min(r["started"] for r in reports)),
             "honest_loss": round(statistics.fmean(summaries[i]["eval_loss"] for i in honest), 3),
             "per_peer": [round(peer["eval_loss"], 3) for peer in summaries],
             "clipped": [summaries[i]["exchanges_clipped"] for i in honest],

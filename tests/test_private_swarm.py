@@ -39,7 +39,7 @@ from swarm.network import (
     load_swarm_key,
 )
 from swarm.network._dht_auth import MAX_SKEW_S, SharedKeyAuthorizer
-from swarm.network._reachability import check_reachability
+from swarm.network._reachability_ask import check_reachability
 from swarm.p2p import AuthError, authenticate_stream
 from swarm.state import StateServer, StateTransferError, download_state, make_snapshot
 from tests._processes import wait_until

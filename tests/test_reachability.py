@@ -1,5 +1,6 @@
-"""Reachability dial-back (swarm/network/_reachability.py): the request's bounds, the checker's refusal
-to dial what the asker does not announce, and a peer nobody can dial switching to client mode."""
+"""Reachability dial-back (swarm/network/_reachability.py, the asker's side in _reachability_ask.py): the
+request's bounds, the checker's refusal to dial what the asker does not announce, and a peer nobody can
+dial switching to client mode."""
 
 from __future__ import annotations
 
@@ -16,12 +17,11 @@ from swarm.network._reachability import (
     Kind,
     ReachabilityChecker,
     RequestRefused,
-    ask,
-    check_reachability,
     dial_target,
     handler_name,
     parse_request,
 )
+from swarm.network._reachability_ask import ask, check_reachability
 from swarm.p2p import read_message, write_message
 from tests._processes import join_address, swarm_cli, terminate_and_wait, wait_until
 from tests.workers.tiny import BACKGROUND, cli_sets, tiny

@@ -1,85 +1,150 @@
 """scripts/soak.py's report and arguments, from given inputs (the soak itself is not part of the suite).
 
-The figures must follow from the inputs: samples trained per incarnation (from the step it resumed at),
-the work lost to kills, exchanges that failed counted by cause from the line the gossip averager
-logs, and a leftover process (or samples counted that nobody trained) failing the report with a
-nonzero exit.
+The figures must follow from the inputs: each life read from the history and summary the library
+writes (steps, committed and failed exchanges, failures by role and cause), samples trained per
+incarnation (from the step it resumed at), the work lost to kills, and a leftover process (or
+samples counted that nobody trained) failing the report with a nonzero exit.
 """
 
 from __future__ import annotations
 
 import json
-import logging
+import subprocess
+from collections import Counter
 from pathlib import Path
-from types import SimpleNamespace
+from typing import cast
 
 import pytest
 
-from peers._trainer_output import format_sync_line
 from scripts import soak, soak_report
 from scripts.soak_report import FinalState, Life, RunResult
+from swarm import PROTOCOL_VERSION, PeerRecord
+from swarm.gossip import SyncOutcome
+from swarm.gossip._metrics import FailureCounts, failure_cause
+from swarm.metrics import HistoryWriter, SnapshotPolicy
 
 BATCH = 8
+POLICY = SnapshotPolicy(PROTOCOL_VERSION, record_ttl_s=60.0, stale_after_s=60.0)
+PEER = "12D3KooW" + "x" * 44
 
 
-def _sync_line(step: int, outcome: str, eval_loss: float | None) -> str:
-    report = SimpleNamespace(
+def _record(step: int, ok: int = 0, failed: int = 0, rejected: int = 0) -> PeerRecord:
+    """A trainer's record at ``step``, with its exchange counters, as its history holds it."""
+    return PeerRecord(
+        peer_id="QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx51",
+        protocol_version=PROTOCOL_VERSION,
+        package_version="0.1.0",
+        config_hash="ab12",
+        role="trainer",
+        state="training",
         round=step // 10,
         step=step,
-        loss=4.1,
-        eval_loss=eval_loss,
-        loss_unit="bits/byte",
-        samples_per_s=80.0,
-        lr=3e-3,
-        outcome=outcome,
-        partner="12D3KooWabcdefgh",
-        bytes_sent=2048,
-        bytes_received=2048,
-        drift=None,
-        eval_bits_per_byte=eval_loss,
-        tokens_per_s=800.0,
-        mfu=None,
-        peak_memory_bytes=None,
+        samples_total=step * BATCH,
+        exchanges_ok=ok,
+        exchanges_failed=failed,
+        exchanges_rejected=rejected,
     )
-    return format_sync_line(report)
 
 
-def test_sync_lines_are_read_from_the_trainers_own_format() -> None:
-    text = "\n".join(
-        ["peer 12D3 joined run", _sync_line(10, "solo", None), "noise", _sync_line(20, "ok", 3.75)]
-    )
-    assert soak_report.sync_lines(text) == [
-        soak_report.SyncLine(10, "solo", None),
-        soak_report.SyncLine(20, "ok", 3.75),
-    ]
+def _life(folder: Path, resumed_step: int) -> soak.Life:
+    """A life's files as scripts/soak.py names them."""
+    log = folder / "life-0.log"
+    history, summary = log.with_suffix(".history.jsonl"), log.with_suffix(".summary.json")
+    return soak.Life(cast(subprocess.Popen, None), log, history, summary, resumed_step)
 
 
-def test_failed_exchanges_are_counted_by_role_and_cause_from_the_averagers_line(caplog) -> None:
-    from swarm.gossip import _metrics
-    from swarm.gossip._metrics import SyncOutcome, log_failure
+def _life_files(tmp_path: Path, records: list[PeerRecord], summary: dict | None = None) -> soak.Life:
+    """A life's files as a trainer writes them: its history (the join record, then one per sync) and,
+    after a graceful stop, its summary."""
+    life = _life(tmp_path, 40)
+    history = HistoryWriter(life.history, POLICY)
+    for now, record in enumerate(records):
+        history.append_record(record, float(now))
+    if summary is not None:
+        life.summary.write_text(json.dumps(summary))
+    return life
 
-    peer = "12D3KooW" + "x" * 44
-    with caplog.at_level(logging.INFO, logger=_metrics.logger.name):
-        log_failure("initiator", peer, "data", SyncOutcome.TIMEOUT, "exchange timed out: chunk 3")
-        log_failure("responder", peer, "data", SyncOutcome.FAILED, "IncompleteReadError: 0 bytes")
-        log_failure("responder", peer, "data", SyncOutcome.FAILED, "IncompleteReadError: 2 bytes")
-        log_failure(
-            "initiator", peer, "handshake", SyncOutcome.FAILED, f"{peer}: P2PDaemonError: failed to dial"
+
+def _read(life: soak.Life, killed: str | None = None) -> Life:
+    return Life.read(1, life.resumed_step, killed, life.history, life.summary)
+
+
+def test_a_killed_life_is_read_from_its_history(tmp_path: Path) -> None:
+    records = [_record(40), _record(50, failed=1), _record(60, ok=1, failed=2, rejected=1)]
+    life = _life_files(tmp_path, records)
+    with life.history.open("a") as torn:
+        torn.write('{"schema_version": 1, "peers": [{"step": 99')  # killed while writing a line
+    assert life.exchanged()
+    assert _read(life, "session") == Life(1, 40, last_step=60, killed="session", failed=3)
+
+
+def test_a_life_counts_as_exchanged_once_its_history_says_so(tmp_path: Path) -> None:
+    life = _life(tmp_path, 0)
+    assert not life.exchanged() and _read(life).last_step is None  # killed before it joined
+    history = HistoryWriter(life.history, POLICY)
+    history.append_record(_record(0), 0.0)
+    history.append_record(_record(10, failed=1), 1.0)
+    assert not life.exchanged() and _read(life).last_step == 10
+    history.append_record(_record(20, ok=1, failed=1), 2.0)
+    assert life.exchanged()
+
+
+def _failures() -> dict[str, dict[str, int]]:
+    """A summary's ``exchanges_failed_by_cause``, counted by the library's own classification."""
+    counts = FailureCounts()
+    for chunk in range(3):
+        counts.add(
+            "initiator", failure_cause("data", SyncOutcome.TIMEOUT, f"exchange timed out: chunk {chunk}")
         )
-    text = "\n".join(f"2026-12-01 INFO {r.name}: {r.getMessage()}" for r in caplog.records)
-    assert soak_report.failures(text + "\nexchange ok with someone") == {
-        ("initiator", "data timeout: exchange timed out"): 1,
+    for reason in ("IncompleteReadError: 0 bytes", "IncompleteReadError: 2 bytes"):
+        counts.add("responder", failure_cause("data", SyncOutcome.FAILED, reason))
+    dial = f"{PEER}: P2PDaemonError: failed to dial"
+    counts.add("initiator", failure_cause("handshake", SyncOutcome.FAILED, dial))
+    return counts.snapshot()
+
+
+def test_a_stopped_life_is_read_from_its_summary(tmp_path: Path) -> None:
+    summary = {"steps": 120, "eval_loss": 3.7, "exchanges_failed_by_cause": _failures()}
+    life = _read(_life_files(tmp_path, [_record(40), _record(110, ok=5, failed=4)], summary))
+    assert (life.last_step, life.final_step, life.trained_steps, life.eval_loss) == (110, 120, 80, 3.7)
+    assert life.failures == {
+        ("initiator", "data timeout: exchange timed out"): 3,
         ("responder", "data failed: IncompleteReadError"): 2,
         ("initiator", "handshake failed: P2PDaemonError"): 1,
     }
 
 
+def test_failed_exchanges_by_cause_and_those_of_lives_without_a_summary(tmp_path: Path) -> None:
+    stopped = tmp_path / "stopped"
+    stopped.mkdir()
+    summary = {"steps": 120, "eval_loss": 3.7, "exchanges_failed_by_cause": _failures()}
+    lives = [
+        _read(_life_files(tmp_path, [_record(40), _record(60, ok=1, failed=2, rejected=1)]), "lone"),
+        _read(_life_files(stopped, [_record(40), _record(110, ok=5, failed=4)], summary)),
+    ]
+    finals = [FinalState(1, 120, 120 * BATCH, 120 * BATCH)]
+    codes = {"trainer-1": 0, "bootstrap": 0}
+    report = soak_report.summarize(RunResult("churn", 60.0, lives, finals, exit_codes=codes), BATCH, 1)
+    assert report["failures"] == [
+        {"cause": "data timeout: exchange timed out", "initiator": 3, "responder": 0},
+        {"cause": "data failed: IncompleteReadError", "initiator": 0, "responder": 2},
+        {"cause": "handshake failed: P2PDaemonError", "initiator": 1, "responder": 0},
+    ]
+    assert report["failures_without_cause"] == {"lives": 1, "exchanges": 3}
+    assert report["final_eval_loss"] == pytest.approx(3.7)
+    rendered = soak_report.render(report, None)
+    assert "| data failed: IncompleteReadError | 0 | 2 |" in rendered
+    assert "| failed exchanges (both roles) | 9 |" in rendered
+    assert "not in the table: 1, with 3 failed exchanges (both roles, cause unknown)" in rendered
+
+
 def _churned() -> tuple[list[Life], list[FinalState]]:
+    stopped = Counter[tuple[str, str]]()
     lives = [
         Life(1, resumed_step=0, last_step=50, killed="session"),  # checkpointed at 40, trained to 50
-        Life(1, resumed_step=40, last_step=90, final_step=100),
-        Life(2, resumed_step=0, last_step=None, killed="lone"),  # killed before its first sync line
-        Life(2, resumed_step=0, last_step=110, final_step=120),
+        Life(1, resumed_step=40, last_step=90, final_step=100, failures=stopped, eval_loss=3.6),
+        Life(2, resumed_step=0, last_step=None, killed="lone"),  # killed before its first history line
+        Life(2, resumed_step=0, last_step=110, final_step=120, failures=stopped, eval_loss=3.8),
     ]
     finals = [FinalState(1, 100, 100 * BATCH, 230 * BATCH), FinalState(2, 120, 120 * BATCH, 225 * BATCH)]
     return lives, finals
@@ -98,7 +163,7 @@ def test_samples_trained_count_each_life_from_its_resumed_step() -> None:
 def _run(**changes) -> RunResult:
     lives, finals = _churned()
     codes = {"trainer-1": 0, "trainer-2": 0, "bootstrap": 0}
-    return RunResult("churn", 120.0, lives, finals, [3.6, 3.8], exit_codes=codes, **changes)
+    return RunResult("churn", 120.0, lives, finals, exit_codes=codes, **changes)
 
 
 def test_a_clean_run_passes_and_a_leftover_process_fails_it() -> None:

@@ -7,6 +7,7 @@ import threading
 import pytest
 
 from swarm.config import load_config
+from swarm.gossip import FAILURES
 from swarm.network import NetworkOptions
 from swarm.trainer import PHASES, PhaseTimers, TrainingPeer
 from tests.workers.tiny import TINY
@@ -109,8 +110,11 @@ def test_a_lone_peers_summary_splits_its_loop_by_phase() -> None:
     peer = TrainingPeer(config, NetworkOptions())
     try:
         peer.run(threading.Event())
-        split = peer.summary()["phase_seconds"]
-        assert peer.summary()["stop"] is None  # it ended at max_steps
+        summary = peer.summary()
+        split = summary["phase_seconds"]
+        assert summary["stop"] is None  # it ended at max_steps
+        # the process's failed exchanges by role and cause, which scripts/soak.py reads
+        assert summary["exchanges_failed_by_cause"] == FAILURES.snapshot()
     finally:
         peer.close()
     assert split["device"] == pytest.approx(peer.progress.device_seconds, rel=1e-6)

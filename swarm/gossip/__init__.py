@@ -4,7 +4,7 @@ See docs/gossip.md for the protocol, the commit rule and the averaging semantics
 """
 
 from swarm.gossip._averager import GossipAverager
-from swarm.gossip._metrics import ExchangeMetrics, SyncOutcome, SyncResult
+from swarm.gossip._metrics import FAILURES, ExchangeMetrics, SyncOutcome, SyncResult
 from swarm.gossip._offer import Committed, MixedPart, Offer, Offerer, Part
 from swarm.gossip._options import GossipOptions
 from swarm.gossip._partners import (
@@ -17,6 +17,7 @@ from swarm.gossip._protocol import PROTOCOL_VERSION, handler_name
 from swarm.gossip._robust import centered_clip, centered_clip_named
 
 __all__ = [
+    "FAILURES",
     "PROTOCOL_VERSION",
     "Committed",
     "ExchangeMetrics",

@@ -10,13 +10,18 @@ Counters are per peer and cover both roles (exchanges this peer initiated and on
 - ``no_partner``: sync calls that found nobody eligible to dial;
 - ``exchanges_clipped``: committed exchanges whose partner difference the robust rule clipped;
 - ``exchanges_suspect``: of those, the ones clipped hard enough to count against the partner.
+
+:data:`FAILURES` counts the exchanges that did not commit (BUSY answers aside) in this process, by role
+and cause, as :func:`log_failure` logs them.
 """
 
 from __future__ import annotations
 
 import enum
 import logging
+import re
 import threading
+from collections import Counter
 from dataclasses import dataclass
 
 logger = logging.getLogger(__name__)
@@ -114,7 +119,44 @@ class MetricsRecorder:
             )
 
 
+_PEER_ID = re.compile(r"^(?:\S+ )?\S{40,}: ")  # "12D3KooW...: " before a dialled partner's answer
+
+
+def failure_cause(stage: str, outcome: SyncOutcome, reason: str) -> str:
+    """``STAGE OUTCOME: KIND``, KIND being the reason's first part (an exception name, "exchange timed
+    out", a partner's refusal) without the partner id in front of it."""
+    text = _PEER_ID.sub("", reason.strip(), count=1)
+    kind = text.split(":", 1)[0].strip() or "no reason given"
+    return f"{stage} {outcome.value}: {kind}"
+
+
+class FailureCounts:
+    """Exchanges that did not commit, counted by role (``initiator``, ``responder``) and cause."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counts: Counter[tuple[str, str]] = Counter()
+
+    def add(self, role: str, cause: str) -> None:
+        with self._lock:
+            self._counts[(role, cause)] += 1
+
+    def snapshot(self) -> dict[str, dict[str, int]]:
+        """``{role: {cause: count}}``, most frequent cause first."""
+        with self._lock:
+            counts = self._counts.most_common()
+        by_role: dict[str, dict[str, int]] = {}
+        for (role, cause), count in counts:
+            by_role.setdefault(role, {})[cause] = count
+        return by_role
+
+
+FAILURES = FailureCounts()
+"""Every averager's failed exchanges in this process (a trainer's summary reports them)."""
+
+
 def log_failure(role: str, partner: str, stage: str, outcome: SyncOutcome, reason: str) -> None:
-    """One INFO line per exchange that did not commit (BUSY answers aside), in a fixed shape that
-    scripts/soak.py counts by cause: ``exchange failed as ROLE with PEER at STAGE (OUTCOME): REASON``."""
+    """One INFO line per exchange that did not commit (BUSY answers aside), in a fixed shape:
+    ``exchange failed as ROLE with PEER at STAGE (OUTCOME): REASON``; counted in :data:`FAILURES`."""
+    FAILURES.add(role, failure_cause(stage, outcome, reason))
     logger.info("exchange failed as %s with %s at %s (%s): %s", role, partner, stage, outcome.value, reason)

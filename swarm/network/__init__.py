@@ -27,13 +27,8 @@ if TYPE_CHECKING:
         peer_id_of,
         peer_id_of_identity,
     )
-    from swarm.network._reachability import (
-        ANNOUNCED_LOOKUP_TIMEOUT_S,
-        ReachabilityChecker,
-        ReachabilityResult,
-        ReachabilityStatus,
-        check_reachability,
-    )
+    from swarm.network._reachability import ANNOUNCED_LOOKUP_TIMEOUT_S, ReachabilityChecker
+    from swarm.network._reachability_ask import ReachabilityResult, ReachabilityStatus, check_reachability
     from swarm.network._swarm_key import SwarmKey, SwarmKeyError, load_swarm_key, write_new_key
 
 _EXPORTS = {
@@ -55,9 +50,9 @@ _EXPORTS = {
     "peer_id_of_identity": "_identity",
     "ANNOUNCED_LOOKUP_TIMEOUT_S": "_reachability",
     "ReachabilityChecker": "_reachability",
-    "ReachabilityResult": "_reachability",
-    "ReachabilityStatus": "_reachability",
-    "check_reachability": "_reachability",
+    "ReachabilityResult": "_reachability_ask",
+    "ReachabilityStatus": "_reachability_ask",
+    "check_reachability": "_reachability_ask",
     "SwarmKey": "_swarm_key",
     "SwarmKeyError": "_swarm_key",
     "load_swarm_key": "_swarm_key",

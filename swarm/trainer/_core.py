@@ -27,7 +27,7 @@ from swarm._device import describe_device
 from swarm._node import NodeInfo, SwarmNode
 from swarm._periodic import calling_on
 from swarm.config import RunConfig
-from swarm.gossip import ExchangeMetrics
+from swarm.gossip import FAILURES, ExchangeMetrics
 from swarm.learning import make_eval_set, open_source, resolve_device, total_samples_of
 from swarm.membership import PeerState
 from swarm.network import NetworkOptions, ReachabilityResult
@@ -270,6 +270,8 @@ class PeerCore:
             "exchanges_ok": metrics.exchanges_ok,
             "exchanges_clipped": metrics.exchanges_clipped,
             "exchanges_suspect": metrics.exchanges_suspect,
+            # exchanges that did not commit in this process, {role: {cause: count}} (swarm/gossip/_metrics.py)
+            "exchanges_failed_by_cause": FAILURES.snapshot(),
             # partners the pseudo-gradient averager holds bans against, and their strike counts
             "banned_peers": details.get("banned_peers", {}),
             "ban_strikes": details.get("ban_strikes", {}),
