@@ -188,7 +188,7 @@ def test_a_peer_fits_in_the_layout_the_trainer_would_take_and_else_is_told_what_
 
 
 def test_config_check_exits_1_when_the_peer_does_not_fit_and_0_when_it_does() -> None:
-    small = runner.invoke(app, ["config", "check", "configs/llama-1b.yaml", "--device-memory", "12GiB"])
+    small = runner.invoke(app, ["config", "check", "configs/llama-1b.yaml", "--device-memory", "10GiB"])
     assert small.exit_code == 1, small.output
     assert "does NOT fit" in small.output and "pipeline stages" in small.output
     large = runner.invoke(

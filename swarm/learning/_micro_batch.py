@@ -117,7 +117,7 @@ def _probe_cuda(
     try:
         torch.cuda.reset_peak_memory_stats(device)
         x = torch.randint(vocab_size, (candidate, block_size), device=device)
-        with precision.autocast(device):
+        with precision.autocast(device, cache=not getattr(model, "activation_checkpointing", False)):
             loss = lm_loss(model, x, x)
         loss.backward()
         return int(torch.cuda.max_memory_allocated(device)) - held

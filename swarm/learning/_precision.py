@@ -45,10 +45,19 @@ class Precision:
         """Bytes per element of the autocast copies of the weights (0 without autocast)."""
         return 0 if self.autocast_dtype is None else 2
 
-    def autocast(self, device: torch.device) -> torch.autocast:
-        """The autocast context of this precision on ``device`` (disabled for fp32)."""
+    def autocast(self, device: torch.device, *, cache: bool = True) -> torch.autocast:
+        """The autocast context of this precision on ``device`` (disabled for fp32).
+
+        ``cache``: autocast's weight cache, which keeps the 16-bit copy of every weight it casts until
+        the context exits, ``2 P`` at the end of a forward pass. Where autograd saves those copies for
+        the backward pass anyway (a forward without activation checkpointing) the cache costs nothing;
+        under activation checkpointing (pass ``cache=False``) a checkpointed block saves nothing, so
+        without the cache its copies go as each op ends, and its recomputation in the backward pass
+        holds that one block's copies. Without gradients (an evaluation) the cache only costs memory."""
         dtype = self.autocast_dtype
-        return torch.autocast(device.type, dtype=dtype or torch.bfloat16, enabled=dtype is not None)
+        return torch.autocast(
+            device.type, dtype=dtype or torch.bfloat16, enabled=dtype is not None, cache_enabled=cache
+        )
 
     def grad_scaler(self, device: torch.device) -> torch.amp.GradScaler | None:
         """A loss scaler for fp16, None otherwise."""

@@ -7,7 +7,10 @@ no memory and about a second. Memory is the sum of
   backward to the update (and freed after it), and adding a later micro-batch's gradient to them
   holds one more gradient of the largest tensor (``4 n`` plus its 16-bit copy under autocast);
 * the 16-bit copies of the weights that autocast makes (``train.precision`` bf16 or fp16, ``auto``
-  on CUDA) and keeps for the backward pass, ``2 P``;
+  on CUDA) and keeps for the backward pass, ``2 P``; with activation checkpointing autocast runs
+  without its weight cache (:meth:`~swarm.learning._precision.Precision.autocast`), so only the block
+  being recomputed holds copies, plus the layers outside the blocks (the head), whose copies autograd
+  saves: ``2`` times the largest block's and the head's parameters (:func:`autocast_copy_bytes`);
 * inner AdamW state: on CUDA bitsandbytes' 8-bit AdamW, 2 bytes per element plus a float32 scale
   per 256-element block and state, for tensors of at least 4096 elements (smaller ones: ``8 n``),
   when bitsandbytes is installed (otherwise the trainer falls back to torch's AdamW); torch's
@@ -86,6 +89,7 @@ class PeerEstimate:
     param_sync_every: int
     anchor_pull: str = "separate"
     autocast_weights: int = 0
+    autocast_weights_checkpointed: int = 0
     accumulation: int = 0
     evaluation: int = 0
     checkpoint_copy: int = 0
@@ -99,7 +103,8 @@ class PeerEstimate:
 
     def device_memory(self, checkpointing: bool, *, host_state: bool = False) -> int:
         """Bytes on the training device, with the outer state there or (``host_state``) in host memory."""
-        model = self.weights + self.inner_optimizer + self.autocast_weights
+        autocast = self.autocast_weights_checkpointed if checkpointing else self.autocast_weights
+        model = self.weights + self.inner_optimizer + autocast
         activations = self.activations_checkpointed if checkpointing else self.activations
         step = self.gradients + self.accumulation + activations
         return model + max(step, self.evaluation) + (0 if host_state else self.outer)
@@ -203,6 +208,37 @@ def activation_bytes(shape: Shape, micro_batch: int = 1) -> tuple[int, int]:
     return full, checkpointed
 
 
+def _blocks(model: nn.Module) -> list[nn.Module]:
+    """The transformer blocks: the children of the model's largest :class:`~torch.nn.ModuleList`."""
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m)]
+    if not lists:
+        return []
+    return list(max(lists, key=lambda m: sum(p.numel() for p in m.parameters())))
+
+
+def autocast_copy_bytes(model: nn.Module, half: int) -> tuple[int, int]:
+    """The 16-bit copies of the weights that autocast holds at once (``half`` bytes per element, 0:
+    no autocast), without and with activation checkpointing.
+
+    Without it the copy of every weight lives until the backward pass used it: ``half * P``. With it
+    (and the weight cache off) a checkpointed block saves nothing, so its copies go with each op in
+    the forward pass and its recomputation in the backward pass holds that block's copies; the
+    linear layers outside the blocks (the head) keep theirs for the backward pass as before."""
+    blocks = _blocks(model)
+    in_blocks = {id(p) for block in blocks for p in block.parameters()}
+    largest = max((sum(p.numel() for p in block.parameters()) for block in blocks), default=0)
+    outside = {
+        id(p): p.numel()
+        for module in model.modules()
+        if isinstance(module, nn.Linear)
+        for p in module.parameters()
+        if id(p) not in in_blocks
+    }
+    if not blocks:
+        largest = count_parameters(model)
+    return half * count_parameters(model), half * (largest + sum(outside.values()))
+
+
 def adamw_state_bytes(model: nn.Module, cuda: bool) -> int:
     """Inner AdamW state: 8-bit blockwise on CUDA (as bitsandbytes stores it), float32 on the CPU."""
     return optimizer_state_bytes(model, eight_bit=cuda)
@@ -243,6 +279,7 @@ def estimate_peer(config: RunConfig, device: str = "cuda", *, eight_bit: bool | 
     shape = model_shape(config, model)
     activations, checkpointed = activation_bytes(shape)
     largest = max(p.numel() for p in model.parameters())
+    autocast, autocast_checkpointed = autocast_copy_bytes(model, half)
     comp, avg = config.compression, config.averaging
     delta_lossy, anchor_lossy = comp.codec != "fp32", avg.param_codec != "fp32"
     folded = avg.anchor_pull == "folded"
@@ -265,7 +302,8 @@ def estimate_peer(config: RunConfig, device: str = "cuda", *, eight_bit: bool | 
         wire_params=wire_bytes(model, avg.param_codec, comp.block_size),
         param_sync_every=avg.param_sync_every,
         anchor_pull="model" if avg.exchange == "model" else avg.anchor_pull,
-        autocast_weights=half * params,
+        autocast_weights=autocast,
+        autocast_weights_checkpointed=autocast_checkpointed,
         accumulation=(4 + half) * largest if config.train.batch_size > 1 else 0,
         evaluation=evaluation_bytes(shape, half),
         checkpoint_copy=8 * params,  # OuterOptimizer.state_dict: CPU copies of anchor and momentum
@@ -309,6 +347,7 @@ def describe_estimate(estimate: PeerEstimate, checkpointing: bool = False) -> li
         f"  with the outer state in host memory: {b(split[0])} on the device, {b(split[1])} with "
         f"activation checkpointing, plus {b(e.host_memory(host_state=True))} of host memory",
         f"  model: weights {b(e.weights)} + {e.precision} autocast copies {b(e.autocast_weights)}"
+        f" ({b(e.autocast_weights_checkpointed)} checkpointed)"
         f" + {e.optimizer} {b(e.inner_optimizer)} + gradients {b(e.gradients)}"
         f" + accumulation {b(e.accumulation)} + activations {b(e.activations)}"
         f" ({b(e.activations_checkpointed)} checkpointed); evaluation peak {b(e.evaluation)}"

@@ -138,7 +138,7 @@ def evaluate(
             for xs, ys in zip(x.split(step), y.split(step), strict=True):
                 if stop is not None and stop.is_set():
                     raise Interrupted("evaluation abandoned: stopping")
-                with precision.autocast(device):
+                with precision.autocast(device, cache=False):  # no backward: the cache only holds memory
                     logits = model(xs.to(device))
                 total += float(chunked_cross_entropy(logits, ys.to(device), vocab_chunk))
                 tokens += ys.numel()

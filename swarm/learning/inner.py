@@ -321,11 +321,12 @@ class InnerTrainer:
         in the parameters. Returns the summed (not mean) loss in nats."""
         samples = len(x)
         total_loss = torch.zeros((), device=self.device)
+        cache = not self.model.activation_checkpointing  # see Precision.autocast
         for xs, ys in zip(x.split(self.micro_batch_size), y.split(self.micro_batch_size), strict=True):
             _abandon_if(stop, self.optimizer)
             xs = xs.to(self.device, non_blocking=True)
             ys = ys.to(self.device, non_blocking=True)
-            with self.precision.autocast(self.device):
+            with self.precision.autocast(self.device, cache=cache):
                 loss = lm_loss(self.forward_model, xs, ys)
             # Weight each micro-batch by its share of the samples: the sum is the full-batch mean.
             weighted = loss * (len(xs) / samples)
