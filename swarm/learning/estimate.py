@@ -210,10 +210,11 @@ def activation_bytes(shape: Shape, micro_batch: int = 1) -> tuple[int, int]:
 
 def _blocks(model: nn.Module) -> list[nn.Module]:
     """The transformer blocks: the children of the model's largest :class:`~torch.nn.ModuleList`."""
-    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m)]
+    lists: list[nn.ModuleList] = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m)]
     if not lists:
         return []
-    return list(max(lists, key=lambda m: sum(p.numel() for p in m.parameters())))
+    sizes = [sum(p.numel() for p in m.parameters()) for m in lists]
+    return list(lists[sizes.index(max(sizes))])
 
 
 def autocast_copy_bytes(model: nn.Module, half: int) -> tuple[int, int]:
