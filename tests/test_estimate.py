@@ -93,7 +93,7 @@ def _local_run(spawn, tmp_path: Path, name: str, width: int) -> Callable[[], dic
         "model.n_head=4",
         "model.block_size=64",
         "train.batch_size=1",
-        "train.max_steps=12",
+        "train.max_steps=24",  # time for the records to say both joined (a joining peer is not dialled)
         "train.eval_batches=1",
         "averaging.sync_every_steps=3",
         "averaging.param_sync_every=2",
