@@ -3,7 +3,14 @@
 from __future__ import annotations
 
 from swarm.gossip import FAILURES, SyncOutcome
-from swarm.gossip._metrics import FailureCounts, failure_cause, log_failure
+from swarm.gossip._metrics import (
+    MAX_CAUSE_CHARS,
+    MAX_CAUSES,
+    OTHER_CAUSE,
+    FailureCounts,
+    failure_cause,
+    log_failure,
+)
 
 PEER = "12D3KooW" + "x" * 44
 
@@ -39,3 +46,16 @@ def test_each_logged_failure_is_counted_in_the_process_counts() -> None:
     before = FAILURES.snapshot().get("responder", {}).get(cause, 0)
     log_failure("responder", PEER, "data", SyncOutcome.CANCELLED, "aborted: shutting down")
     assert FAILURES.snapshot()["responder"][cause] == before + 1
+
+
+def test_a_partner_cannot_grow_the_counts_with_ever_new_refusals() -> None:
+    """A refusal's text is the partner's: each new one would be a new cause, without the caps."""
+    counts = FailureCounts()
+    for i in range(10 * MAX_CAUSES):
+        reason = f"{PEER}: refused #{i} " + "x" * 10_000
+        counts.add("initiator", failure_cause("handshake", SyncOutcome.REJECTED, reason))
+    causes = counts.snapshot()["initiator"]
+    assert len(causes) == MAX_CAUSES + 1  # the named ones and the rest
+    assert sum(causes.values()) == 10 * MAX_CAUSES  # every failure still counted
+    assert causes[OTHER_CAUSE] == 9 * MAX_CAUSES
+    assert max(len(cause) for cause in causes) <= len("handshake rejected: ") + MAX_CAUSE_CHARS

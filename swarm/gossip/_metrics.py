@@ -122,24 +122,41 @@ class MetricsRecorder:
 _PEER_ID = re.compile(r"^(?:\S+ )?\S{40,}: ")  # "12D3KooW...: " before a dialled partner's answer
 
 
+MAX_CAUSE_CHARS = 80
+"""A cause is cut to this length: a partner's refusal is its own text (any length)."""
+MAX_CAUSES = 64
+"""Distinct causes counted per role; later new ones count as :data:`OTHER_CAUSE`. A partner's
+refusal text is part of a cause, so a hostile partner could otherwise grow the counts (and every
+summary) by one entry per refusal."""
+OTHER_CAUSE = "other causes"
+
+
 def failure_cause(stage: str, outcome: SyncOutcome, reason: str) -> str:
     """``STAGE OUTCOME: KIND``, KIND being the reason's first part (an exception name, "exchange timed
-    out", a partner's refusal) without the partner id in front of it."""
+    out", a partner's refusal) without the partner id in front of it, at most
+    :data:`MAX_CAUSE_CHARS` long."""
     text = _PEER_ID.sub("", reason.strip(), count=1)
-    kind = text.split(":", 1)[0].strip() or "no reason given"
+    kind = text.split(":", 1)[0].strip()[:MAX_CAUSE_CHARS] or "no reason given"
     return f"{stage} {outcome.value}: {kind}"
 
 
 class FailureCounts:
-    """Exchanges that did not commit, counted by role (``initiator``, ``responder``) and cause."""
+    """Exchanges that did not commit, counted by role (``initiator``, ``responder``) and cause; at
+    most :data:`MAX_CAUSES` distinct causes per role (then :data:`OTHER_CAUSE`)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._counts: Counter[tuple[str, str]] = Counter()
+        self._named: Counter[str] = Counter()  # distinct causes per role, the OTHER_CAUSE bucket aside
 
     def add(self, role: str, cause: str) -> None:
         with self._lock:
-            self._counts[(role, cause)] += 1
+            key = (role, cause)
+            if key not in self._counts and self._named[role] >= MAX_CAUSES:
+                key = (role, OTHER_CAUSE)
+            elif key not in self._counts:
+                self._named[role] += 1
+            self._counts[key] += 1
 
     def snapshot(self) -> dict[str, dict[str, int]]:
         """``{role: {cause: count}}``, most frequent cause first."""
