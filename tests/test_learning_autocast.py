@@ -106,3 +106,11 @@ def test_an_evaluation_holds_one_weights_copy_at_a_time() -> None:
     with WeightCopies() as copies:
         evaluate(model, eval_set, batches=2, precision=Precision("bf16"))
     assert 0 < copies.peak <= 2 * 2 * largest
+
+
+def test_a_model_without_blocks_holds_every_copy_whether_checkpointed_or_not() -> None:
+    """Nothing is recomputed block by block: the copies are counted once, not once per block and once
+    again as layers outside the blocks."""
+    model = nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 8))
+    params = sum(p.numel() for p in model.parameters())
+    assert autocast_copy_bytes(model, 2) == (2 * params, 2 * params)

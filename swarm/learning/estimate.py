@@ -226,8 +226,11 @@ def autocast_copy_bytes(model: nn.Module, half: int) -> tuple[int, int]:
     the forward pass and its recomputation in the backward pass holds that block's copies; the
     linear layers outside the blocks (the head) keep theirs for the backward pass as before."""
     blocks = _blocks(model)
+    total = half * count_parameters(model)
+    if not blocks:  # nothing checkpointed block by block: every copy is held, as without checkpointing
+        return total, total
     in_blocks = {id(p) for block in blocks for p in block.parameters()}
-    largest = max((sum(p.numel() for p in block.parameters()) for block in blocks), default=0)
+    largest = max(sum(p.numel() for p in block.parameters()) for block in blocks)
     outside = {
         id(p): p.numel()
         for module in model.modules()
@@ -235,9 +238,7 @@ def autocast_copy_bytes(model: nn.Module, half: int) -> tuple[int, int]:
         for p in module.parameters()
         if id(p) not in in_blocks
     }
-    if not blocks:
-        largest = count_parameters(model)
-    return half * count_parameters(model), half * (largest + sum(outside.values()))
+    return total, half * (largest + sum(outside.values()))
 
 
 def adamw_state_bytes(model: nn.Module, cuda: bool) -> int:
