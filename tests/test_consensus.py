@@ -12,13 +12,14 @@ from __future__ import annotations
 import itertools
 import math
 import random
+from collections.abc import Mapping
 
 import pytest
 import torch
 
 from swarm.compression import ErrorFeedback, get_codec
 from swarm.gossip import Committed, SyncOutcome, SyncResult, consensus_order, hypercube_partner
-from swarm.gossip._exchange import mix
+from swarm.gossip._mixing import mix
 from swarm.gossip._protocol import Hello
 from swarm.learning import OuterOptimizer
 from swarm.trainer._gossip import GossipBackend
@@ -46,10 +47,11 @@ class Peer:
         with self.live.updating():
             pass
 
-    def sent(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """What our frames decode to at the partner (with error feedback, committed at once)."""
+    def sent(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """What our frames decode to at the partner (with error feedback, committed at once): values,
+        as frames carry them, never the offer's lazily computed tensors."""
         if self.feedback is None:
-            return tensors
+            return {n: t.clone() for n, t in tensors.items()}
         return {n: self.codec.decode(self.feedback.encode(n, t)).to(t.dtype) for n, t in tensors.items()}
 
 
@@ -174,11 +176,13 @@ def test_int8_with_error_feedback_keeps_the_pair_mean_within_the_codec_error() -
         assert exchange(a, b)
         a.live.apply_pending()
         b.live.apply_pending()
+        params = [dict(peer.model.named_parameters()) for peer in (a, b)]
         for name in before[0]:
             exact = (before[0][name] + before[1][name]) / 2
-            ours, theirs = a.live.outer.anchor[name], b.live.outer.anchor[name]
-            # the mix subtracts each side's own quantized value: the pair's sum is exact ...
-            assert torch.allclose(ours + theirs, 2 * exact, atol=1e-6)
+            ours = a.live.outer.anchor[name]
+            # the mix subtracts each side's own quantized value, and what the offer left out (its
+            # progress is kept in bfloat16) stays in each side's parameters: the pair's sum is exact ...
+            assert torch.allclose(params[0][name] + params[1][name], 2 * exact, atol=1e-6)
             # ... and each side is off by at most one int8 step of the larger model (error feedback
             # carries at most half a step over), where fp32 would be exact
             step = max(float(t.abs().max()) for t in (before[0][name], before[1][name])) / 127

@@ -26,11 +26,11 @@ from hivemind.p2p import PeerID
 from hypothesis import event, given
 
 from swarm._protocol import PROTOCOL_VERSION
-from swarm.compression import encode_tensors, get_codec
+from swarm.compression import encode_tensors, get_codec, schema_of
 from swarm.gossip import GossipAverager
 from swarm.gossip._partners import PartnerInfo
 from swarm.gossip._protocol import MsgKind, handler_name
-from swarm.gossip._validation import schema_hash, schema_of
+from swarm.gossip._validation import schema_hash
 from tests.workers.fuzz import (
     CASE_TIMEOUT_S,
     ErrorLog,

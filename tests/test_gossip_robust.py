@@ -12,10 +12,11 @@ import pytest
 import torch
 
 from swarm.compression import get_codec
-from swarm.gossip._exchange import ExchangeSpec, Mixed, run_exchange
+from swarm.gossip._exchange import ExchangeSpec, run_exchange
+from swarm.gossip._mixing import Mixed, robust_mix
 from swarm.gossip._partners import BanList
 from swarm.gossip._protocol import Channel
-from swarm.gossip._robust import ClipPolicy, centered_clip, centered_clip_named, clip_scale, robust_mix
+from swarm.gossip._robust import ClipPolicy, centered_clip, centered_clip_named, clip_scale
 from swarm.gossip._validation import NormPolicy
 from tests._faults import TamperingChannel
 

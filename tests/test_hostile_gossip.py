@@ -28,13 +28,14 @@ from torch.utils._pytree import tree_flatten
 from swarm.compression import encode_tensors, get_codec
 from swarm.gossip import PROTOCOL_VERSION, GossipAverager, PartnerInfo, SyncOutcome
 from swarm.gossip import _exchange as exchange_module
-from swarm.gossip._exchange import ExchangeSpec, mix, run_exchange, settle
+from swarm.gossip._exchange import ExchangeSpec, run_exchange, settle
 from swarm.gossip._gate import ExchangeGate, Turn
 from swarm.gossip._metrics import MetricsRecorder
+from swarm.gossip._mixing import mix, robust_mix
 from swarm.gossip._options import GossipOptions
 from swarm.gossip._protocol import Channel, MsgKind
 from swarm.gossip._reputation import Reputation
-from swarm.gossip._robust import Blame, ClipPolicy, ClipStats, centered_clip_named, clip_scale, robust_mix
+from swarm.gossip._robust import Blame, ClipPolicy, ClipStats, centered_clip_named, clip_scale
 from swarm.gossip._validation import NormPolicy, tensor_norm, validate_received
 from swarm.trainer._live import progress_norm, relative_norm
 from tests._faults import stalling
@@ -278,13 +279,13 @@ def test_our_own_slow_decoding_is_not_blamed_on_the_partner(monkeypatch) -> None
         codec=codec, chunk_bytes=4096, policy=NormPolicy(), min_rate_bytes_s=64 * 1024, rate_window_s=0.1
     )
     ours, theirs = {"x": torch.randn(3000)}, {"x": torch.randn(3000)}
-    feed = exchange_module.TensorStreamDecoder.feed
+    feed = exchange_module.FrameStore.feed
 
     def starved(self, payload) -> None:
         threading.Event().wait(0.3)
         feed(self, payload)
 
-    monkeypatch.setattr(exchange_module.TensorStreamDecoder, "feed", starved)
+    monkeypatch.setattr(exchange_module.FrameStore, "feed", starved)
 
     async def scenario() -> list[exchange_module.Settled]:
         a, b = await _channel_pair()

@@ -46,6 +46,32 @@ class ErrorFeedback:
             self._pending[name] = x
         return encoded
 
+    def peek(self, name: str, t: torch.Tensor) -> EncodedTensor:
+        """Encode ``t + residual[name]`` and keep nothing: the same bytes :meth:`encode` would send,
+        for an exchange that folds the residual itself once it commits (:meth:`fold`). Deterministic,
+        so calling it again on the same input gives what was sent."""
+        if self.codec.lossless:
+            return self.codec.encode(t)
+        residual = self._residuals.get(name)
+        if residual is None:
+            return self.codec.encode(t)
+        if residual.shape != t.shape:
+            raise ValueError(f"tensor {name!r} changed shape {tuple(residual.shape)} -> {tuple(t.shape)}")
+        return self.codec.encode(t.detach().to(torch.float32) + residual)
+
+    def fold(self, name: str, t: torch.Tensor, sent: torch.Tensor) -> None:
+        """Commit what an exchange of :meth:`peek` left out: the residual becomes ``t + residual - sent``
+        (``sent``: what ``peek(name, t)`` decodes to), updated in place."""
+        if self.codec.lossless:
+            return
+        residual = self._residuals.get(name)
+        x = t.detach().to(torch.float32)
+        if residual is None:
+            self._residuals[name] = x - sent.to(x.device)
+        else:
+            residual.add_(x).sub_(sent.to(residual.device))
+        self._pending.pop(name, None)
+
     def fork(self) -> ErrorFeedback:
         """A view for one of several exchanges in flight at once: it encodes from the committed
         residuals shared with this object, keeps pending residuals of its own, and its ``commit_all``

@@ -17,6 +17,7 @@ from swarm.compression._codecs import Codec, EncodedTensor
 from swarm.compression._errors import DecodeLimits, FrameError
 from swarm.compression._feedback import ErrorFeedback
 from swarm.compression._frames import Frame, decode_frame, encode_frame, header_size
+from swarm.compression._lazy import schema_of
 
 
 def _chunk_elements(codec: Codec, name: str, ndim: int, chunk_bytes: int) -> int:
@@ -31,43 +32,59 @@ def _chunk_elements(codec: Codec, name: str, ndim: int, chunk_bytes: int) -> int
 
 
 def encode_tensors(
-    named: Sequence[tuple[str, torch.Tensor]],
+    named: Sequence[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor],
     codec: Codec,
     chunk_bytes: int = 1 << 20,
     error_feedback: ErrorFeedback | None = None,
     commit_residuals: bool = False,
+    keep_residuals: bool = True,
 ) -> Iterator[bytes]:
     """Frames (each <= `chunk_bytes`) for `named`, tensor by tensor, in order.
 
     With `error_feedback`, each tensor is encoded through it with ``commit=commit_residuals``:
     by default the new residuals stay pending until the caller, once the exchange succeeded,
-    calls ``error_feedback.commit_all()`` (or ``discard_pending()`` if it failed).
+    calls ``error_feedback.commit_all()`` (or ``discard_pending()`` if it failed). With
+    ``keep_residuals=False`` nothing is kept (``ErrorFeedback.peek``): the caller folds each residual
+    itself once the exchange committed (``ErrorFeedback.fold``).
 
     Sizes are checked before the first frame is produced: ValueError if `chunk_bytes` cannot hold
     a header plus one block for some tensor, or if a name repeats.
     """
+    if isinstance(named, Mapping):
+        source: Mapping[str, torch.Tensor] = named
+        shapes = [(name, shape) for name, (shape, _) in schema_of(named).items()]
+    else:
+        source = dict(named)  # a repeated name is refused below, before anything is encoded
+        shapes = [(name, tuple(tensor.shape)) for name, tensor in named]
     plan = []
     seen: set[str] = set()
-    for name, tensor in named:
+    for name, shape in shapes:
         if name in seen:
             raise ValueError(f"tensor name {name!r} appears twice")
         seen.add(name)
         if error_feedback is not None and error_feedback.codec.name != codec.name:
             raise ValueError("error_feedback uses a different codec than `codec`")
-        plan.append((name, tensor, _chunk_elements(codec, name, tensor.dim(), chunk_bytes)))
-    return _frames(plan, codec, error_feedback, commit_residuals)
+        plan.append((name, _chunk_elements(codec, name, len(shape), chunk_bytes)))
+    return _frames(source, plan, codec, error_feedback, commit_residuals, keep_residuals)
 
 
 def _frames(
-    plan: list[tuple[str, torch.Tensor, int]],
+    source: Mapping[str, torch.Tensor],
+    plan: list[tuple[str, int]],
     codec: Codec,
     feedback: ErrorFeedback | None,
     commit: bool,
+    keep: bool,
 ) -> Iterator[bytes]:
-    for name, tensor, per_chunk in plan:
-        encoded: EncodedTensor = (
-            codec.encode(tensor) if feedback is None else feedback.encode(name, tensor, commit=commit)
-        )
+    for name, per_chunk in plan:
+        tensor = source[name]  # one at a time: a LazyTensors computes it here
+        encoded: EncodedTensor
+        if feedback is None:
+            encoded = codec.encode(tensor)
+        elif keep:
+            encoded = feedback.encode(name, tensor, commit=commit)
+        else:
+            encoded = feedback.peek(name, tensor)
         encoded = encoded.cpu()
         numel = encoded.numel
         num_chunks = max(1, math.ceil(numel / per_chunk))
@@ -78,14 +95,10 @@ def _frames(
 
 
 class _Pending:
-    """One tensor being assembled: its buffer and which element ranges arrived."""
+    """One tensor being received: its first frame's header and which element ranges arrived."""
 
     def __init__(self, frame: Frame) -> None:
         self.frame = frame
-        try:
-            self.buffer = torch.empty(frame.numel, dtype=frame.dtype)
-        except RuntimeError as exc:  # the allocator refused: within the limits, but not on this machine
-            raise FrameError(f"shape: cannot allocate {frame.numel} elements for {frame.name!r}") from exc
         self.chunks: set[int] = set()
         self.starts: list[int] = []
         self.ends: list[int] = []
@@ -133,6 +146,7 @@ class TensorStreamDecoder:
         self.expected = None if expected is None else {k: (tuple(s), d) for k, (s, d) in expected.items()}
         self.limits = limits
         self._tensors: dict[str, _Pending] = {}
+        self._buffers: dict[str, torch.Tensor] = {}
         self._total_elements = 0
         self._failed: str | None = None
         self._finished = False
@@ -161,28 +175,37 @@ class TensorStreamDecoder:
                 raise FrameError(f"name: more than {self.limits.max_tensors} tensors in one stream")
             if self._total_elements + f.numel > self.limits.max_total_elements:
                 raise FrameError(f"shape: stream exceeds {self.limits.max_total_elements} elements in total")
-            pending = _Pending(f)
-            self._tensors[f.name] = pending
+            self._allocate(f)
+            pending = self._tensors[f.name] = _Pending(f)
             self._total_elements += f.numel
         pending.check_consistent(f)
-        out = pending.buffer[f.offset : f.offset + f.count]
-        if out.dtype == torch.float32:
-            f.codec.decode_payload(f.payload, f.count, out, self.limits.allow_nonfinite)
-        else:
-            out.copy_(f.values(self.limits))
-            if not self.limits.allow_nonfinite and not bool(torch.isfinite(out).all()):
-                raise FrameError(f"payload: values of {f.name!r} overflow its dtype {f.dtype}")
+        self._take(f, data)
         pending.add(f)
+
+    def _allocate(self, f: Frame) -> None:
+        """The first frame of a tensor passed every check: make room for the whole tensor."""
+        try:
+            self._buffers[f.name] = torch.empty(f.numel, dtype=f.dtype)
+        except RuntimeError as exc:  # the allocator refused: within the limits, but not on this machine
+            raise FrameError(f"shape: cannot allocate {f.numel} elements for {f.name!r}") from exc
+
+    def _take(self, f: Frame, data: bytes | bytearray | memoryview) -> None:
+        """A checked frame: decode it into its tensor."""
+        decode_chunk(f, self._buffers[f.name][f.offset : f.offset + f.count], self.limits)
 
     def finish(self) -> dict[str, torch.Tensor]:
         """All tensors, complete; FrameError if any tensor or chunk is missing."""
+        self._complete()
+        return {name: self._buffers[name].reshape(p.frame.shape) for name, p in self._tensors.items()}
+
+    def _complete(self) -> None:
+        """End the stream: FrameError (and the decoder is spent) unless every tensor is whole."""
         self._check_usable()
         self._finished = True
         missing = set(self.expected or ()) - set(self._tensors)
         if missing:
             self._failed = f"name: missing tensors {sorted(missing)}"
             raise FrameError(self._failed)
-        result = {}
         for name, p in self._tensors.items():
             if p.received != p.frame.numel or len(p.chunks) != p.frame.num_chunks:
                 self._failed = (
@@ -190,11 +213,19 @@ class TensorStreamDecoder:
                     f"{p.received}/{p.frame.numel} elements"
                 )
                 raise FrameError(self._failed)
-            result[name] = p.buffer.reshape(p.frame.shape)
-        return result
 
     def _check_usable(self) -> None:
         if self._failed is not None:
             raise FrameError(f"stream: decoder already failed ({self._failed})")
         if self._finished:
             raise FrameError("stream: decoder already finished")
+
+
+def decode_chunk(f: Frame, out: torch.Tensor, limits: DecodeLimits) -> None:
+    """Decode the checked frame ``f`` into ``out`` (its ``count`` elements, in the frame's dtype)."""
+    if out.dtype == torch.float32:
+        f.codec.decode_payload(f.payload, f.count, out, limits.allow_nonfinite)
+    else:
+        out.copy_(f.values(limits))
+        if not limits.allow_nonfinite and not bool(torch.isfinite(out).all()):
+            raise FrameError(f"payload: values of {f.name!r} overflow its dtype {f.dtype}")

@@ -5,6 +5,7 @@ See docs/gossip.md for the protocol, the commit rule and the averaging semantics
 
 from swarm.gossip._averager import GossipAverager
 from swarm.gossip._metrics import FAILURES, ExchangeMetrics, SyncOutcome, SyncResult
+from swarm.gossip._mixing import MixedTensors
 from swarm.gossip._offer import Committed, MixedPart, Offer, Offerer, Part
 from swarm.gossip._options import GossipOptions
 from swarm.gossip._partners import (
@@ -24,6 +25,7 @@ __all__ = [
     "GossipAverager",
     "GossipOptions",
     "MixedPart",
+    "MixedTensors",
     "Offer",
     "Offerer",
     "Part",

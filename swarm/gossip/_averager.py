@@ -21,20 +21,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from swarm.compression import ErrorFeedback
+from swarm.compression import ErrorFeedback, schema_of
 from swarm.gossip._deadlines import Deadlines, payload_nbytes
-from swarm.gossip._exchange import (
-    Mixed,
-    as_named,
-    commit,
-    in_thread,
-    run_exchange,
-    settle,
-)
+from swarm.gossip._exchange import as_named, commit, in_thread, run_exchange, settle
 from swarm.gossip._gate import ExchangeGate, Turn
 from swarm.gossip._handshake import Handshake
 from swarm.gossip._local import Local, committed_of, companion_of, with_companion
 from swarm.gossip._metrics import ExchangeMetrics, MetricsRecorder, SyncOutcome, SyncResult, log_failure
+from swarm.gossip._mixing import Mixed
 from swarm.gossip._offer import Committed, Offerer
 from swarm.gossip._options import GossipOptions
 from swarm.gossip._partners import PartnerSource
@@ -42,7 +36,7 @@ from swarm.gossip._protocol import Channel, Hello, handler_name
 from swarm.gossip._reputation import Reputation
 from swarm.gossip._robust import Blame
 from swarm.gossip._roles import ExchangeRoles
-from swarm.gossip._validation import schema_hash, schema_of
+from swarm.gossip._validation import schema_hash
 from swarm.p2p import P2PFactory, StreamService
 
 if TYPE_CHECKING:
@@ -220,6 +214,11 @@ class GossipAverager(ExchangeRoles, StreamService):
             finally:
                 self._gate.changed()
 
+    def invalidate(self) -> None:
+        """The owner is about to change what its offers are computed from (offer mode with lazy
+        offers, :mod:`swarm.gossip._offer`): the exchanges in flight stop and do not commit."""
+        self._gate.changed()
+
     @property
     def weight(self) -> float:
         return self._weight
@@ -310,9 +309,8 @@ class GossipAverager(ExchangeRoles, StreamService):
         blame = Blame(self._reputation.norm_reference(), own)
         weights = (local.weight, theirs.weight)
         companion = companion_of(local, theirs, self._companion_spec)
-        ef = self._ef.fork() if self._ef is not None else None  # its pending residuals are its own
         data = self._wrap_channel(channel)
-        exchange = run_exchange(data, local.tensors, weights, self._spec, ef, blame, companion, turn)
+        exchange = run_exchange(data, local.tensors, weights, self._spec, self._ef, blame, companion, turn)
         try:
             deadline = self._deadlines.exchange_s(partner, local.total_nbytes)
             ended = await settle(exchange, deadline, partner)
@@ -322,7 +320,7 @@ class GossipAverager(ExchangeRoles, StreamService):
             if ended.mixed is not None:
                 result = self._result(ended.outcome, partner, channel, latency, ended.reason)
                 done = None if local.offer is None else committed_of(ended.mixed, theirs, initiator, result)
-                await in_thread(self._commit, partner, local, ended.mixed, latency, (ef, turn), done)
+                await in_thread(self._commit, partner, local, ended.mixed, latency, turn, done)
                 return dataclasses.replace(result, weight=self._weight)  # registered mode: the new one
         finally:  # cancelled (abort() or shutdown), failed, or committed above: nothing more commits
             turn.release(committed=False)
@@ -341,13 +339,13 @@ class GossipAverager(ExchangeRoles, StreamService):
         local: Local,
         mixed: Mixed,
         latency: float,
-        claim: tuple[ErrorFeedback | None, Turn],
+        turn: Turn,
         done: Committed | None,
     ) -> None:
         """Apply a fully ACKed exchange under the exchange lock (a worker thread): tensors in place and
-        weight, or the offerer's ``committed`` with ``done``; error-feedback residuals; the turn's
+        weight, or the offerer's ``committed`` with ``done``; error-feedback residuals, unless the
+        offerer keeps the mix and folds them itself (:meth:`MixedTensors.keep`); the turn's
         reservation ends committed. Then judge the partner (:meth:`Reputation.committed`)."""
-        ef, turn = claim
         with self._lock:
             turn.release(committed=True)
             if local.offer is None:
@@ -355,8 +353,8 @@ class GossipAverager(ExchangeRoles, StreamService):
                 local.weight = self._weight = mixed.weight
             elif self._offerer is not None and done is not None:
                 self._offerer.committed(local.offer, done)
-            if ef is not None:
-                ef.commit_all()
+                if not mixed.tensors.kept:
+                    mixed.tensors.fold_all()
             companion_clip = mixed.companion.clip if mixed.companion is not None else None
             self._reputation.committed(partner, mixed.clip, companion_clip)
         self._last_partner = partner

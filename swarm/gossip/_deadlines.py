@@ -16,11 +16,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import statistics
 from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
+
+from swarm.compression import schema_of
 
 if TYPE_CHECKING:
     import torch
@@ -158,4 +161,4 @@ def _too_slow(what: str, nbytes: int, floor_bytes_s: float, window_s: float) -> 
 
 def payload_nbytes(tensors: Mapping[str, torch.Tensor], codec: Codec) -> int:
     """The bytes ``tensors`` take on the wire with ``codec`` (payloads only, one direction)."""
-    return sum(codec.payload_nbytes(t.numel()) for t in tensors.values())
+    return sum(codec.payload_nbytes(math.prod(shape)) for shape, _ in schema_of(tensors).values())

@@ -19,6 +19,14 @@ pair's mass is still conserved exactly.
 A companion part (:class:`Companion`: the trainer's anchor beside its pseudo-gradient) travels on the
 same stream right after the first part, and is validated and mixed by the same rules with its own
 weights, codec and clip; the one ACK each way covers both parts.
+
+Memory: nothing here holds a whole model's decoded tensors (:mod:`swarm.gossip._mixing`). Our frames
+are encoded from our tensors one tensor at a time as they are sent, and again whenever their decoded
+values are needed; the partner's are kept as they arrived (:class:`~swarm.compression.FrameStore`);
+the result is a :class:`~swarm.gossip._mixing.MixedTensors` that computes each tensor when read. Our
+tensors may therefore be computed too (a :class:`~swarm.compression.LazyTensors` over the live
+anchor): an exchange whose ``turn`` went stale (another exchange committed, so what they are computed
+from may be changing) stops sending at once and ends as not committed, blaming nobody.
 """
 
 from __future__ import annotations
@@ -27,25 +35,33 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
 
 from swarm._errors import SwarmError
-from swarm.compression import ErrorFeedback, FrameError, TensorStreamDecoder, encode_tensors
+from swarm.compression import (
+    ErrorFeedback,
+    FrameError,
+    FrameStore,
+    LazyTensors,
+    Schema,
+    encode_tensors,
+    schema_of,
+)
 from swarm.gossip._deadlines import Sending, SlowPartner, rate_floor
 from swarm.gossip._gate import NOT_COMMITTED_REASON, Turn
 from swarm.gossip._metrics import SyncOutcome
+from swarm.gossip._mixing import Mixed, MixedTensors, measure, pair_norms, sent_values
 from swarm.gossip._protocol import Channel, MsgKind, ProtocolError, parse_json
-from swarm.gossip._robust import NO_BLAME, Blame, ClipPolicy, ClipStats, robust_mix
-from swarm.gossip._validation import NormPolicy, Schema, ValidationError, validate_received
+from swarm.gossip._robust import NO_BLAME, Blame, ClipPolicy, clip_stats
+from swarm.gossip._validation import NormPolicy, TensorNorms, ValidationError, check_norms
 from swarm.p2p import PEER_FAULTS
 
 T = TypeVar("T")
 logger = logging.getLogger(__name__)
-NamedTensors = list[tuple[str, torch.Tensor]]
 
 
 class PartnerRejected(SwarmError):
@@ -72,17 +88,6 @@ class ExchangeSpec:
 
 
 @dataclass(frozen=True)
-class Mixed:
-    """The validated, mixed result, ready to be committed; ``clip`` is set when robust mixing ran;
-    ``companion``: the companion part's own result, when the exchange had one."""
-
-    tensors: dict[str, torch.Tensor]
-    weight: float
-    clip: ClipStats | None = None
-    companion: Mixed | None = None
-
-
-@dataclass(frozen=True)
 class Companion:
     """The second part of an exchange: our tensors, (our weight, the partner's), and its own spec
     (codec, clip). It never uses error feedback, and the robust clip blames it on its own norm."""
@@ -94,24 +99,26 @@ class Companion:
 
 @dataclass(frozen=True)
 class _Part:
-    """One part of an exchange in its data phase: what we send, how, and our own frames' decoder."""
+    """One part of an exchange in its data phase: what we send, how, and what our frames decode to."""
 
     local: Mapping[str, torch.Tensor]
     spec: ExchangeSpec
     error_feedback: ErrorFeedback | None
     schema: Schema
-    own: TensorStreamDecoder | None
+    sent: Mapping[str, torch.Tensor]
 
     @classmethod
     def of(
         cls, local: Mapping[str, torch.Tensor], spec: ExchangeSpec, error_feedback: ErrorFeedback | None
     ) -> _Part:
-        schema: Schema = {name: (tuple(t.shape), t.dtype) for name, t in local.items()}
-        own = None if spec.codec.lossless else TensorStreamDecoder(expected=schema)
-        return cls(local, spec, error_feedback, schema, own)
+        sent = sent_values(local, spec.codec, error_feedback)
+        return cls(local, spec, error_feedback, schema_of(local), sent)
 
-    async def sent(self) -> Mapping[str, torch.Tensor]:
-        return dict(self.local) if self.own is None else await in_thread(_own_values, self.own)
+    def measure(self, received: FrameStore) -> dict[str, TensorNorms]:
+        """Every tensor's norms, checked (ValidationError): what the partner sent is finite and plausible."""
+        norms = measure(self.local, self.sent, LazyTensors(self.schema, received.tensor))
+        check_norms(norms, self.spec.policy)
+        return norms
 
 
 async def in_thread(fn: Callable[..., T], *args: Any) -> T:
@@ -148,44 +155,63 @@ async def run_exchange(
     if companion is not None:
         parts.append(_Part.of(companion.tensors, companion.spec, None))
     sending = Sending()
-    sender = asyncio.create_task(_send_parts(channel, parts, sending))
+    sender = asyncio.create_task(_send_parts(channel, parts, sending, turn))
     try:
         receiver = asyncio.create_task(_receive_parts(channel, parts))
         floor = (spec.min_rate_bytes_s, spec.rate_window_s)
         received = await rate_floor(channel, sender, receiver, *floor, sending)
-        sent = [await part.sent() for part in parts]
-        for part, theirs in zip(parts, received, strict=True):
-            await in_thread(validate_received, theirs, part.local, part.spec.policy)
+        norms = [await in_thread(part.measure, theirs) for part, theirs in zip(parts, received, strict=True)]
+        _check_turn(turn)  # what the checks read did not change under them
     except ValidationError as exc:
         await _cancel(sender)
+        if turn is not None and turn.stale():  # our tensors changed under the checks: no verdict
+            await _refuse(channel, "our offer changed during the exchange")
+            raise NotCommitted("our offer changed during the exchange") from exc
         with contextlib.suppress(Exception):
             await channel.send_json(MsgKind.NACK, {"reason": str(exc)[:500]})
+        raise
+    except NotCommitted as exc:
+        await _cancel(sender)
+        await _refuse(channel, str(exc))
         raise
     except BaseException:
         await _cancel(sender)
         raise
-    mixed = await in_thread(_mix, spec, local, sent[0], weights, received[0], blame)
+    mixed = _mix(parts[0], received[0], norms[0], weights, blame)
     if companion is not None:
-        other = await in_thread(
-            _mix, companion.spec, companion.tensors, sent[1], companion.weights, received[1], NO_BLAME
-        )
+        other = _mix(parts[1], received[1], norms[1], companion.weights, NO_BLAME)
         mixed = dataclasses.replace(mixed, companion=other)
     refusal = turn.reserve() if turn is not None else None
     if refusal is not None:
-        with contextlib.suppress(Exception):
-            await channel.send_json(MsgKind.NACK, {"reason": f"{NOT_COMMITTED_REASON} ({refusal})"})
+        await _refuse(channel, refusal)
         raise NotCommitted(refusal)
     await channel.send(MsgKind.ACK)
     kind, payload = await channel.recv_expect(MsgKind.ACK, MsgKind.NACK)
     if kind is MsgKind.NACK:
-        reason = str(parse_json(payload).get("reason", "no reason given"))
-        if reason.startswith(NOT_COMMITTED_REASON):
-            raise NotCommitted(f"the partner: {reason}")
-        raise PartnerRejected(reason)
+        raise _nack_error(payload)
     return mixed
 
 
-async def _receive_parts(channel: Channel, parts: Sequence[_Part]) -> list[dict[str, torch.Tensor]]:
+def _check_turn(turn: Turn | None) -> None:
+    if turn is not None and turn.stale():
+        raise NotCommitted("another exchange committed while this one ran")
+
+
+async def _refuse(channel: Channel, why: str) -> None:
+    """NACK as not committed: the partner neither commits nor blames us."""
+    with contextlib.suppress(Exception):
+        await channel.send_json(MsgKind.NACK, {"reason": f"{NOT_COMMITTED_REASON} ({why})"})
+
+
+def _nack_error(payload: bytes) -> Exception:
+    """What a partner's NACK means: it did not commit (no one to blame), or it refused our data."""
+    reason = str(parse_json(payload).get("reason", "no reason given"))
+    if reason.startswith(NOT_COMMITTED_REASON):
+        return NotCommitted(f"the partner: {reason}")
+    return PartnerRejected(reason)
+
+
+async def _receive_parts(channel: Channel, parts: Sequence[_Part]) -> list[FrameStore]:
     return [await _receive_all(channel, part.schema) for part in parts]
 
 
@@ -241,115 +267,84 @@ async def _cancel(task: asyncio.Task[Any]) -> None:
         await task
 
 
-def _own_values(own: TensorStreamDecoder) -> dict[str, torch.Tensor]:
-    try:
-        return own.finish()
-    except FrameError as exc:  # a bug of ours: our own encoder's frames disagree with our schema
-        raise ProtocolError(f"our own frames do not decode to our schema: {exc}") from exc
-
-
-def _next_frame(frames: Iterator[bytes], own: TensorStreamDecoder | None) -> bytes | None:
-    """The next frame to send; also decoded into ``own``, so we know exactly what the partner gets."""
-    frame = next(frames, None)
-    if frame is not None and own is not None:
-        with contextlib.suppress(FrameError):  # surfaces again, as ProtocolError, in _own_values
-            own.feed(frame)
-    return frame
-
-
-async def _send_parts(channel: Channel, parts: Sequence[_Part], sending: Sending) -> None:
-    """Each part's frames and END, one part after the other."""
+async def _send_parts(channel: Channel, parts: Sequence[_Part], sending: Sending, turn: Turn | None) -> None:
+    """Each part's frames and END, one part after the other; a stale ``turn`` stops us (NotCommitted)
+    before the next frame goes out, so nothing computed while our tensors changed is ever sent."""
     for part in parts:
-        await _send_all(channel, list(part.local.items()), part.spec, part.error_feedback, part.own, sending)
+        named, spec = part.local, part.spec
+        frames = iter(
+            encode_tensors(
+                named, spec.codec, spec.chunk_bytes, error_feedback=part.error_feedback, keep_residuals=False
+            )
+        )
+        count = 0
+        while (frame := await in_thread(next, frames, None)) is not None:
+            _check_turn(turn)
+            sending.writing = True
+            try:
+                await channel.send(MsgKind.DATA, frame)
+            finally:
+                sending.writing = False
+            count += 1
+        await channel.send_json(MsgKind.END, {"frames": count})
 
 
-async def _send_all(
-    channel: Channel,
-    named: NamedTensors,
-    spec: ExchangeSpec,
-    error_feedback: ErrorFeedback | None,
-    own: TensorStreamDecoder | None,
-    sending: Sending,
-) -> None:
-    frames = encode_tensors(named, spec.codec, chunk_bytes=spec.chunk_bytes, error_feedback=error_feedback)
-    count = 0
-    while (frame := await in_thread(_next_frame, frames, own)) is not None:
-        sending.writing = True
-        try:
-            await channel.send(MsgKind.DATA, frame)
-        finally:
-            sending.writing = False
-        count += 1
-    await channel.send_json(MsgKind.END, {"frames": count})
-
-
-async def _receive_all(channel: Channel, schema: Schema) -> dict[str, torch.Tensor]:
-    """Feed DATA frames to a schema-checking decoder until END; FrameError becomes ValidationError."""
-    decoder = TensorStreamDecoder(expected=schema)
+async def _receive_all(channel: Channel, schema: Schema) -> FrameStore:
+    """Keep DATA frames, each checked against ``schema`` as it arrives, until END; FrameError becomes
+    ValidationError; a NACK ends it as the partner's refusal (or not committed, :func:`_nack_error`)."""
+    store = FrameStore(expected=schema)
     count = 0
     try:
         while True:
             kind, payload = await channel.recv_expect(MsgKind.DATA, MsgKind.END, MsgKind.NACK)
             if kind is MsgKind.NACK:
-                raise PartnerRejected(str(parse_json(payload).get("reason", "no reason given")))
+                raise _nack_error(payload)
             if kind is MsgKind.END:
                 break
-            await in_thread(decoder.feed, payload)
+            await in_thread(store.feed, payload)
             count += 1
         announced = parse_json(payload).get("frames")
         if announced != count:
             raise ProtocolError(f"END announced {announced} frames, received {count}")
-        return await in_thread(decoder.finish)
+        store.complete()
+        return store
     except FrameError as exc:
         raise ValidationError(f"bad frame: {exc}") from exc
 
 
 def _mix(
-    spec: ExchangeSpec,
-    local: Mapping[str, torch.Tensor],
-    sent: Mapping[str, torch.Tensor],
+    part: _Part,
+    received: FrameStore,
+    norms: dict[str, TensorNorms],
     weights: tuple[float, float],
-    received: Mapping[str, torch.Tensor],
     blame: Blame,
 ) -> Mixed:
+    """The result of one part: the plain rule, or the robust clip's from the measured norms."""
+    theirs = LazyTensors(part.schema, received.tensor)
+    feedback = part.error_feedback
+    spec = part.spec
     if spec.clip is None:
-        return mix(local, sent, weights[0], received, weights[1])
-    tensors, stats = robust_mix(
-        local, sent, weights[0], received, weights[1], spec.clip, blame.reference, blame.own
+        tensors = MixedTensors(part.local, part.sent, theirs, weights, feedback=feedback, norms=norms)
+        return Mixed(tensors, sum(weights) / 2)
+    stats = clip_stats(pair_norms(norms), spec.clip, blame.reference, weights, blame.own)
+    tensors = MixedTensors(
+        part.local, part.sent, theirs, weights, clip=stats.scale, feedback=feedback, norms=norms
     )
-    return Mixed(tensors=tensors, weight=weights[0], clip=stats)
-
-
-def mix(
-    local: Mapping[str, torch.Tensor],
-    sent: Mapping[str, torch.Tensor],
-    local_weight: float,
-    remote: Mapping[str, torch.Tensor],
-    remote_weight: float,
-) -> Mixed:
-    """``x' = (w * (2x - q) + v * p) / (w + v)`` in float32 (no float64: MPS has none), rounded once to
-    the local dtype."""
-    total = local_weight + remote_weight
-    out = {}
-    for name, mine in local.items():
-        x = mine.detach().to(torch.float32, copy=True)
-        if sent[name] is not mine:  # lossy codec: x + (x - q) keeps the pair's mass exact
-            x.mul_(2.0).sub_(sent[name].to(device=mine.device, dtype=torch.float32))
-        p = remote[name].to(device=mine.device, dtype=torch.float32)
-        mixed = x.mul_(local_weight / total).add_(p, alpha=remote_weight / total)
-        out[name] = mixed.to(mine.dtype)
-    return Mixed(tensors=out, weight=total / 2)
+    return Mixed(tensors, weights[0], clip=stats)
 
 
 def commit(local: Mapping[str, torch.Tensor], mixed: Mixed) -> None:
-    """Write the mixed values into the caller's tensors, in place."""
+    """Write the mixed values into the caller's tensors, in place, folding the error feedback."""
     with torch.no_grad():
         for name, tensor in local.items():
-            tensor.copy_(mixed.tensors[name])
+            tensor.copy_(mixed.tensors.take(name))
 
 
-def as_named(tensors: Mapping[str, torch.Tensor] | Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Accept a mapping or a plain sequence (named "0", "1", ...); reject non-dense or duplicate input."""
+def as_named(tensors: Mapping[str, torch.Tensor] | Sequence[torch.Tensor]) -> Mapping[str, torch.Tensor]:
+    """Accept a mapping or a plain sequence (named "0", "1", ...); reject non-dense or duplicate input.
+    A :class:`~swarm.compression.LazyTensors` is taken as it is (its tensors are computed when read)."""
+    if isinstance(tensors, LazyTensors):
+        return tensors
     named = dict(tensors) if isinstance(tensors, Mapping) else {str(i): t for i, t in enumerate(tensors)}
     for name, t in named.items():
         if not isinstance(t, torch.Tensor) or t.is_sparse or not t.is_floating_point():

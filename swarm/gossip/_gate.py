@@ -101,6 +101,11 @@ class Turn:
         self.reserved = refusal is None
         return refusal
 
+    def stale(self) -> bool:
+        """Whether an exchange committed (or the tensors changed) since this turn's offer was taken:
+        then it can no longer commit, and what the offer is computed from may be changing."""
+        return self._gate.generation() != self._generation
+
     def release(self, committed: bool) -> None:
         """End the reservation (idempotent); ``committed`` moves the generation on."""
         if self.reserved:

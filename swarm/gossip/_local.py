@@ -9,16 +9,19 @@ inputs to the data phase, and reports the companion's result back as a
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 
+from swarm.compression import schema_of
 from swarm.gossip._deadlines import payload_nbytes
-from swarm.gossip._exchange import Companion, ExchangeSpec, Mixed, as_named
+from swarm.gossip._exchange import Companion, ExchangeSpec, as_named
 from swarm.gossip._metrics import SyncResult
+from swarm.gossip._mixing import Mixed
 from swarm.gossip._offer import Committed, MixedPart, Offer
 from swarm.gossip._protocol import Hello
-from swarm.gossip._validation import schema_hash, schema_of
+from swarm.gossip._validation import schema_hash
 
 
 @dataclass
@@ -26,7 +29,7 @@ class Local:
     """The tensors this peer averages (the caller's objects, updated in place) and their weight; in
     offer mode, a snapshot the offerer gave for one exchange (``offer``), never written to."""
 
-    tensors: dict[str, torch.Tensor]
+    tensors: Mapping[str, torch.Tensor]
     weight: float
     schema_hash: str
     nbytes: int = 0  # on the wire, one direction: what the exchange's deadline is sized by

@@ -5,8 +5,12 @@ nothing else with them. A trainer keeps training while its exchanges run, so it 
 :class:`Offerer` instead (docs/gossip.md, "Offer mode"):
 
 * for every exchange, initiated or served, the averager calls :meth:`Offerer.offer` with its exchange
-  lock held; the offer's tensors belong to the averager for that exchange (a copy, never live state);
-  ``None`` means nothing to offer now: a partner gets BUSY, our own ``sync`` returns SKIPPED;
+  lock held; the offer's tensors belong to the averager for that exchange: a copy, or a
+  :class:`~swarm.compression.LazyTensors` computed from state that changes only after the averager's
+  generation moved (an exchange committed, or the owner called
+  :meth:`~swarm.gossip.GossipAverager.invalidate` first). An exchange whose offer went stale that way
+  never commits and stops sending at once. ``None`` means nothing to offer now: a partner gets BUSY,
+  our own ``sync`` returns SKIPPED;
 * when the exchange commits (both ACKs, the same rule as always), the averager calls
   :meth:`Offerer.committed` with the mixed tensors, the partner's weight and which side we were;
   nothing is written anywhere else. An exchange that does not commit calls nothing;
@@ -17,6 +21,7 @@ nothing else with them. A trainer keeps training while its exchanges run, so it 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -29,16 +34,17 @@ from swarm.gossip._metrics import SyncResult
 class Part:
     """The companion part of an offer: tensors (the averager's for the exchange) and their weight."""
 
-    tensors: dict[str, torch.Tensor]
+    tensors: Mapping[str, torch.Tensor]
     weight: float
 
 
 @dataclass(frozen=True)
 class MixedPart:
-    """The companion part of a committed exchange: its mixed values (fresh tensors), the partner's
-    stated weight for it, and the robust clip's factor on the partner's pull (1.0: not clipped)."""
+    """The companion part of a committed exchange: its mixed values (fresh tensors, computed as they
+    are read), the partner's stated weight for it, and the robust clip's factor on the partner's pull
+    (1.0: not clipped)."""
 
-    mixed: dict[str, torch.Tensor]
+    mixed: Mapping[str, torch.Tensor]
     partner_weight: float
     clip_scale: float = 1.0
 
@@ -50,7 +56,7 @@ class Offer:
     handshake, untouched by codec and mixing (the trainer sends a fixed sample of its anchor, so both
     sides can estimate how far apart their models are; at most ``MAX_PROBE``)."""
 
-    tensors: dict[str, torch.Tensor]
+    tensors: Mapping[str, torch.Tensor]
     weight: float
     token: Any = None
     probe: tuple[float, ...] = ()
@@ -63,10 +69,14 @@ class Offer:
 
 @dataclass(frozen=True)
 class Committed:
-    """A committed exchange: the mixed values (fresh tensors, the offerer's to keep), the partner's
-    stated weight and probe, whether we initiated, and the exchange's result."""
+    """A committed exchange: the mixed values, the partner's stated weight and probe, whether we
+    initiated, and the exchange's result.
 
-    mixed: dict[str, torch.Tensor]
+    ``mixed`` computes each tensor when it is read (a :class:`~swarm.gossip._mixing.MixedTensors`, fresh
+    tensors each time): read what you need in :meth:`Offerer.committed`, or call ``mixed.keep()`` there
+    and read each tensor once later with ``mixed.take(name)``, which also folds our error feedback."""
+
+    mixed: Mapping[str, torch.Tensor]
     partner_weight: float
     initiator: bool
     result: SyncResult

@@ -140,8 +140,33 @@ def clip_scale(
     """The shared clip factor ``s`` of an exchange (identical on both sides) and our local suspicion,
     judged per stated sample of ``weights`` (ours, the partner's) against ``blame_norm`` (None:
     ``||q||``) or ``reference``, whichever is larger (module docstring)."""
-    own, theirs = norm_of(sent), norm_of(received)
-    diff = distance(sent, received)
+    norms = PairNorms(norm_of(sent), norm_of(received), distance(sent, received))
+    return clip_stats(norms, policy, reference, weights, blame_norm)
+
+
+@dataclass(frozen=True)
+class PairNorms:
+    """What the clip needs of an exchange: ``||q||`` (``sent``), ``||p||`` and ``||p - q||``, over all
+    tensors."""
+
+    sent: float
+    received: float
+    diff: float
+
+
+def clip_stats(
+    norms: PairNorms,
+    policy: ClipPolicy,
+    reference: float = 0.0,
+    weights: tuple[float, float] = (1.0, 1.0),
+    blame_norm: float | None = None,
+) -> ClipStats:
+    """:func:`clip_scale` from the exchange's norms; a side whose weight is at most
+    ``policy.join_weight`` is a joiner taking over: not clipped, and not judged."""
+    if min(weights) <= policy.join_weight:
+        own = norms.sent if blame_norm is None else blame_norm
+        return ClipStats(scale=1.0, excess=0.0, hard=False, own_norm=own, judged=False)
+    own, theirs, diff = norms.sent, norms.received, norms.diff
     tau = policy.clip_ratio * max(min(own, theirs), policy.clip_floor)
     scale = 1.0 if diff <= tau else tau / diff
     blamed = own if blame_norm is None else blame_norm
@@ -151,32 +176,6 @@ def clip_scale(
     moved = 0.0 if blame_norm is None else scale * diff / 2
     hard = excess > policy.hard_factor
     return ClipStats(scale=scale, excess=excess, hard=hard, own_norm=blamed, moved=moved)
-
-
-def robust_mix(
-    local: Mapping[str, torch.Tensor],
-    sent: Mapping[str, torch.Tensor],
-    local_weight: float,
-    remote: Mapping[str, torch.Tensor],
-    remote_weight: float,
-    policy: ClipPolicy,
-    reference: float = 0.0,
-    blame_norm: float | None = None,
-) -> tuple[dict[str, torch.Tensor], ClipStats]:
-    """``x' = x + s v/(w+v) (p - q)`` in float32, rounded once to the local dtype; weights unchanged.
-    ``reference`` and ``blame_norm``: what the partner is judged against (:func:`clip_scale`)."""
-    if min(local_weight, remote_weight) <= policy.join_weight:
-        own = norm_of(sent) if blame_norm is None else blame_norm
-        stats = ClipStats(scale=1.0, excess=0.0, hard=False, own_norm=own, judged=False)
-    else:
-        stats = clip_scale(sent, remote, policy, reference, (local_weight, remote_weight), blame_norm)
-    factor = stats.scale * remote_weight / (local_weight + remote_weight)
-    out = {}
-    for name, mine in local.items():
-        theirs = remote[name].to(device=mine.device, dtype=torch.float32)
-        step = torch.sub(theirs, sent[name].to(device=mine.device, dtype=torch.float32))
-        out[name] = torch.add(mine.detach().float(), step, alpha=factor).to(mine.dtype)
-    return out, stats
 
 
 def centered_clip(

@@ -27,8 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from swarm._errors import SwarmError
-
-Schema = dict[str, tuple[tuple[int, ...], torch.dtype]]
+from swarm.compression import Schema
 
 NORM_BLOCK = 1024
 """Elements per float32 partial norm in :func:`tensor_norm`: 1e-8 relative error, measured on 2**25
@@ -76,10 +75,6 @@ class ValidationError(SwarmError, ValueError):
     """Received tensors that must not be applied; the message names the tensor and the reason."""
 
 
-def schema_of(tensors: Mapping[str, torch.Tensor]) -> Schema:
-    return {name: (tuple(t.shape), t.dtype) for name, t in tensors.items()}
-
-
 def schema_hash(schema: Schema) -> str:
     """Order-sensitive digest of names, shapes and dtypes: both sides must stream the same layout."""
     layout = [[name, list(shape), str(dtype)] for name, (shape, dtype) in schema.items()]
@@ -92,6 +87,40 @@ class NormPolicy:
     norm_floor: float = 1.0
 
 
+@dataclass(frozen=True)
+class TensorNorms:
+    """The norms of one tensor of an exchange that the checks and the robust clip need: ours
+    (``local``), what our frames decode to (``sent``), the partner's (``received``) and the distance
+    between the last two (``diff``)."""
+
+    numel: int
+    local: float
+    sent: float
+    received: float
+    diff: float
+
+
+def check_norms(norms: Mapping[str, TensorNorms], policy: NormPolicy) -> None:
+    """Raise ValidationError unless every received tensor's norm is plausible next to ours (the
+    module docstring's rule)."""
+    total_numel = sum(n.numel for n in norms.values()) or 1
+    local_rms = math.sqrt(sum(n.local**2 for n in norms.values()) / total_numel)
+    for name, n in norms.items():
+        scale = math.sqrt(n.numel)
+        floor = max(local_rms * scale, policy.norm_floor * scale / math.sqrt(total_numel))
+        limit = policy.max_norm_ratio * max(n.local, floor)
+        if n.received > limit:
+            raise ValidationError(
+                f"tensor {name!r} norm {n.received:.4g} exceeds {policy.max_norm_ratio:g}x the local "
+                f"reference ({limit / policy.max_norm_ratio:.4g})"
+            )
+
+
+def check_finite(name: str, received: torch.Tensor) -> None:
+    if not bool(torch.isfinite(received).all()):
+        raise ValidationError(f"tensor {name!r} contains NaN or Inf")
+
+
 def validate_received(
     received: Mapping[str, torch.Tensor],
     local: Mapping[str, torch.Tensor],
@@ -99,22 +128,11 @@ def validate_received(
 ) -> None:
     """Raise ValidationError unless ``received`` matches ``local``'s schema, is finite and plausible."""
     _check_schema(received, local)
-    total_numel = sum(t.numel() for t in local.values()) or 1
-    local_sq = sum(tensor_norm(t) ** 2 for t in local.values())
-    local_rms = math.sqrt(local_sq / total_numel)
+    norms = {}
     for name, theirs in received.items():
-        mine = local[name]
-        if not bool(torch.isfinite(theirs).all()):
-            raise ValidationError(f"tensor {name!r} contains NaN or Inf")
-        their_norm = tensor_norm(theirs)
-        scale = math.sqrt(mine.numel())
-        floor = max(local_rms * scale, policy.norm_floor * scale / math.sqrt(total_numel))
-        limit = policy.max_norm_ratio * max(tensor_norm(mine), floor)
-        if their_norm > limit:
-            raise ValidationError(
-                f"tensor {name!r} norm {their_norm:.4g} exceeds {policy.max_norm_ratio:g}x the local "
-                f"reference ({limit / policy.max_norm_ratio:.4g})"
-            )
+        check_finite(name, theirs)
+        norms[name] = TensorNorms(theirs.numel(), tensor_norm(local[name]), 0.0, tensor_norm(theirs), 0.0)
+    check_norms({name: norms[name] for name in local}, policy)
 
 
 def _check_schema(received: Mapping[str, torch.Tensor], local: Mapping[str, torch.Tensor]) -> None:

@@ -108,25 +108,34 @@ class OuterOptimizer:
         the same amount and keep that local progress (docs/training.md, "The update rule").
         """
         self._check_names(averaged)
-        moves = {}
-        for name, anchor in self.anchor.items():
-            grad = averaged[name].to(anchor.device, torch.float32)
-            if grad.shape != anchor.shape:
-                raise ValueError(
-                    f"pseudo-gradient {name!r} has shape {tuple(grad.shape)}, want {tuple(anchor.shape)}"
-                )
-            if self.momentum:
-                buffer = self.momentum_buffers.get(name)
-                if buffer is None:
-                    buffer = self.momentum_buffers[name] = grad.clone()
-                else:
-                    buffer.mul_(self.momentum).add_(grad)
-                grad = grad.add(buffer, alpha=self.momentum) if self.nesterov else buffer
-            move = grad.mul(-self.lr)
-            anchor.add_(move)
-            moves[name] = move
-        self.rounds += 1
+        moves = {name: self.advance_tensor(name, averaged[name]) for name in self.anchor}
+        self.count_round()
         return moves
+
+    @torch.no_grad()
+    def advance_tensor(self, name: str, averaged: torch.Tensor) -> torch.Tensor:
+        """:meth:`advance` of one tensor: a caller that streams a round tensor by tensor (so that no
+        whole-model gradient or move exists at once) calls this for every name, then :meth:`count_round`."""
+        anchor = self.anchor[name]
+        grad = averaged.to(anchor.device, torch.float32)
+        if grad.shape != anchor.shape:
+            raise ValueError(
+                f"pseudo-gradient {name!r} has shape {tuple(grad.shape)}, want {tuple(anchor.shape)}"
+            )
+        if self.momentum:
+            buffer = self.momentum_buffers.get(name)
+            if buffer is None:
+                buffer = self.momentum_buffers[name] = grad.clone()
+            else:
+                buffer.mul_(self.momentum).add_(grad)
+            grad = grad.add(buffer, alpha=self.momentum) if self.nesterov else buffer
+        move = grad.mul(-self.lr)
+        anchor.add_(move)
+        return move
+
+    def count_round(self) -> None:
+        """One outer step done (after :meth:`advance_tensor` of every tensor)."""
+        self.rounds += 1
 
     def _check_names(self, averaged: Mapping[str, torch.Tensor]) -> None:
         if set(averaged) != set(self._params):

@@ -74,7 +74,9 @@ class GossipBackend:
         avg = context.config.averaging
         map_large_allocations()  # an exchange's copies go back to the system when freed
         self.outer = OuterOptimizer.from_config(context.model, avg, state_device=outer_state_device(context))
-        self.live = LiveModel(context.model, self.outer, context.config.train.batch_size)
+        self.live = LiveModel(
+            context.model, self.outer, context.config.train.batch_size, before_change=self._invalidate_offers
+        )
         self._models = avg.exchange == "model"
         self._folded = avg.anchor_pull == "folded" and not self._models
         self._model_offers = ModelOffers(self.live)
@@ -130,6 +132,12 @@ class GossipBackend:
             client_mode=client_mode,
             respect_bans_of=self.deltas,  # a peer banned for its updates is not trusted with parameters
         )
+
+    def _invalidate_offers(self) -> None:
+        """Our anchor is about to change: the exchanges still reading a snapshot of it stop (the two
+        averagers share one gate)."""
+        if self.deltas is not None:
+            self.deltas.invalidate()
 
     def _averagers(self) -> tuple[GossipAverager, GossipAverager]:
         """The pseudo-gradient and parameter averagers, which exist from construction until :meth:`close`."""

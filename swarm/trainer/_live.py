@@ -25,13 +25,15 @@ from __future__ import annotations
 import contextlib
 import math
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from swarm._device import release_free_host_memory
+from swarm.compression import LazyTensors
+from swarm.gossip import MixedTensors
 from swarm.learning import OuterOptimizer, all_finite
 
 Tensors = dict[str, torch.Tensor]
@@ -57,13 +59,24 @@ class DeltaSnapshot:
 
 @dataclass(frozen=True)
 class ModelSnapshot:
-    """A copy of our parameters (float32, on the anchor's device) and the inner steps since the anchor
-    that they hold: what a model exchange (``averaging.exchange: model``) averages."""
+    """Our parameters as a model exchange (``averaging.exchange: model``) averages them, and the inner
+    steps since the anchor that they hold.
 
-    params: Tensors
+    Stored compactly: ``progress``, the parameters minus the anchor in bfloat16 (2 bytes per
+    parameter, on the anchor's device). ``params`` computes ``anchor + progress`` (float32) per tensor
+    when read: that sum is the model the exchange offers, exactly, and what the update later subtracts
+    from the parameters, so the rounding of ``progress`` stays in our own parameters instead of being
+    lost. The anchor it reads changes only when an update is applied, which first makes every
+    exchange still reading it stale (``LiveModel``'s ``before_change``).
+    """
+
+    params: LazyTensors
+    progress: Tensors
     steps: int
     progress_norm: float = 0.0
     """``||params - anchor||``: how far we moved since the anchor, what a partner is judged against."""
+    version: int = 0
+    """:attr:`LiveModel.version` when it was taken."""
 
 
 @dataclass
@@ -73,15 +86,17 @@ class Update:
     ``kind="delta"``: ``gradient`` is the outer gradient (the pair's mean pseudo-gradient in sum units)
     and ``consumed`` our snapshot's pseudo-gradient with its ``steps``; with a folded anchor pull also
     ``shift``, applied after the outer step. ``kind="anchor"``: ``shift`` is how far the exchange moved
-    our anchor snapshot. ``kind="model"``: ``gradient`` is the pair's mean model and ``consumed`` our
-    snapshot of the parameters it averaged, with its ``steps``; the outer step goes along ``anchor -
-    mean`` and the steps taken since the snapshot stay on top. ``kind="solo"``: an outer step on our
+    our anchor snapshot. ``kind="model"``: ``gradient`` is the pair's mean model (a
+    :class:`~swarm.gossip.MixedTensors`, read tensor by tensor) and ``snapshot`` the
+    :class:`ModelSnapshot` it averaged, with its ``steps``; the outer step goes along ``anchor - mean``
+    and the steps taken since the snapshot stay on top. ``kind="solo"``: an outer step on our
     own, whole pseudo-gradient (no partner). ``info`` is for the round's report.
     """
 
     kind: str
-    gradient: Tensors = field(default_factory=dict)
+    gradient: Mapping[str, torch.Tensor] = field(default_factory=dict)
     consumed: Tensors = field(default_factory=dict)
+    snapshot: ModelSnapshot | None = None
     steps: int = 0
     shift: Tensors = field(default_factory=dict)
     info: dict[str, Any] = field(default_factory=dict)
@@ -90,11 +105,23 @@ class Update:
 class LiveModel:
     """The parameters, the outer optimizer and the bookkeeping of steps and pending updates."""
 
-    def __init__(self, model: torch.nn.Module, outer: OuterOptimizer, samples_per_step: int) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        outer: OuterOptimizer,
+        samples_per_step: int,
+        before_change: Callable[[], None] = lambda: None,
+    ) -> None:
         self.outer = outer
         self.lock = threading.Lock()
         self.steps = 0
         """Inner steps in the current pseudo-gradient, i.e. taken since the anchor and not yet used."""
+        self.version = 0
+        """Counts the changes of the anchor (applied updates, rollbacks, resets): a snapshot of an
+        older version describes a model that is gone."""
+        self._before_change = before_change
+        """Called before the anchor or the error feedback changes outside an exchange's commit: the
+        exchanges reading a lazy snapshot of them must stop (``GossipAverager.invalidate``)."""
         self._params = dict(model.named_parameters())
         self._probe_at = probe_positions({name: p.numel() for name, p in self._params.items()})
         self._samples_per_step = samples_per_step
@@ -146,19 +173,25 @@ class LiveModel:
         )
 
     def model_snapshot(self) -> ModelSnapshot | None:
-        """A copy of our parameters, or None while an update waits to be applied (its exchange has
-        already averaged these parameters) or when they are not finite. Unlike a pseudo-gradient, a
-        model may be averaged again with no new steps: that is one more consensus step."""
+        """Our parameters as a :class:`ModelSnapshot`, or None while an update waits to be applied (its
+        exchange has already averaged these parameters) or when they are not finite. Unlike a
+        pseudo-gradient, a model may be averaged again with no new steps: that is one more consensus
+        step."""
         with self.lock:
             if self._pending_kinds & {"delta", "solo", "model", "anchor"}:
                 return None
-            params = {
-                name: param.detach().to(self.outer.anchor[name].device, torch.float32, copy=True)
+            anchor = self.outer.anchor
+            progress = {
+                name: torch.sub(
+                    param.detach().to(anchor[name].device, torch.float32), anchor[name]
+                ).bfloat16()
                 for name, param in self._params.items()
             }
-            if not all_finite(params.values()):  # never served: the training thread rolls back
+            if not all_finite(progress.values()):  # never served: the training thread rolls back
                 return None
-            return ModelSnapshot(params, self.steps, progress_norm(params, self.outer.anchor))
+            schema = {name: (tuple(p.shape), torch.float32) for name, p in self._params.items()}
+            params = LazyTensors(schema, lambda name: progress[name].float().add_(anchor[name]))
+            return ModelSnapshot(params, progress, self.steps, norm(progress.values()), self.version)
 
     def anchor_snapshot(self) -> Tensors | None:
         """A copy of our anchor, or None while an anchor update waits to be applied."""
@@ -192,6 +225,9 @@ class LiveModel:
         with self.lock:
             updates, self._pending = self._pending, []
             self._pending_kinds.clear()
+            if updates:
+                self._before_change()
+                self.version += 1
             for update in updates:
                 self._apply(update)
         if updates:
@@ -199,11 +235,9 @@ class LiveModel:
         return updates
 
     def _apply(self, update: Update) -> None:
-        if update.kind == "model":  # the delta form: gradient anchor - mean, consumed anchor - snapshot
-            for tensors in (update.gradient, update.consumed):
-                for name, tensor in tensors.items():
-                    tensor.neg_().add_(self.outer.anchor[name])
-        if update.kind in ("delta", "model"):
+        if update.kind == "model":
+            self._apply_model(update)
+        elif update.kind == "delta":
             moves = self.outer.advance(update.gradient)
             update.gradient = {}  # used: let it go before the parameters move
             for name, shift in update.shift.items():  # a folded anchor pull: anchor and model move alike
@@ -229,6 +263,24 @@ class LiveModel:
         else:
             raise ValueError(f"unknown update kind {update.kind!r}")
 
+    def _apply_model(self, update: Update) -> None:
+        """The outer step along ``anchor - mean``, one tensor at a time: read the mean (it reads the
+        anchor, so before the anchor moves), step, and move the parameters by the anchor's move minus
+        the snapshot's progress: ``φ' = θ' + (φ - snapshot)``."""
+        snapshot, mean = update.snapshot, update.gradient
+        if snapshot is None:
+            raise ValueError("a model update needs the snapshot it averaged")
+        take = mean.take if isinstance(mean, MixedTensors) and mean.kept else mean.__getitem__
+        for name, param in self._params.items():
+            anchor = self.outer.anchor[name]
+            gradient = anchor - take(name).to(anchor.device, torch.float32)
+            move = self.outer.advance_tensor(name, gradient)
+            move.sub_(snapshot.progress[name].to(move.device, torch.float32))
+            param.add_(move.to(param.device, param.dtype))
+        self.outer.count_round()
+        update.gradient, update.snapshot = {}, None
+        self.steps -= update.steps
+
     def _pseudo_gradient(self) -> Tensors:
         return {
             name: self.outer.anchor[name] - param.detach().to(self.outer.anchor[name].device, torch.float32)
@@ -251,13 +303,16 @@ class LiveModel:
                 return False
             self._pending, self.steps = [], 0
             self._pending_kinds.clear()
+            self.version += 1
         return True
 
     def reset(self) -> None:
         """After loading new parameters and anchor (joining): nothing is pending, no steps are held."""
         with self.lock:
+            self._before_change()
             self._pending, self.steps = [], 0
             self._pending_kinds.clear()
+            self.version += 1
 
 
 def probe_positions(sizes: dict[str, int], count: int = PROBE_SIZE, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -287,7 +342,7 @@ def probe_distance(ours: tuple[float, ...], theirs: tuple[float, ...]) -> float 
     return diff / max(math.sqrt(sum(a * a for a in ours)), 1e-12)
 
 
-def relative_norm(shift: Tensors, reference: Tensors) -> float:
+def relative_norm(shift: Mapping[str, torch.Tensor], reference: Mapping[str, torch.Tensor]) -> float:
     """``||shift|| / ||reference||`` over all tensors."""
     return norm(shift.values()) / max(norm(reference.values()), 1e-12)
 

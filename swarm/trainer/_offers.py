@@ -31,14 +31,12 @@ from __future__ import annotations
 
 import math
 
-from swarm.gossip import Committed, MixedPart, Offer, Part
+from swarm.gossip import Committed, MixedPart, MixedTensors, Offer, Part
 from swarm.trainer._live import (
     LiveModel,
     Tensors,
     Update,
-    norm,
     probe_distance,
-    progress_norm,
     relative_norm,
 )
 
@@ -112,14 +110,18 @@ class ModelOffers:
         )
 
     def committed(self, offer: Offer, exchange: Committed) -> None:
+        """Queue the update; it reads the mix tensor by tensor when applied (and folds our error
+        feedback then), so no whole mean model is ever held."""
         snapshot = offer.token
         self.round = max(self.round, partner_round(exchange.partner_probe)) + 1
-        mean = equal_share(offer.tensors, exchange.mixed, offer.weight, exchange.partner_weight)
-        drift = _pair_distance(offer.tensors, mean, exchange.clip_scale)
+        mixed = exchange.mixed
+        if not isinstance(mixed, MixedTensors):
+            mixed = MixedTensors.of_values(offer.tensors, mixed)
+        mixed.keep()
+        mean = mixed.scaled(equal_share_scale(offer.weight, exchange.partner_weight))
+        drift = 2 * mean.pull_norm() / max(mixed.local_norm() * exchange.clip_scale, 1e-12)
         info = _info(exchange, weight=float(snapshot.steps * self._live.samples_per_step), drift=drift)
-        self._live.queue(
-            Update("model", gradient=mean, consumed=dict(offer.tensors), steps=snapshot.steps, info=info)
-        )
+        self._live.queue(Update("model", gradient=mean, snapshot=snapshot, steps=snapshot.steps, info=info))
 
 
 MAX_ROUND = 2**40
@@ -142,21 +144,12 @@ def checked_weight(partner_weight: float, own_weight: float, ratio: float = 1.0)
     return min(partner_weight, ratio * own_weight)
 
 
-def equal_share(ours: Tensors, mixed: Tensors, own_weight: float, partner_weight: float) -> Tensors:
-    """The mix as if the partner's weight were :func:`checked_weight`: its pull ``mixed - ours`` scaled
-    from share ``v / (w + v)`` to ``min(v, w) / (w + min(v, w))`` (in place on ``mixed``)."""
+def equal_share_scale(own_weight: float, partner_weight: float) -> float:
+    """How much to scale the pull ``mixed - ours`` of a mix at the partner's stated weight, so that it
+    counts as :func:`checked_weight` says: from share ``v / (w + v)`` to ``min(v, w) / (w + min(v, w))``.
+    The distance of the two models before the exchange is then twice our move over the clip's factor."""
     capped = checked_weight(partner_weight, own_weight)
-    scale = (capped / (own_weight + capped)) / (partner_weight / (own_weight + partner_weight))
-    if scale != 1.0:
-        for name, before in ours.items():
-            mixed[name].sub_(before).mul_(scale).add_(before)
-    return mixed
-
-
-def _pair_distance(ours: Tensors, mean: Tensors, clip_scale: float) -> float:
-    """The distance of the two models before the exchange, relative to ours: twice our move to the
-    pair's mean (over the clip's factor)."""
-    return 2 * progress_norm(mean, ours) / max(norm(ours.values()) * clip_scale, 1e-12)
+    return (capped / (own_weight + capped)) / (partner_weight / (own_weight + partner_weight))
 
 
 class AnchorOffers:
