@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from swarm.compression import ErrorFeedback, TensorStreamDecoder, encode_tensors, get_codec
+from swarm.compression import ErrorFeedback, LazyTensors, TensorStreamDecoder, encode_tensors, get_codec
 
 
 def one_step_error_bound(codec_name: str, scale: float, n: int) -> float:
@@ -136,3 +138,45 @@ def test_stream_with_feedback_leaves_residuals_pending_until_commit() -> None:
         assert torch.allclose(out[name] + ef.residual(name), t, atol=1e-6)
     frames = list(encode_tensors(tensors, codec, error_feedback=ef, commit_residuals=True))
     assert frames and ef.pending_names() == []
+
+
+@pytest.mark.parametrize("codec_name", ["int8", "int4", "bf16"])
+def test_peek_sends_what_encode_sends_and_a_fold_leaves_what_a_commit_leaves(codec_name: str) -> None:
+    """An exchange that keeps no pending residual (peek, then fold once committed) sends the same bytes
+    and ends with the same residual as one that encodes with a pending residual and commits it."""
+    codec = get_codec(codec_name, 16)
+    kept, folded = ErrorFeedback(codec), ErrorFeedback(codec)
+    g = torch.Generator().manual_seed(3)
+    for _ in range(4):
+        x = torch.randn(100, generator=g)
+        sent = kept.encode("w", x, commit=False)
+        peeked = folded.peek("w", x)
+        assert torch.equal(codec.decode(sent), codec.decode(peeked))
+        assert folded.pending_names() == []  # a peek keeps nothing
+        kept.commit_all()
+        folded.fold("w", x, codec.decode(folded.peek("w", x)))  # deterministic: peek again at the commit
+        torch.testing.assert_close(folded.residual("w"), kept.residual("w"), rtol=0, atol=1e-6)
+    assert float(folded.residual("w").abs().max()) > 0  # lossy: something was carried over
+
+
+def test_encode_tensors_reads_a_lazy_mapping_one_tensor_at_a_time() -> None:
+    """Frames of a LazyTensors equal those of the same tensors given at once, and no two of its
+    tensors are alive at the same time while they are encoded."""
+    values = {f"t{i}": torch.randn(300, generator=torch.Generator().manual_seed(i)) for i in range(5)}
+    live = {"now": 0, "most": 0}
+
+    def released() -> None:
+        live["now"] -= 1
+
+    def compute(name: str) -> torch.Tensor:
+        out = values[name].clone()
+        live["now"] += 1
+        live["most"] = max(live["most"], live["now"])
+        weakref.finalize(out, released)
+        return out
+
+    lazy = LazyTensors({n: (tuple(t.shape), t.dtype) for n, t in values.items()}, compute)
+    codec = get_codec("int8", 64)
+    expected = list(encode_tensors(list(values.items()), codec, chunk_bytes=256))
+    assert list(encode_tensors(lazy, codec, chunk_bytes=256)) == expected
+    assert live["most"] == 1

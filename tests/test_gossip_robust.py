@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import math
-import socket
 from collections.abc import Callable
 from typing import Any
 
@@ -18,6 +17,7 @@ from swarm.gossip._partners import BanList
 from swarm.gossip._protocol import Channel
 from swarm.gossip._robust import ClipPolicy, centered_clip, centered_clip_named, clip_scale
 from swarm.gossip._validation import NormPolicy
+from tests._channels import channel_pair
 from tests._faults import TamperingChannel
 
 POLICY = ClipPolicy(clip_ratio=2.0, hard_factor=10.0)
@@ -33,13 +33,6 @@ def _state(seed: int, scale: float = 1.0) -> dict[str, torch.Tensor]:
     return {"w": torch.randn(32, 50, generator=g) * scale, "b": torch.randn(9, generator=g) * scale}
 
 
-async def _channel_pair() -> tuple[Channel, Channel]:
-    left, right = socket.socketpair()
-    a = Channel(*await asyncio.open_connection(sock=left), chunk_timeout_s=5.0, max_data_bytes=1 << 20)
-    b = Channel(*await asyncio.open_connection(sock=right), chunk_timeout_s=5.0, max_data_bytes=1 << 20)
-    return a, b
-
-
 def _exchange(
     codec: str,
     left: dict,
@@ -50,7 +43,7 @@ def _exchange(
     """One robust exchange over an in-memory stream; returns both sides' results."""
 
     async def scenario() -> tuple[Mixed, Mixed]:
-        a, b = await _channel_pair()
+        a, b = await channel_pair()
         c = get_codec(codec)
         spec = ExchangeSpec(codec=c, chunk_bytes=16384, policy=NormPolicy(), clip=POLICY)
         try:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import math
 import os
-import socket
 import threading
 import time
 from collections.abc import Callable
@@ -33,6 +32,7 @@ from swarm.gossip._protocol import Channel, Hello, MsgKind, PartHello, ProtocolE
 from swarm.gossip._reputation import HOLD_S, Reputation
 from swarm.gossip._robust import ClipStats
 from swarm.gossip._validation import NormPolicy, ValidationError, schema_hash, validate_received
+from tests._channels import channel_pair
 from tests._faults import TamperingChannel, stalling
 from tests.workers.gossip_pool import p2pd_pids, wait_no_leak
 
@@ -106,16 +106,9 @@ def test_hello_rejects_bad_fields(patch: dict) -> None:
         Hello.from_json(obj)
 
 
-async def _channel_pair(max_data: int = 1 << 20) -> tuple[Channel, Channel]:
-    left, right = socket.socketpair()
-    a = Channel(*await asyncio.open_connection(sock=left), chunk_timeout_s=2.0, max_data_bytes=max_data)
-    b = Channel(*await asyncio.open_connection(sock=right), chunk_timeout_s=2.0, max_data_bytes=max_data)
-    return a, b
-
-
 def test_channel_framing_counts_bytes_and_enforces_limits() -> None:
     async def scenario() -> None:
-        a, b = await _channel_pair(max_data=100)
+        a, b = await channel_pair(max_data=100, chunk_timeout_s=2.0)
         await a.send_json(MsgKind.HELLO, {"x": 1})
         await a.send(MsgKind.DATA, b"z" * 100)
         kind, payload = await b.recv()
@@ -125,7 +118,7 @@ def test_channel_framing_counts_bytes_and_enforces_limits() -> None:
         await a.send(MsgKind.DATA, b"z" * 101)
         with pytest.raises(ProtocolError, match="exceeds"):
             await b.recv()
-        a2, b2 = await _channel_pair()
+        a2, b2 = await channel_pair(chunk_timeout_s=2.0)
         await a2.send(MsgKind.ACK)
         with pytest.raises(ProtocolError, match="expected END"):
             await b2.recv_expect(MsgKind.END)
@@ -338,7 +331,7 @@ async def _exchange_pair(
     weights: tuple[float, float],
     wrap: Callable[[Channel], Any] | None = None,
 ) -> tuple[object, object, ErrorFeedback | None]:
-    a, b = await _channel_pair()
+    a, b = await channel_pair(chunk_timeout_s=2.0)
     c = get_codec(codec)
     policy = NormPolicy()
     ef = ErrorFeedback(c) if codec != "fp32" else None
@@ -355,7 +348,7 @@ async def _exchange_pair(
 
 async def _two_part_pair(left: tuple[dict, dict], right: tuple[dict, dict]) -> list[object]:
     """Both sides exchange a fp32 first part (weights 1 and 3) and an int8 companion (weights 1 and 1)."""
-    a, b = await _channel_pair()
+    a, b = await channel_pair(chunk_timeout_s=2.0)
     fp32, int8 = get_codec("fp32"), get_codec("int8")
     first, second = (ExchangeSpec(codec=c, chunk_bytes=CHUNK, policy=NormPolicy()) for c in (fp32, int8))
     results = await asyncio.gather(

@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import math
 import os
-import socket
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -33,11 +32,12 @@ from swarm.gossip._gate import ExchangeGate, Turn
 from swarm.gossip._metrics import MetricsRecorder
 from swarm.gossip._mixing import mix, robust_mix
 from swarm.gossip._options import GossipOptions
-from swarm.gossip._protocol import Channel, MsgKind
+from swarm.gossip._protocol import MsgKind
 from swarm.gossip._reputation import Reputation
 from swarm.gossip._robust import Blame, ClipPolicy, ClipStats, centered_clip_named, clip_scale
 from swarm.gossip._validation import NormPolicy, tensor_norm, validate_received
 from swarm.trainer._live import progress_norm, relative_norm
+from tests._channels import channel_pair
 from tests._faults import stalling
 from tests._processes import wait_until
 from tests.workers.gossip_pool import adversary_channel, p2pd_pids, wait_no_leak
@@ -224,13 +224,6 @@ def test_a_steady_model_push_is_banned_whatever_weight_it_claims(pushes: tuple, 
 # ---------------------------------------------------------------------------- finding 9: the lock
 
 
-async def _channel_pair() -> tuple[Channel, Channel]:
-    left, right = socket.socketpair()
-    a = Channel(*await asyncio.open_connection(sock=left), chunk_timeout_s=5.0, max_data_bytes=1 << 20)
-    b = Channel(*await asyncio.open_connection(sock=right), chunk_timeout_s=5.0, max_data_bytes=1 << 20)
-    return a, b
-
-
 def test_a_trickling_partner_is_dropped_by_the_rate_floor() -> None:
     """One 4 KiB frame a second passes the framing's stall check (5 s) but not a floor of 64 KiB/s:
     the exchange ends long before the trickler would have sent everything."""
@@ -243,7 +236,7 @@ def test_a_trickling_partner_is_dropped_by_the_rate_floor() -> None:
     trickled: list[int] = []
 
     async def scenario() -> exchange_module.Settled:
-        a, b = await _channel_pair()
+        a, b = await channel_pair()
 
         async def trickle() -> None:
             for frame in frames:
@@ -288,7 +281,7 @@ def test_our_own_slow_decoding_is_not_blamed_on_the_partner(monkeypatch) -> None
     monkeypatch.setattr(exchange_module.FrameStore, "feed", starved)
 
     async def scenario() -> list[exchange_module.Settled]:
-        a, b = await _channel_pair()
+        a, b = await channel_pair()
         try:
             return list(
                 await asyncio.gather(
@@ -312,7 +305,7 @@ def test_byte_counts_move_with_each_piece_of_a_large_message() -> None:
     seen: list[int] = []
 
     async def scenario() -> None:
-        a, b = await _channel_pair()
+        a, b = await channel_pair()
         try:
             b._writer.write(bytes([MsgKind.DATA]) + len(payload).to_bytes(4, "big"))
             reading = asyncio.create_task(a.recv())
@@ -352,7 +345,7 @@ def test_a_partner_reading_slowly_is_dropped_by_the_rate_floor() -> None:
     taken: list[int] = []
 
     async def scenario() -> exchange_module.Settled:
-        a, b = await _channel_pair()
+        a, b = await channel_pair()
 
         async def slow_reader() -> None:
             for frame in frames:
@@ -511,7 +504,7 @@ def test_the_exchange_path_uses_no_float64(monkeypatch) -> None:
     spec = ExchangeSpec(codec=get_codec("int8"), chunk_bytes=16384, policy=NormPolicy(), clip=POLICY)
 
     async def exchange() -> None:
-        a, b = await _channel_pair()
+        a, b = await channel_pair()
         try:
             await asyncio.gather(
                 run_exchange(a, ours, (3.0, 5.0), spec, None, Blame(1.0)),

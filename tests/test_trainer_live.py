@@ -8,8 +8,10 @@ import time
 import pytest
 import torch
 
+from swarm.gossip import Committed, SyncOutcome, SyncResult
 from swarm.learning import OuterOptimizer
 from swarm.trainer._live import LiveModel, Update, probe_distance, probe_positions
+from swarm.trainer._offers import ModelOffers
 
 BATCH = 4
 
@@ -232,3 +234,42 @@ def test_non_finite_parameters_never_reach_the_anchor_and_roll_back_to_it() -> N
     assert live.rollback()
     assert all(torch.equal(p.detach(), anchor[n]) for n, p in model.named_parameters())
     assert live.steps == 0 and live.delta_snapshot() is None
+
+
+def test_overlapping_exchanges_share_one_model_snapshot_until_an_update_is_applied() -> None:
+    """A served exchange and our own may overlap: the second gets the snapshot the first still holds
+    (one compact copy, not two), until an update changes the anchor; then a fresh one."""
+    model, live = _live(lr=0.7, momentum=0.9)
+    offers = ModelOffers(live)
+    _step(model, live, 0)
+    first = offers.offer()
+    _step(model, live, 1)  # training goes on while the first exchange runs
+    second = offers.offer()
+    assert second.token is first.token and second.token.steps == 1
+    assert all(t.dtype == torch.bfloat16 for t in first.token.progress.values())  # 2 bytes a parameter
+    live.queue(Update("solo"))
+    live.apply_pending()
+    third = offers.offer()
+    assert third.token is not first.token and third.token.version > first.token.version
+
+
+def test_a_model_snapshot_is_the_anchor_plus_its_rounded_progress_and_the_update_keeps_the_rest() -> None:
+    """The offered model is ``anchor + bf16(params - anchor)``; applying the pair's mean moves the
+    parameters to ``new anchor + (params - offered)``: the rounding stays in our parameters."""
+    model, live = _live()
+    for seed in range(3):
+        _step(model, live, seed)
+    offer = ModelOffers(live).offer()
+    offered = dict(offer.tensors)
+    before = _params(model)
+    for name in before:
+        assert torch.equal(offered[name], live.outer.anchor[name] + offer.token.progress[name].float())
+        assert float((offered[name] - before[name]).abs().max()) < 1e-3  # bf16 of a small progress
+    partner = {name: t + 0.1 for name, t in offered.items()}
+    mean = {name: (offered[name] + partner[name]) / 2 for name in offered}
+    result = SyncResult(SyncOutcome.OK, "partner", 0, 0, 0.0, 1.0)
+    ModelOffers(live).committed(offer, Committed(mean, 1.0, True, result))
+    live.apply_pending()
+    for name, p in model.named_parameters():  # lr 1, no momentum: the anchor is the mean
+        assert torch.allclose(live.outer.anchor[name], mean[name], atol=1e-6)
+        assert torch.allclose(p.detach(), mean[name] + (before[name] - offered[name]), atol=1e-6)

@@ -30,17 +30,22 @@ class FrameStore(TensorStreamDecoder):
         self,
         expected: Mapping[str, tuple[tuple[int, ...], torch.dtype]] | None = None,
         limits: DecodeLimits = DecodeLimits(),
+        *,
+        keep: bool = True,
     ) -> None:
         super().__init__(expected, limits)
         self._frames: dict[str, list[Frame]] = {}
         self._nbytes = 0
+        self.keep = keep
+        """False: check every frame, keep none (a stream that is read only to be checked)."""
 
     def _allocate(self, f: Frame) -> None:
         self._frames[f.name] = []
 
     def _take(self, f: Frame, data: bytes | bytearray | memoryview) -> None:
-        self._frames[f.name].append(f)  # its payload is a view of ``data``: the bytes as received
-        self._nbytes += len(data)
+        if self.keep:
+            self._frames[f.name].append(f)  # its payload is a view of ``data``: the bytes as received
+            self._nbytes += len(data)
 
     @property
     def nbytes(self) -> int:
@@ -61,8 +66,8 @@ class FrameStore(TensorStreamDecoder):
     def tensor(self, name: str) -> torch.Tensor:
         """A fresh tensor of ``name`` decoded from its frames, in the dtype it was sent with;
         FrameError for values the limits refuse (NaN, Inf, bad scales)."""
-        if not self._finished or self._failed is not None:
-            raise FrameError("stream: the store is not complete")
+        if not self._finished or self._failed is not None or not self.keep:
+            raise FrameError("stream: the store is not complete, or keeps no frames")
         first = self._tensors[name].frame
         out = torch.empty(first.numel, dtype=first.dtype)
         for f in self._frames[name]:

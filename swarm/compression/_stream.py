@@ -85,6 +85,7 @@ def _frames(
             encoded = feedback.encode(name, tensor, commit=commit)
         else:
             encoded = feedback.peek(name, tensor)
+        del tensor  # while its frames go out, only its encoding is alive (a LazyTensors makes each anew)
         encoded = encoded.cpu()
         numel = encoded.numel
         num_chunks = max(1, math.ceil(numel / per_chunk))

@@ -154,13 +154,18 @@ async def run_exchange(
     parts = [_Part.of(local, spec, error_feedback)]
     if companion is not None:
         parts.append(_Part.of(companion.tensors, companion.spec, None))
+    negligible = weights[1] <= NEGLIGIBLE_SHARE * (weights[0] + weights[1])
     sending = Sending()
     sender = asyncio.create_task(_send_parts(channel, parts, sending, turn))
     try:
-        receiver = asyncio.create_task(_receive_parts(channel, parts))
+        receiver = asyncio.create_task(_receive_parts(channel, parts, keep=not negligible))
         floor = (spec.min_rate_bytes_s, spec.rate_window_s)
         received = await rate_floor(channel, sender, receiver, *floor, sending)
-        norms = [await in_thread(part.measure, theirs) for part, theirs in zip(parts, received, strict=True)]
+        norms = [
+            await in_thread(part.measure, theirs)
+            for part, theirs in zip(parts, received, strict=True)
+            if theirs.keep
+        ]
         _check_turn(turn)  # what the checks read did not change under them
     except ValidationError as exc:
         await _cancel(sender)
@@ -177,8 +182,11 @@ async def run_exchange(
     except BaseException:
         await _cancel(sender)
         raise
-    mixed = _mix(parts[0], received[0], norms[0], weights, blame)
-    if companion is not None:
+    if negligible:  # a joiner taking over our tensors: it moves us by at most NEGLIGIBLE_SHARE
+        mixed = Mixed(MixedTensors.identity(local), weights[0])
+    else:
+        mixed = _mix(parts[0], received[0], norms[0], weights, blame)
+    if companion is not None and not negligible:
         other = _mix(parts[1], received[1], norms[1], companion.weights, NO_BLAME)
         mixed = dataclasses.replace(mixed, companion=other)
     refusal = turn.reserve() if turn is not None else None
@@ -190,6 +198,12 @@ async def run_exchange(
     if kind is MsgKind.NACK:
         raise _nack_error(payload)
     return mixed
+
+
+NEGLIGIBLE_SHARE = 1e-6
+"""A partner whose share of the pair's weight is at most this (a joiner taking over our tensors at a
+weight of about 1e-9) would move us by at most that share of our difference: its frames are checked
+and dropped as they arrive, and the exchange leaves us unchanged."""
 
 
 def _check_turn(turn: Turn | None) -> None:
@@ -211,8 +225,8 @@ def _nack_error(payload: bytes) -> Exception:
     return PartnerRejected(reason)
 
 
-async def _receive_parts(channel: Channel, parts: Sequence[_Part]) -> list[FrameStore]:
-    return [await _receive_all(channel, part.schema) for part in parts]
+async def _receive_parts(channel: Channel, parts: Sequence[_Part], keep: bool) -> list[FrameStore]:
+    return [await _receive_all(channel, part.schema, keep) for part in parts]
 
 
 @dataclass(frozen=True)
@@ -289,10 +303,11 @@ async def _send_parts(channel: Channel, parts: Sequence[_Part], sending: Sending
         await channel.send_json(MsgKind.END, {"frames": count})
 
 
-async def _receive_all(channel: Channel, schema: Schema) -> FrameStore:
-    """Keep DATA frames, each checked against ``schema`` as it arrives, until END; FrameError becomes
-    ValidationError; a NACK ends it as the partner's refusal (or not committed, :func:`_nack_error`)."""
-    store = FrameStore(expected=schema)
+async def _receive_all(channel: Channel, schema: Schema, keep: bool = True) -> FrameStore:
+    """Keep DATA frames (``keep``; else only check them), each checked against ``schema`` as it
+    arrives, until END; FrameError becomes ValidationError; a NACK ends it as the partner's refusal
+    (or not committed, :func:`_nack_error`)."""
+    store = FrameStore(expected=schema, keep=keep)
     count = 0
     try:
         while True:

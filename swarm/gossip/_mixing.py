@@ -94,6 +94,16 @@ class MixedTensors(LazyTensors):
         self._norms = norms
         self._pull = 1.0
         self.kept = False
+        self.unchanged = False
+        """True for :meth:`identity`: the mix is our tensors as they are."""
+
+    @classmethod
+    def identity(cls, local: Tensors) -> MixedTensors:
+        """The mix of an exchange that leaves us as we are (the partner's share is negligible): our
+        tensors, owing no error feedback."""
+        mixed = cls(local, local, local, (1.0, 0.0))
+        mixed.unchanged = True
+        return mixed
 
     @classmethod
     def of_values(cls, local: Tensors, values: Tensors) -> MixedTensors:

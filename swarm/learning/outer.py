@@ -145,15 +145,23 @@ class OuterOptimizer:
                 f"pseudo-gradient names differ from the model's: missing {missing}, extra {extra}"
             )
 
-    def state_dict(self) -> dict[str, Any]:
-        """Everything needed to continue: hyper-parameters, rounds, anchor and momentum (CPU copies)."""
+    def state_dict(self, *, copy: bool = True) -> dict[str, Any]:
+        """Everything needed to continue: hyper-parameters, rounds, anchor and momentum (CPU copies).
+
+        ``copy=False`` returns the live tensors instead (on their device), for a caller that writes them
+        out before the next outer step on the thread that takes it: a checkpoint then costs no second
+        copy of the state (``torch.save`` copies a device tensor to the host one at a time)."""
+
+        def out(t: torch.Tensor) -> torch.Tensor:
+            return t.to("cpu", copy=True) if copy else t.detach()
+
         return {
             "lr": self.lr,
             "momentum": self.momentum,
             "nesterov": self.nesterov,
             "rounds": self.rounds,
-            "anchor": {name: t.to("cpu", copy=True) for name, t in self.anchor.items()},
-            "momentum_buffers": {name: t.to("cpu", copy=True) for name, t in self.momentum_buffers.items()},
+            "anchor": {name: out(t) for name, t in self.anchor.items()},
+            "momentum_buffers": {name: out(t) for name, t in self.momentum_buffers.items()},
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -163,12 +171,18 @@ class OuterOptimizer:
             raise ValueError("outer optimizer state does not match the model's parameters")
         self.lr, self.momentum, self.nesterov = state["lr"], state["momentum"], state["nesterov"]
         self.rounds = int(state["rounds"])
-        self.anchor = {
-            n: anchor[n].to(self._device_of(p), torch.float32, copy=True) for n, p in self._params.items()
-        }
-        self.momentum_buffers = {
-            n: buffers[n].to(self._device_of(self._params[n]), torch.float32, copy=True) for n in buffers
-        }
+        # loaded tensors are the caller's to give away: moved where needed, never copied in place
+        self.anchor = {n: self._state_tensor(anchor[n], p) for n, p in self._params.items()}
+        self.momentum_buffers = {n: self._state_tensor(buffers[n], self._params[n]) for n in buffers}
+
+    def _state_tensor(self, loaded: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+        """A loaded state tensor as this optimizer keeps it: float32 on the state device, contiguous;
+        the loaded tensor itself where it already is one."""
+        if loaded.shape != param.shape:
+            raise ValueError(
+                f"outer optimizer state of shape {tuple(loaded.shape)}, want {tuple(param.shape)}"
+            )
+        return loaded.to(self._device_of(param), torch.float32).contiguous()
 
 
 @torch.no_grad()

@@ -159,27 +159,78 @@ class _HashingWriter:
 
 
 def read_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """Verify and load one checkpoint file; :class:`CheckpointError` names what is wrong with it."""
-    data = Path(path).read_bytes()
-    if len(data) < HEADER_SIZE:
-        raise CheckpointError(f"{len(data)} bytes, shorter than the {HEADER_SIZE}-byte header")
-    magic, version, length, digest = _HEADER.unpack_from(data)
-    if magic != MAGIC:
-        raise CheckpointError(f"bad magic {magic!r}, not a swarm checkpoint")
-    if version != FORMAT_VERSION:
-        raise CheckpointError(f"format version {version}, this program reads {FORMAT_VERSION}")
-    payload = memoryview(data)[HEADER_SIZE:]
-    if len(payload) != length:
-        raise CheckpointError(f"payload is {len(payload)} bytes, header says {length} (truncated?)")
-    if hashlib.sha256(payload).digest() != digest:
-        raise CheckpointError("payload checksum mismatch (corrupted)")
-    try:
-        state = torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
-    except Exception as error:
-        raise CheckpointError(f"payload does not load: {error}") from error
+    """Verify and load one checkpoint file; :class:`CheckpointError` names what is wrong with it.
+
+    The payload is hashed in pieces, then loaded straight from the file: host memory holds the loaded
+    state once, never the file's bytes beside it. (The file is not changed in place by anyone: a
+    checkpoint is written under another name and renamed.)"""
+    with open(path, "rb") as handle:
+        size = os.fstat(handle.fileno()).st_size
+        header = handle.read(HEADER_SIZE)
+        if len(header) < HEADER_SIZE:
+            raise CheckpointError(f"{len(header)} bytes, shorter than the {HEADER_SIZE}-byte header")
+        magic, version, length, digest = _HEADER.unpack(header)
+        if magic != MAGIC:
+            raise CheckpointError(f"bad magic {magic!r}, not a swarm checkpoint")
+        if version != FORMAT_VERSION:
+            raise CheckpointError(f"format version {version}, this program reads {FORMAT_VERSION}")
+        if size - HEADER_SIZE != length:
+            raise CheckpointError(f"payload is {size - HEADER_SIZE} bytes, header says {length} (truncated?)")
+        if _sha256_of(handle, length) != digest:
+            raise CheckpointError("payload checksum mismatch (corrupted)")
+        payload = io.BufferedReader(_Window(handle, HEADER_SIZE, length), buffer_size=1 << 20)
+        try:
+            state = torch.load(payload, map_location="cpu", weights_only=True)
+        except Exception as error:
+            raise CheckpointError(f"payload does not load: {error}") from error
     if not isinstance(state, dict):
         raise CheckpointError(f"payload is a {type(state).__name__}, not a dict")
     return state
+
+
+def _sha256_of(handle: io.BufferedReader, length: int, piece: int = 8 << 20) -> bytes:
+    """The sha256 of the next ``length`` bytes of ``handle``, read ``piece`` bytes at a time."""
+    digest = hashlib.sha256()
+    left = length
+    while left:
+        data = handle.read(min(piece, left))
+        if not data:
+            break
+        digest.update(data)
+        left -= len(data)
+    return digest.digest()
+
+
+class _Window(io.RawIOBase):
+    """A read-only, seekable view of ``length`` bytes of a file from ``start``: what ``torch.load``
+    reads the payload through, without the header in front of it."""
+
+    def __init__(self, handle: io.BufferedReader, start: int, length: int) -> None:
+        super().__init__()
+        self._handle, self._start, self._length, self._position = handle, start, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._position
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._position, io.SEEK_END: self._length}[whence]
+        self._position = max(0, base + offset)
+        return self._position
+
+    def readinto(self, buffer: Any) -> int:
+        count = max(0, min(len(buffer), self._length - self._position))
+        if not count:
+            return 0
+        self._handle.seek(self._start + self._position)
+        read = self._handle.readinto(memoryview(buffer)[:count])
+        self._position += read
+        return read
 
 
 def load_latest_checkpoint(

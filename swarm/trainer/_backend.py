@@ -157,7 +157,8 @@ class AveragingBackend(Protocol):
         """Extra numbers for the peer's summary (bans, per-kind exchange counts...)."""
 
     def checkpoint_state(self) -> dict[str, Any]:
-        """What a checkpoint must hold to resume this backend (saved beside the core's state)."""
+        """What a checkpoint must hold to resume this backend (saved beside the core's state). Called on
+        the training thread, which writes it out at once: it may hold live tensors, not copies."""
 
     def load_checkpoint_state(self, state: dict[str, Any]) -> None:
         """Restore :meth:`checkpoint_state` (``--resume``)."""

@@ -81,7 +81,7 @@ class GossipBackend:
         self._folded = avg.anchor_pull == "folded" and not self._models
         self._model_offers = ModelOffers(self.live)
         self._delta_offers = DeltaOffers(self.live, with_anchor=self._folded)
-        self._anchor_offers = AnchorOffers(self.live)
+        self._anchor_offers = AnchorOffers(self.live, lazy=self._models)  # it only serves joiners
         self._every_steps, self._every_seconds = avg.sync_every_steps, avg.sync_every_seconds
         self._max_lag = avg.max_lag_rounds
         self._last_request = time.monotonic()
@@ -333,7 +333,8 @@ class GossipBackend:
         }
 
     def checkpoint_state(self) -> dict[str, Any]:
-        return {"outer_optimizer": self.outer.state_dict(), "steps": self.live.steps}
+        # the live tensors: the core writes the checkpoint on the training thread, before the next update
+        return {"outer_optimizer": self.outer.state_dict(copy=False), "steps": self.live.steps}
 
     def load_checkpoint_state(self, state: dict[str, Any]) -> None:
         self.outer.load_state_dict(state["outer_optimizer"])

@@ -172,14 +172,20 @@ class LiveModel:
             for value in self.outer.anchor[name].reshape(-1)[positions].tolist()
         )
 
-    def model_snapshot(self) -> ModelSnapshot | None:
+    def model_snapshot(self, reuse: ModelSnapshot | None = None) -> ModelSnapshot | None:
         """Our parameters as a :class:`ModelSnapshot`, or None while an update waits to be applied (its
         exchange has already averaged these parameters) or when they are not finite. Unlike a
         pseudo-gradient, a model may be averaged again with no new steps: that is one more consensus
-        step."""
+        step.
+
+        ``reuse``: a snapshot still in use by another exchange; it is given again while nothing was
+        applied since it was taken (the steps since stay local, as for any exchange), so that two
+        overlapping exchanges hold one snapshot, not two."""
         with self.lock:
             if self._pending_kinds & {"delta", "solo", "model", "anchor"}:
                 return None
+            if reuse is not None and reuse.version == self.version:
+                return reuse
             anchor = self.outer.anchor
             progress = {
                 name: torch.sub(
@@ -192,6 +198,17 @@ class LiveModel:
             schema = {name: (tuple(p.shape), torch.float32) for name, p in self._params.items()}
             params = LazyTensors(schema, lambda name: progress[name].float().add_(anchor[name]))
             return ModelSnapshot(params, progress, self.steps, norm(progress.values()), self.version)
+
+    def anchor_view(self) -> LazyTensors | None:
+        """Our live anchor, read in place (no copy), or None while an anchor update waits or when it
+        is not finite. It changes only when an update is applied, which first makes the exchanges
+        reading it stale (``before_change``)."""
+        with self.lock:
+            if "anchor" in self._pending_kinds or not all_finite(self.outer.anchor.values()):
+                return None
+            anchor = self.outer.anchor
+            schema = {name: (tuple(t.shape), t.dtype) for name, t in anchor.items()}
+            return LazyTensors(schema, anchor.__getitem__)
 
     def anchor_snapshot(self) -> Tensors | None:
         """A copy of our anchor, or None while an anchor update waits to be applied."""

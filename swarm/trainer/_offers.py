@@ -30,10 +30,12 @@ mean pseudo-gradient and the anchors' pull, applied together as one update.
 from __future__ import annotations
 
 import math
+import weakref
 
 from swarm.gossip import Committed, MixedPart, MixedTensors, Offer, Part
 from swarm.trainer._live import (
     LiveModel,
+    ModelSnapshot,
     Tensors,
     Update,
     probe_distance,
@@ -96,11 +98,15 @@ class ModelOffers:
     def __init__(self, live: LiveModel) -> None:
         self._live = live
         self.round = 0
+        self._last: weakref.ref[ModelSnapshot] | None = None
+        """The last snapshot given out, while an exchange still holds it (a served exchange and our own
+        may overlap: they share it)."""
 
     def offer(self) -> Offer | None:
-        snapshot = self._live.model_snapshot()
+        snapshot = self._live.model_snapshot(reuse=self._last() if self._last is not None else None)
         if snapshot is None:
             return None
+        self._last = weakref.ref(snapshot)
         return Offer(
             tensors=snapshot.params,
             weight=ANCHOR_WEIGHT,
@@ -153,7 +159,11 @@ def equal_share_scale(own_weight: float, partner_weight: float) -> float:
 
 
 class AnchorOffers:
-    """Offers a copy of our anchor; a committed exchange shifts our anchor (and model) by its pull.
+    """Offers our anchor; a committed exchange shifts our anchor (and model) by its pull.
+
+    ``lazy``: the offer reads the live anchor (:meth:`LiveModel.anchor_view`) instead of a copy; for a
+    peer whose anchor exchanges only serve joiners (``averaging.exchange: model``), which leave it
+    unchanged, so that serving one costs no memory.
 
     ``weight`` is 1 between peers (the pair's mean); a joiner sets a tiny weight to take over its
     partner's parameters. The shift also measures drift: with partner share ``s = v / (w + v)`` and the
@@ -161,15 +171,18 @@ class AnchorOffers:
     reported relative to our anchor.
     """
 
-    def __init__(self, live: LiveModel) -> None:
+    def __init__(self, live: LiveModel, lazy: bool = False) -> None:
         self._live = live
+        self._lazy = lazy
         self.weight = ANCHOR_WEIGHT
 
     def offer(self) -> Offer | None:
-        anchor = self._live.anchor_snapshot()
+        anchor = self._live.anchor_view() if self._lazy else self._live.anchor_snapshot()
         return None if anchor is None else Offer(tensors=anchor, weight=self.weight)
 
     def committed(self, offer: Offer, exchange: Committed) -> None:
+        if isinstance(exchange.mixed, MixedTensors) and exchange.mixed.unchanged:
+            return  # a joiner took our anchor over: nothing moved here
         mixed = MixedPart(exchange.mixed, exchange.partner_weight, exchange.clip_scale)
         shift, drift = anchor_pull(Part(offer.tensors, offer.weight), mixed)
         self._live.queue(

@@ -87,7 +87,7 @@ class SoloBackend(NoGuard):
         return {}
 
     def checkpoint_state(self) -> dict[str, Any]:
-        return {"outer_optimizer": self.outer.state_dict()}
+        return {"outer_optimizer": self.outer.state_dict(copy=False)}  # saved at once, on this thread
 
     def load_checkpoint_state(self, state: dict[str, Any]) -> None:
         self.outer.load_state_dict(state["outer_optimizer"])
