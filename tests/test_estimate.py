@@ -14,7 +14,13 @@ from peers.cli import app
 from swarm.compression import HEADER_SIZE, get_codec
 from swarm.config import load_config
 from swarm.learning import build_model, count_parameters
-from swarm.learning.estimate import activation_bytes, adamw_state_bytes, estimate_peer, model_shape
+from swarm.learning.estimate import (
+    TEMPORARY_COPIES,
+    activation_bytes,
+    adamw_state_bytes,
+    estimate_peer,
+    model_shape,
+)
 from tests._processes import heavy_scenario, swarm_cli
 
 CONFIGS = sorted((Path(__file__).resolve().parent.parent / "configs").glob("*.yaml"))
@@ -58,12 +64,18 @@ def test_a_folded_anchor_pull_sends_the_anchor_every_round_and_holds_both_parts_
     assert folded.wire_params == separate.wire_params  # the same int8 anchor ...
     assert separate.wire_per_sync == separate.wire_delta + separate.wire_params / 5  # ... every 5th round
     assert folded.wire_per_sync == folded.wire_delta + folded.wire_params  # ... or in every exchange
-    # one exchange holds the pseudo-gradient's buffers (int8, error feedback: 5 copies) and the anchor's
-    # (int8: 4) at once, plus the state being published (2)
-    assert folded.exchange_buffers == (5 + 4 + 2) * 4 * folded.parameters > separate.exchange_buffers
+    # two exchanges in flight hold a pseudo-gradient and an anchor copy each (16 P, as a committed
+    # update does), and the partners' frames of both parts; the separate anchor exchange holds one part
+    assert folded.exchange_buffers == separate.exchange_buffers >= 16 * folded.parameters
+    assert folded.exchange_frames == 2 * (folded.wire_delta + folded.wire_params) > separate.exchange_frames
     # the default model exchange sends the model once, in the pseudo-gradient's codec, and nothing else
-    model = estimate_peer(load_config("configs/local-tiny.yaml", env={}))
+    config = load_config("configs/local-tiny.yaml", env={})
+    model = estimate_peer(config)
     assert model.wire_per_sync == model.wire_delta == separate.wire_delta
+    # ... and holds its offer as a bfloat16 progress, shared by overlapping exchanges, not float32 copies
+    largest = max(p.numel() for p in build_model(config.model, 0).parameters())
+    assert model.exchange_buffers - TEMPORARY_COPIES * 4 * largest == 2 * model.parameters
+    assert model.exchange_frames == 2 * model.wire_delta
 
 
 def test_8bit_adam_state_is_a_quarter_for_large_tensors() -> None:

@@ -15,12 +15,15 @@ no memory and about a second. Memory is the sum of
   per 256-element block and state, for tensors of at least 4096 elements (smaller ones: ``8 n``),
   when bitsandbytes is installed (otherwise the trainer falls back to torch's AdamW); torch's
   AdamW ``8 P``;
-* outer optimizer: float32 anchor and momentum, ``4 P`` each; the pseudo-gradient exchange's
-  error-feedback residual ``4 P`` (lossy codecs); the sync path's buffers at their peak, an exchange
-  plus what the training thread holds meanwhile (:func:`gossip_peak_buffer_bytes`: ``28 P`` with
-  int8 and error feedback);
-  these can live in host memory instead (``averaging.outer_state_device``, :func:`outer_state_on_host`);
-* the state served to joiners: a CPU float32 copy of anchor and momentum, ``8 P``, always host memory;
+* outer optimizer: float32 anchor, ``4 P``, and momentum, ``4 P`` (with ``averaging.outer_momentum``);
+  the exchange's error-feedback residual ``4 P`` (lossy codecs); the sync path's buffers at their
+  peak (:func:`sync_buffer_bytes`: a model exchange holds its offer as a bfloat16 progress, ``2 P``,
+  shared by the two exchanges that may overlap, plus one tensor's temporaries); these can live in
+  host memory instead (``averaging.outer_state_device``, :func:`outer_state_on_host`);
+* the partners' frames of the exchanges in flight, as they arrived (wire bytes: about ``1.06 P`` an
+  int8 exchange, two at once), always host memory;
+* nothing for the state served to joiners (written to a spool file on disk, :mod:`swarm.state`) or for
+  a checkpoint (written from the live tensors, one at a time);
 * activations of one micro-batch of one sequence, bf16, per layer per token: ``17 h`` for attention
   and norms (flash attention: no ``s^2`` term) plus ``2 h + 4 i`` for a GELU MLP of width ``i`` or
   ``2 h + 8 i`` for a gated one; plus ``10 V`` per token for the logits (bf16, float32 copy, its
@@ -30,8 +33,6 @@ no memory and about a second. Memory is the sum of
   activations, the 16-bit logits and a float32 slice of them :data:`VOCAB_CHUNK` wide (the loss is
   computed in chunks over the vocabulary). It replaces the training step's gradients and
   activations, so it counts only where it is larger;
-* the checkpoint's copy of anchor and momentum, ``8 P`` of host memory while one is written.
-
 It is an estimate: allocator slack, the CUDA context (~0.5 GiB) and temporary buffers come on top.
 """
 
@@ -68,9 +69,10 @@ class Shape:
 class PeerEstimate:
     """Bytes one peer needs. ``wire_*`` are per exchange, in each direction (sent = received).
 
-    ``outer_state`` (anchor and momentum), ``residuals`` (error feedback of pseudo-gradients) and
-    ``exchange_buffers`` (what an exchange holds at its peak, see :func:`exchange_buffer_bytes`) live
-    next to the parameters, or in host memory when ``averaging.outer_state_device`` puts them there.
+    ``outer_state`` (anchor and momentum), ``residuals`` (error feedback) and ``exchange_buffers``
+    (what the sync path holds at its peak on the state's device, :func:`sync_buffer_bytes`) live next
+    to the parameters, or in host memory when ``averaging.outer_state_device`` puts them there;
+    ``exchange_frames`` (the partners' frames of the exchanges in flight) are always host memory.
     """
 
     parameters: int
@@ -81,7 +83,7 @@ class PeerEstimate:
     outer_state: int
     residuals: int
     exchange_buffers: int
-    served_state: int
+    exchange_frames: int
     activations: int
     activations_checkpointed: int
     wire_delta: int
@@ -92,7 +94,6 @@ class PeerEstimate:
     autocast_weights_checkpointed: int = 0
     accumulation: int = 0
     evaluation: int = 0
-    checkpoint_copy: int = 0
     optimizer: str = "adamw"
     precision: str = "fp32"
 
@@ -110,9 +111,9 @@ class PeerEstimate:
         return model + max(step, self.evaluation) + (0 if host_state else self.outer)
 
     def host_memory(self, *, host_state: bool = False) -> int:
-        """Bytes in host memory besides the program itself: the state served to joiners, the copy a
-        checkpoint makes, and the outer state when it lives there."""
-        return self.served_state + self.checkpoint_copy + (self.outer if host_state else 0)
+        """Bytes in host memory besides the program itself: the partners' frames of the exchanges in
+        flight, and the outer state when it lives there."""
+        return self.exchange_frames + (self.outer if host_state else 0)
 
     def memory(self, checkpointing: bool) -> int:
         """Total bytes with or without activation checkpointing, on a machine whose device is its host
@@ -135,47 +136,42 @@ class PeerEstimate:
         return self.wire_delta + self.wire_params / self.param_sync_every
 
 
-def exchange_buffer_bytes(params: int, lossy: bool, error_feedback: bool = False) -> int:
-    """Peak bytes of one exchange of a gossip trainer: whole float32 copies of the model alive at
-    mixing time (``swarm.trainer._offers``, ``swarm.gossip._exchange``):
+TEMPORARY_COPIES = 8
+"""Float32 copies of the largest tensor that a whole-model operation holds at once while it works on
+one tensor (ours, what our frames decode to, the partner's, the mix, the gradient, the move...)."""
 
-    * the snapshot we offer (``anchor - params`` per sample, or a copy of the anchor);
-    * what our own frames decode to (lossy codecs; lossless ones send the snapshot itself);
-    * with error feedback, the new residual, pending until the exchange commits (the committed one
-      is counted apart, in :attr:`PeerEstimate.residuals`);
-    * what the partner sent, decoded;
-    * the mixed result (the robust clip's or the plain mix's, one new copy either way).
 
-    Codec payloads, frames and float64 temporaries are per tensor, not per model.
+def sync_buffer_bytes(params: int, largest: int, *, model: bool, folded: bool = False) -> int:
+    """Peak bytes, beyond the steady state, of a gossip trainer's sync path on the state's device
+    (the partners' frames, host memory, are :func:`frame_bytes`).
+
+    A model exchange (``averaging.exchange: model``) offers our parameters as the anchor plus their
+    progress in bfloat16 (``2 P``), computed per tensor when read; an exchange that overlaps it (our
+    own beside a served one) offers the same snapshot, and one that serves a joiner reads the live
+    anchor; the update is applied tensor by tensor. So: ``2 P`` plus one tensor's temporaries.
+
+    A pseudo-gradient exchange offers a float32 copy of the pseudo-gradient (``4 P``; a folded anchor
+    pull adds a copy of the anchor), for each of two exchanges in flight; once one committed (which
+    stops the other at once), its update waits with the pair's gradient and our consumed snapshot and
+    is applied with the outer step's move, and either a folded pull's shift or the copy of an anchor
+    exchange that is stopping: ``16 P`` either way, the larger, plus the temporaries.
     """
-    copies = 3 + int(lossy) + int(lossy and error_feedback)
-    return copies * 4 * params
+    temporaries = TEMPORARY_COPIES * 4 * largest
+    if model:
+        return 2 * params + temporaries
+    in_flight = 2 * (8 if folded else 4) * params
+    return max(in_flight, 16 * params) + temporaries
 
 
-def gossip_peak_buffer_bytes(
-    params: int, delta_lossy: bool, error_feedback: bool, anchor_lossy: bool, folded: bool = False
-) -> int:
-    """Peak bytes, beyond the steady state, of a gossip trainer's sync path.
-
-    With a folded anchor pull (``averaging.anchor_pull: folded``) one exchange holds both parts' buffers
-    at once, while the training thread publishes the state served to joiners (``8 P``); no separate
-    anchor exchange runs. Otherwise, the larger of
-
-    * a pseudo-gradient exchange (:func:`exchange_buffer_bytes`) while the training thread publishes
-      the state served to joiners (a new float32 copy of anchor and momentum, ``8 P``, is made before
-      the old one goes) or an anchor exchange's update waits (its shift, ``4 P``);
-    * an anchor exchange (no error feedback, no clip) while the training thread applies the
-      pseudo-gradient update that committed just before it: the pair's gradient, our consumed
-      snapshot and the outer step's move, ``12 P``.
-
-    The two averagers share one exchange lock, so no two exchanges overlap; a peer does not offer a
-    new pseudo-gradient while one is queued, nor a new anchor while an anchor shift is queued.
-    """
-    delta = exchange_buffer_bytes(params, delta_lossy, error_feedback) + 8 * params
-    if folded:
-        return delta + exchange_buffer_bytes(params, anchor_lossy)
-    anchor = exchange_buffer_bytes(params, anchor_lossy) + 12 * params
-    return max(delta, anchor)
+def frame_bytes(wire_delta: int, wire_params: int, *, model: bool, folded: bool = False) -> int:
+    """Host bytes of the partners' frames that the exchanges in flight keep (our own are re-encoded
+    when needed): two exchanges at once (our own beside a served one), each the wire size of one
+    direction; a pseudo-gradient peer's anchor exchange has its own. A joiner's anchor exchange with
+    us keeps none of its frames."""
+    per_exchange = wire_delta + (wire_params if folded else 0)
+    if model or folded:
+        return 2 * per_exchange
+    return max(2 * per_exchange, per_exchange + wire_params)
 
 
 def model_shape(config: RunConfig, model: nn.Module) -> Shape:
@@ -283,32 +279,31 @@ def estimate_peer(config: RunConfig, device: str = "cuda", *, eight_bit: bool | 
     largest = max(p.numel() for p in model.parameters())
     autocast, autocast_checkpointed = autocast_copy_bytes(model, half)
     comp, avg = config.compression, config.averaging
-    delta_lossy, anchor_lossy = comp.codec != "fp32", avg.param_codec != "fp32"
-    folded = avg.anchor_pull == "folded"
-    residuals = 4 * params if delta_lossy and comp.error_feedback else 0  # anchor exchanges keep none
+    models = avg.exchange == "model"
+    folded = avg.anchor_pull == "folded" and not models
+    residuals = 4 * params if comp.codec != "fp32" and comp.error_feedback else 0  # anchors keep none
+    wire_delta = wire_bytes(model, comp.codec, comp.block_size)
+    wire_params = wire_bytes(model, avg.param_codec, comp.block_size)
     return PeerEstimate(
         parameters=params,
         device=device,
         weights=4 * params,
         gradients=4 * params,
         inner_optimizer=optimizer_state_bytes(model, eight_bit),
-        outer_state=8 * params,
+        outer_state=(8 if avg.outer_momentum else 4) * params,
         residuals=residuals,
-        exchange_buffers=gossip_peak_buffer_bytes(
-            params, delta_lossy, delta_lossy and comp.error_feedback, anchor_lossy, folded
-        ),
-        served_state=8 * params,  # a CPU float32 copy of anchor and momentum, for joiners
+        exchange_buffers=sync_buffer_bytes(params, largest, model=models, folded=folded),
+        exchange_frames=frame_bytes(wire_delta, wire_params, model=models, folded=folded),
         activations=activations,
         activations_checkpointed=checkpointed,
-        wire_delta=wire_bytes(model, comp.codec, comp.block_size),
-        wire_params=wire_bytes(model, avg.param_codec, comp.block_size),
+        wire_delta=wire_delta,
+        wire_params=wire_params,
         param_sync_every=avg.param_sync_every,
         anchor_pull="model" if avg.exchange == "model" else avg.anchor_pull,
         autocast_weights=autocast,
         autocast_weights_checkpointed=autocast_checkpointed,
         accumulation=(4 + half) * largest if config.train.batch_size > 1 else 0,
         evaluation=evaluation_bytes(shape, half),
-        checkpoint_copy=8 * params,  # OuterOptimizer.state_dict: CPU copies of anchor and momentum
         optimizer="8-bit AdamW" if eight_bit else "AdamW",
         precision=precision,
     )
@@ -355,8 +350,9 @@ def describe_estimate(estimate: PeerEstimate, checkpointing: bool = False) -> li
         f" ({b(e.activations_checkpointed)} checkpointed); evaluation peak {b(e.evaluation)}"
         f" in place of gradients and activations",
         f"  outer state: anchor and momentum {b(e.outer_state)} + error feedback {b(e.residuals)}"
-        f" + exchange buffers {b(e.exchange_buffers)}; host memory for the state served to joiners "
-        f"{b(e.served_state)} + a checkpoint's copy {b(e.checkpoint_copy)}",
+        f" + exchange buffers {b(e.exchange_buffers)}; host memory for the partners' frames"
+        f" {b(e.exchange_frames)} (the state served to joiners is on disk: 2 bytes per parameter of"
+        f" anchor and momentum each)",
         f"wire per sync per peer, each direction: {b(e.wire_per_sync)} ({_exchange_wire(e)})",
     ]
 

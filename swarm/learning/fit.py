@@ -135,7 +135,7 @@ def _advice(
     if host_bytes is not None and layout.host_bytes > host_bytes:
         advice.append(
             f"host memory: {format_bytes(layout.host_bytes)} needed, {format_bytes(host_bytes)} given "
-            "(served state, a checkpoint's copy and, in this layout, the outer state: see docs/hosting.md)"
+            "(the partners' frames and, in this layout, the outer state: see docs/hosting.md)"
         )
     return advice
 

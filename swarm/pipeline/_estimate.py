@@ -2,7 +2,8 @@
 
 The pieces are :mod:`swarm.learning.estimate`'s, applied to one stage's tensors (sizes only):
 weights and gradients (float32), the inner AdamW state, the outer anchor and momentum, the
-pseudo-gradient's error-feedback residual and an exchange's buffers (the stage's own gossip), plus
+error-feedback residual and the sync path's buffers (the stage's own gossip; the partners' frames
+are host memory and not counted here), plus
 
 * the activations of one micro-batch of ``pipeline.microbatch_size`` sequences through the stage's
   blocks (the logits only on the last stage);
@@ -27,7 +28,7 @@ from swarm.learning.estimate import (
     activation_bytes,
     adamw_state_bytes,
     format_bytes,
-    gossip_peak_buffer_bytes,
+    sync_buffer_bytes,
 )
 from swarm.pipeline._plan import StageSpec, check_pipeline, cut_stages, tensor_sizes
 
@@ -78,9 +79,10 @@ def estimate_stage(config: RunConfig, spec: StageSpec, device: str = "cuda") -> 
     shape = Shape(spec.blocks, m.n_embd, 4 * m.n_embd, m.vocab_size if spec.head else 0, m.block_size, False)
     activations, checkpointed = activation_bytes(shape, pipe.microbatch_size)
     lossy = comp.codec != "fp32"
-    outer = 8 * params + (4 * params if lossy and comp.error_feedback else 0)
     avg = config.averaging
-    outer += gossip_peak_buffer_bytes(params, lossy, lossy and comp.error_feedback, avg.param_codec != "fp32")
+    outer = (8 if avg.outer_momentum else 4) * params + (4 * params if lossy and comp.error_feedback else 0)
+    folded = avg.anchor_pull == "folded" and avg.exchange != "model"
+    outer += sync_buffer_bytes(params, max(stage.sizes), model=avg.exchange == "model", folded=folded)
     boundary = pipe.microbatch_size * m.block_size * m.n_embd * 4
     cache = 0 if spec.embeddings else MAX_CACHED * boundary
     return StageEstimate(
