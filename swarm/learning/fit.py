@@ -133,9 +133,11 @@ def _advice(
             "smaller one"
         )
     if host_bytes is not None and layout.host_bytes > host_bytes:
+        outer = f"the outer state {format_bytes(estimate.outer)} and " if layout.host_state else ""
         advice.append(
             f"host memory: {format_bytes(layout.host_bytes)} needed, {format_bytes(host_bytes)} given "
-            "(the partners' frames and, in this layout, the outer state: see docs/hosting.md)"
+            f"({outer}the partners' frames {format_bytes(estimate.exchange_frames)}): split the model "
+            "over pipeline stages (docs/pipeline.md), each stage peer holds its share"
         )
     return advice
 
