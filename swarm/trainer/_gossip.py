@@ -135,8 +135,9 @@ class GossipBackend:
 
     def _invalidate_offers(self) -> None:
         """Our anchor is about to change: the exchanges still reading a snapshot of it stop (the two
-        averagers share one gate)."""
-        if self.deltas is not None:
+        averagers share one gate). Only model offers read it in place; pseudo-gradient offers are
+        copies, and a late one is applied as a correction."""
+        if self.deltas is not None and self._models:
             self.deltas.invalidate()
 
     def _averagers(self) -> tuple[GossipAverager, GossipAverager]:
@@ -271,10 +272,15 @@ class GossipBackend:
         if result.outcome is SyncOutcome.SKIPPED:
             logger.debug("own round skipped: %s", result.reason)  # a partner's exchange used our steps
         elif result.outcome is not SyncOutcome.OK and result.outcome is not SyncOutcome.CANCELLED:
-            logger.info(
-                "sync without a partner (%s): outer step on our own pseudo-gradient", result.outcome.value
-            )
-            if not self.live.has_pending():
+            if self.live.has_pending() or self._model_offers.in_flight():
+                logger.info(
+                    "sync without a partner (%s): a partner's exchange with us is this round",
+                    result.outcome.value,
+                )
+            else:
+                logger.info(
+                    "sync without a partner (%s): outer step on our own pseudo-gradient", result.outcome.value
+                )
                 info = {"outcome": "solo", "reason": result.outcome.value, "role": "local"}
                 self.live.queue(Update("solo", info={**info, "bytes_sent": result.bytes_sent}))
         if self._anchor_exchange_due():

@@ -115,6 +115,13 @@ class ModelOffers:
             blame_norm=snapshot.progress_norm,
         )
 
+    def in_flight(self) -> bool:
+        """Whether an exchange still holds our last snapshot. Our own round then takes no outer step
+        on its own (a solo round): that would move the anchor the exchange reads, and stop it, while
+        it is usually the partner's exchange that made ours find the partner busy; its commit is
+        this round."""
+        return self._last is not None and self._last() is not None
+
     def committed(self, offer: Offer, exchange: Committed) -> None:
         """Queue the update; it reads the mix tensor by tensor when applied (and folds our error
         feedback then), so no whole mean model is ever held."""
