@@ -69,6 +69,7 @@ def exchange(a: Peer, b: Peer) -> bool:
         result = SyncResult(SyncOutcome.OK, [b, a][side].name, 0, 0, 0.0, mixed.weight)
         committed = Committed(mixed.tensors, offers[theirs].weight, side == 0, result, offers[theirs].probe)
         peer.offers.committed(offers[mine], committed)
+        peer.offers.released(offers[mine])  # the exchange ended: as the averager hands it back
         peer.exchanges += 1
     return True
 
@@ -289,6 +290,7 @@ def test_a_model_offer_states_our_progress_since_the_anchor() -> None:
     peer = Peer(5, "model")
     offer = peer.offers.offer()
     assert offer is not None and offer.blame_norm == 0.0
+    peer.offers.released(offer)
     with peer.live.updating():
         peer.model.weight.data.add_(0.5)
     offer = peer.offers.offer()

@@ -251,6 +251,11 @@ def test_overlapping_exchanges_share_one_model_snapshot_until_an_update_is_appli
     live.apply_pending()
     third = offers.offer()
     assert third.token is not first.token and third.token.version > first.token.version
+    for offer in (first, second, third):
+        offers.released(offer)
+    assert not offers.in_flight()
+    _step(model, live, 2)
+    assert offers.offer().token.steps == 1  # nothing held any more: a fresh snapshot, without an apply
 
 
 def test_a_model_snapshot_is_the_anchor_plus_its_rounded_progress_and_the_update_keeps_the_rest() -> None:

@@ -181,7 +181,10 @@ class GossipAverager(ExchangeRoles, StreamService):
                 tensors = weight = None
                 if local is None:
                     return self._result(SyncOutcome.SKIPPED, None, None, 0.0, "nothing to offer")
-                result = self._loop.run(self._initiate_abortable(local, candidates, turn))
+                try:
+                    result = self._loop.run(self._initiate_abortable(local, candidates, turn))
+                finally:
+                    self._release(local)
             finally:
                 self._gate.end_sync()
             sent, received = sent + result.bytes_sent, received + result.bytes_received
@@ -288,6 +291,11 @@ class GossipAverager(ExchangeRoles, StreamService):
             raise ValueError(f"offered weight must be a finite positive number, got {offer.weight!r}")
         local = dataclasses.replace(self._local_of(offer.tensors, float(offer.weight)), offer=offer)
         return with_companion(local, offer, self._companion_spec)
+
+    def _release(self, local: Local) -> None:
+        """The exchange that took ``local`` ended: hand its offer back (:meth:`Offerer.released`)."""
+        if local.offer is not None and self._offerer is not None:
+            self._offerer.released(local.offer)
 
     def _local_of(self, tensors: Tensors, weight: float) -> Local:
         named = as_named(tensors)

@@ -14,6 +14,8 @@ nothing else with them. A trainer keeps training while its exchanges run, so it 
 * when the exchange commits (both ACKs, the same rule as always), the averager calls
   :meth:`Offerer.committed` with the mixed tensors, the partner's weight and which side we were;
   nothing is written anywhere else. An exchange that does not commit calls nothing;
+* whichever way it ended (committed, failed, refused, or never begun), the averager calls
+  :meth:`Offerer.released` for every offer it took, once;
 * an averager given a companion codec (``GossipOptions.companion``) exchanges a second part with
   every offer (:class:`Part`, the trainer's anchor beside its pseudo-gradient), mixed on its own
   (its own weight, codec and clip) in the same handshake, and committed with the first or not at all.
@@ -93,3 +95,5 @@ class Offerer(Protocol):
     def offer(self) -> Offer | None: ...
 
     def committed(self, offer: Offer, exchange: Committed) -> None: ...
+
+    def released(self, offer: Offer) -> None: ...

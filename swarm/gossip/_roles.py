@@ -53,6 +53,7 @@ class ExchangeRoles:
         _serving: asyncio.Task[None] | None
 
         def _offered(self, offerer: Offerer) -> Local | None: ...
+        def _release(self, local: Local) -> None: ...
         async def _exchange(
             self, partner: str, channel: Channel, local: Local, theirs: Hello, turn: Turn, *, initiator: bool
         ) -> SyncResult: ...
@@ -87,6 +88,7 @@ class ExchangeRoles:
             await channel.send_json(MsgKind.BUSY, {"reason": "in another exchange"})
             return
         self._serving = asyncio.current_task()
+        taken = None
         try:
             taken = await self._serving_offer()
             if taken is None:
@@ -102,6 +104,8 @@ class ExchangeRoles:
             result = await self._exchange(peer, channel, local, theirs, turn, initiator=False)
             logger.debug("served exchange with %s: %s %s", peer, result.outcome.value, result.reason)
         finally:
+            if taken is not None:
+                self._release(taken[0])
             self._serving = None
             self._gate.served()
 

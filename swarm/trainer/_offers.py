@@ -30,7 +30,7 @@ mean pseudo-gradient and the anchors' pull, applied together as one update.
 from __future__ import annotations
 
 import math
-import weakref
+import threading
 
 from swarm.gossip import Committed, MixedPart, MixedTensors, Offer, Part
 from swarm.trainer._live import (
@@ -84,6 +84,9 @@ class DeltaOffers:
             )
         )
 
+    def released(self, offer: Offer) -> None:
+        """Nothing to give back: each offer is a copy of its own."""
+
 
 class ModelOffers:
     """Offers a copy of our parameters; a committed exchange becomes a ``model`` update: the outer step
@@ -98,15 +101,19 @@ class ModelOffers:
     def __init__(self, live: LiveModel) -> None:
         self._live = live
         self.round = 0
-        self._last: weakref.ref[ModelSnapshot] | None = None
-        """The last snapshot given out, while an exchange still holds it (a served exchange and our own
-        may overlap: they share it)."""
+        self._lock = threading.Lock()
+        self._shared: ModelSnapshot | None = None
+        """The snapshot the exchanges in flight hold (a served exchange and our own may overlap: they
+        share it), and how many of them do."""
+        self._holders = 0
 
     def offer(self) -> Offer | None:
-        snapshot = self._live.model_snapshot(reuse=self._last() if self._last is not None else None)
-        if snapshot is None:
-            return None
-        self._last = weakref.ref(snapshot)
+        with self._lock:
+            snapshot = self._live.model_snapshot(reuse=self._shared)
+            if snapshot is None:
+                return None
+            self._shared = snapshot
+            self._holders += 1
         return Offer(
             tensors=snapshot.params,
             weight=ANCHOR_WEIGHT,
@@ -115,12 +122,19 @@ class ModelOffers:
             blame_norm=snapshot.progress_norm,
         )
 
+    def released(self, offer: Offer) -> None:
+        with self._lock:
+            self._holders -= 1
+            if not self._holders:
+                self._shared = None
+
     def in_flight(self) -> bool:
-        """Whether an exchange still holds our last snapshot. Our own round then takes no outer step
-        on its own (a solo round): that would move the anchor the exchange reads, and stop it, while
-        it is usually the partner's exchange that made ours find the partner busy; its commit is
-        this round."""
-        return self._last is not None and self._last() is not None
+        """Whether an exchange still holds our snapshot. Our own round then takes no outer step on its
+        own (a solo round): that would move the anchor the exchange reads, and stop it, while it is
+        usually the partner's exchange that made ours find the partner busy; its commit is this
+        round."""
+        with self._lock:
+            return self._holders > 0
 
     def committed(self, offer: Offer, exchange: Committed) -> None:
         """Queue the update; it reads the mix tensor by tensor when applied (and folds our error
@@ -195,6 +209,9 @@ class AnchorOffers:
         self._live.queue(
             Update("anchor", shift=shift, info=_info(exchange, weight=offer.weight, drift=drift))
         )
+
+    def released(self, offer: Offer) -> None:
+        """Nothing to give back: a copy, or a view of the live anchor."""
 
 
 ANCHOR_WEIGHT = 1.0
