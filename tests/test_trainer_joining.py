@@ -72,7 +72,13 @@ def test_a_joiner_gets_the_state_at_bf16_precision_and_serves_the_same_digest_un
     with snapshot_of(donor, donor_progress) as served:
         state = served.decode(state_limits(donor_model))
         assert state.digest == served.digest
+        decoded = dict(state.tensors)
+        with pytest.raises(ValueError, match="does not match this model"):
+            adopt(torch.nn.Linear(16, 8), OuterOptimizer(torch.nn.Linear(16, 8), lr=0.7, momentum=0.9), state)
+        assert state.tensors == decoded  # refused: untouched
         adopt(joiner_model, joiner, state)
+        assert state.tensors == {}  # taken over: the momentum is the decoded tensor, not a copy
+        assert all(t is decoded[f"momentum/{n}"] for n, t in joiner.momentum_buffers.items())
         with snapshot_of(joiner, Progress(), progress_of(state.meta)) as again:
             assert again.digest == served.digest
     for name in donor.anchor:

@@ -108,19 +108,28 @@ def state_limits(model: torch.nn.Module) -> DecodeLimits:
 
 @torch.no_grad()
 def adopt(model: torch.nn.Module, outer: OuterOptimizer, snapshot: StateSnapshot) -> None:
-    """Load a downloaded snapshot: parameters into the model and anchor, momentum into the outer optimizer."""
+    """Load a downloaded snapshot: parameters into the model and anchor, momentum into the outer optimizer.
+
+    It takes the snapshot's tensors over (``snapshot.tensors`` is empty afterwards, or untouched if the
+    state does not match the model: ValueError): each parameter's tensor is freed once copied into the
+    model, before the new anchor is made, and a momentum tensor already where the outer state lives is
+    kept as is. With the outer state in host memory a joiner's host so holds at most 12 bytes per
+    parameter of it at once (the download and the old anchor; then the momentum and the old and new
+    anchors), never a second copy of the momentum.
+    """
     params = dict(model.named_parameters())
-    received = {name[len(_PARAM) :] for name in snapshot.tensors if name.startswith(_PARAM)}
+    tensors = snapshot.tensors
+    received = {name[len(_PARAM) :] for name in tensors if name.startswith(_PARAM)}
     if received != set(params):
         missing, extra = sorted(set(params) - received), sorted(received - set(params))
         raise ValueError(f"donor state does not match this model: missing {missing[:3]}, extra {extra[:3]}")
     for name, param in params.items():
-        param.copy_(snapshot.tensors[_PARAM + name])
+        param.copy_(tensors.pop(_PARAM + name))
     outer.reset_anchor()
+    momentum = {key[len(_MOMENTUM) :]: tensors.pop(key) for key in list(tensors) if key.startswith(_MOMENTUM)}
+    tensors.clear()
     outer.momentum_buffers = {
-        name[len(_MOMENTUM) :]: t.to(outer.anchor[name[len(_MOMENTUM) :]].device, copy=True)
-        for name, t in snapshot.tensors.items()
-        if name.startswith(_MOMENTUM) and name[len(_MOMENTUM) :] in params
+        name: t.to(outer.anchor[name].device, torch.float32) for name, t in momentum.items() if name in params
     }
 
 
