@@ -120,10 +120,11 @@ class _Plan:
     def of(cls, donors: Iterable[tuple[str, str]], options: DownloadOptions) -> _Plan:
         """The checked plan; StateTransferError when the donors cannot give a state, ValueError for
         options out of range."""
-        plan = cls(_valid_donors(donors), **options)
+        plan = cls([], **options)
         check_run_id(plan.run_id)
         if plan.parallel < 1 or plan.timeout_s <= 0 or plan.min_donors < 1:
             raise ValueError("parallel and min_donors must be >= 1 and timeout_s > 0")
+        plan = dataclasses.replace(plan, donors=_valid_donors(donors))
         has_trusted = any(peer in plan.trusted for peer, _ in plan.donors)
         if not has_trusted and len({d for _, d in plan.donors}) < plan.min_donors:
             raise _too_few(plan.donors, plan.min_donors)
