@@ -7,7 +7,7 @@ return such wrappers, and the same wrappers apply to a bare channel given to
 :func:`~swarm.gossip._exchange.run_exchange`. The production path never knows: the averager encodes
 and sends honest frames, and the wrapper rewrites or withholds them on their way to the stream.
 
-State: :func:`faulty_snapshot` serves a published snapshot's frames through ``before_frame`` and
+State: :func:`faulty_snapshot` serves a published state's frames through ``before_frame`` and
 ``corrupt``; the header still states the honest hashes, so the client sees corrupted bytes exactly as
 if a donor had sent them.
 """
@@ -24,7 +24,7 @@ import torch
 
 from swarm.compression import Codec, TensorStreamDecoder, encode_tensors
 from swarm.gossip._protocol import Channel, MsgKind
-from swarm.state import StateSnapshot
+from swarm.state import ServedState, StateSnapshot, spool_state
 
 NamedTensors = list[tuple[str, torch.Tensor]]
 ChannelWrapper = Callable[[Channel], Any]
@@ -133,8 +133,8 @@ class NanCodec:
         return dataclasses.replace(encoded, data=data)
 
 
-@dataclass(frozen=True)
-class _FaultySnapshot(StateSnapshot):
+@dataclass(frozen=True, eq=False)
+class _FaultyState(ServedState):
     before_frame: Callable[[int], None] | None = None
     corrupt: Callable[[int, bytes], bytes] | None = None
 
@@ -146,13 +146,15 @@ class _FaultySnapshot(StateSnapshot):
 
 
 def faulty_snapshot(
-    snapshot: StateSnapshot,
+    state: StateSnapshot | ServedState,
     *,
     before_frame: Callable[[int], None] | None = None,
     corrupt: Callable[[int, bytes], bytes] | None = None,
-) -> StateSnapshot:
-    """``snapshot`` (same digest, same honest frame hashes), whose frame ``index`` is read by the server
-    (in a worker thread, where it may block) only after ``before_frame(index)`` returned, and served as
-    ``corrupt(index, honest bytes)``."""
-    fields = {f.name: getattr(snapshot, f.name) for f in dataclasses.fields(snapshot)}
-    return _FaultySnapshot(**fields, before_frame=before_frame, corrupt=corrupt)
+) -> ServedState:
+    """``state`` to publish (spooled if it is a snapshot; same digest, same honest frame hashes), whose
+    frame ``index`` is read by the server (in a worker thread, where it may block) only after
+    ``before_frame(index)`` returned, and served as ``corrupt(index, honest bytes)``."""
+    if isinstance(state, StateSnapshot):
+        state = spool_state(state.tensors, state.meta, state.chunk_bytes)
+    fields = {f.name: getattr(state, f.name) for f in dataclasses.fields(state) if f.init}
+    return _FaultyState(**fields, before_frame=before_frame, corrupt=corrupt)

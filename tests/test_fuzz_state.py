@@ -35,14 +35,9 @@ from swarm.network._reachability import Kind as ReachKind
 from swarm.network._reachability import handler_name as reach_handler
 from swarm.network._reachability_ask import ask as reach_ask
 from swarm.p2p import HEADER_LEN, ProtocolError
-from swarm.state import StateServer, StateTransferError, make_snapshot
-from swarm.state._transfer_protocol import (
-    Assembly,
-    Kind,
-    canonical_meta,
-    fetch_part,
-    state_digest,
-)
+from swarm.state import StateServer, StateTransferError, make_snapshot, spool_state
+from swarm.state._snapshot import canonical_meta, state_digest
+from swarm.state._transfer_protocol import MAX_FRAMES, Assembly, Header, Kind, fetch_part
 from tests.workers.fuzz import (
     CASE_TIMEOUT_S,
     ErrorLog,
@@ -66,9 +61,12 @@ FUZZ = fuzz_settings(80)
 # ----------------------------------------------------------------------------- state transfer
 
 _s = torch.Generator().manual_seed(5)
-STATE = {"a": torch.randn(2500, generator=_s), "b": torch.randn(10, generator=_s)}
-SNAPSHOT = make_snapshot(STATE, {"round": 3, "step": 120}, chunk_bytes=4096)
-REQUEST = {"digest": SNAPSHOT.digest, "part": 0, "parts": 1}
+STATE = {name: torch.randn(n, generator=_s).bfloat16().float() for name, n in (("a", 2500), ("b", 10))}
+"""Values bf16 holds: what a donor serves is exactly these."""
+META = {"round": 3, "step": 120}
+SNAPSHOT = spool_state(STATE, META, chunk_bytes=4096)
+"""The served form (frames in a spool file, open for the module's lifetime)."""
+REQUEST = {"digest": SNAPSHOT.digest, "part": 0, "parts": 1, "skip": 0}
 _hex_digests = st.binary(min_size=32, max_size=32).map(bytes.hex)
 
 
@@ -77,7 +75,7 @@ def state_server() -> Iterator[tuple[StateServer, FakeP2P]]:
     p2p = FakeP2P("donor")
 
     server = StateServer(run_id=RUN, p2p_factory=p2p.factory)
-    server.publish(SNAPSHOT)
+    server.publish(make_snapshot(STATE, META, chunk_bytes=4096))  # spooled by the server, closed with it
     yield server, p2p
     server.close()
 
@@ -104,7 +102,7 @@ def check_answer(reply: list[tuple[int, bytes]]) -> None:
 def assert_serves_a_good_request(server: StateServer, p2p: FakeP2P) -> None:
     reply = ask(server, p2p, jmsg(Kind.REQUEST, REQUEST))
     check_answer(reply)
-    assert reply[0][0] == Kind.HEADER and len(reply) == 1 + len(SNAPSHOT.frames)
+    assert reply[0][0] == Kind.HEADER and len(reply) == 1 + SNAPSHOT.frame_count
 
 
 @FUZZ
@@ -112,11 +110,19 @@ def assert_serves_a_good_request(server: StateServer, p2p: FakeP2P) -> None:
     data=st.one_of(
         mutated([jmsg(Kind.REQUEST, REQUEST)], {0: REQUEST}),
         st.fixed_dictionaries(
-            {"digest": st.just(SNAPSHOT.digest) | garbage, "part": garbage, "parts": garbage}
+            {
+                "digest": st.just(SNAPSHOT.digest) | garbage,
+                "part": garbage,
+                "parts": garbage,
+                "skip": st.just(0) | garbage,
+            }
         ).map(lambda body: jmsg(Kind.REQUEST, body)),
-        st.tuples(st.integers(-2, 300), st.integers(-2, 300), st.just(SNAPSHOT.digest) | _hex_digests).map(
-            lambda pp: jmsg(Kind.REQUEST, {"digest": pp[2], "part": pp[0], "parts": pp[1]})
-        ),
+        st.tuples(
+            st.integers(-2, 300),
+            st.integers(-2, 300),
+            st.just(SNAPSHOT.digest) | _hex_digests,
+            st.integers(-2, 12) | st.sampled_from([2**31, 2**63, 10**30]),
+        ).map(lambda r: jmsg(Kind.REQUEST, {"digest": r[2], "part": r[0], "parts": r[1], "skip": r[3]})),
     )
 )
 def test_fuzz_state_server(state_server: tuple[StateServer, FakeP2P], errors: ErrorLog, data: bytes) -> None:
@@ -135,6 +141,33 @@ def test_state_server_refuses_hostile_json(
     for data in hostile_variants([jmsg(Kind.REQUEST, REQUEST)], {0: REQUEST}):
         assert ask(server, p2p, data) == []
         errors.check()
+    assert_serves_a_good_request(server, p2p)
+
+
+def frames_of(reply: list[tuple[int, bytes]]) -> list[str]:
+    """The sha256 of each frame a donor sent, in order."""
+    return [hashlib.sha256(data).hexdigest() for kind, data in reply if kind == Kind.FRAME]
+
+
+def test_state_server_sends_only_the_tail_a_request_skips(
+    state_server: tuple[StateServer, FakeP2P], errors: ErrorLog
+) -> None:
+    server, p2p = state_server
+    hashes = [h.hex() for h in SNAPSHOT.hashes]
+    for part, parts in ((0, 1), (1, 2), (0, 3), (2, 3)):
+        size = len(range(part, len(hashes), parts))
+        for skip in (0, 1, size // 2, size):
+            request = {**REQUEST, "part": part, "parts": parts, "skip": skip}
+            reply = ask(server, p2p, jmsg(Kind.REQUEST, request))
+            assert json.loads(reply[0][1])["sending"] == size - skip, (part, parts, skip)
+            assert frames_of(reply) == hashes[part::parts][skip:], (part, parts, skip)
+    size = len(range(0, len(hashes), 2))
+    refused = [size + 1, -1, MAX_FRAMES + 1, 2**63, True, None, "1", 1.5, [1]]
+    for skip in refused:  # past the part's end, out of range, or not an integer: nothing is sent
+        assert ask(server, p2p, jmsg(Kind.REQUEST, {**REQUEST, "parts": 2, "skip": skip})) == [], skip
+    without = {k: v for k, v in REQUEST.items() if k != "skip"}
+    assert ask(server, p2p, jmsg(Kind.REQUEST, without)) == []
+    errors.check()
     assert_serves_a_good_request(server, p2p)
 
 
@@ -163,13 +196,13 @@ FETCH_ERRORS = (ProtocolError, StateTransferError, asyncio.IncompleteReadError, 
 
 
 def donor_script(snapshot: Any, part: int = 0, parts: int = 1) -> tuple[list[bytes], dict[str, Any]]:
-    indices = range(part, len(snapshot.frames), parts)
+    indices = range(part, snapshot.frame_count, parts)
     header = {
         "digest": snapshot.digest,
-        "frames": len(snapshot.frames),
+        "frames": snapshot.frame_count,
         "meta": snapshot.meta,
         "chunk_bytes": snapshot.chunk_bytes,
-        "hashes": [f.sha256.hex() for f in snapshot.frames],
+        "hashes": [h.hex() for h in snapshot.hashes],
         "sending": len(indices),
     }
     return [jmsg(Kind.HEADER, header), *(msg(Kind.FRAME, snapshot.frame(i)) for i in indices)], header
@@ -268,6 +301,39 @@ def test_state_client_bounds_memory() -> None:
     finally:
         tracemalloc.stop()
     assert peak < 2 << 20, f"peak {peak} bytes"
+
+
+def test_a_resumed_part_asks_only_for_the_frames_that_did_not_arrive(errors: ErrorLog) -> None:
+    """A part that an earlier donor half delivered: the request skips what arrived, the assembly takes
+    exactly the rest; a donor that ignores the skip (announcing the whole part) is refused."""
+    arrived = SNAPSHOT.frame_count // 2
+    header = Header.parse(json.dumps(GOOD_HEADER).encode(), SNAPSHOT.digest)
+
+    def half_done() -> Assembly:
+        assembly = Assembly(SNAPSHOT.digest, DecodeLimits())
+        assembly.accept(header)
+        for index in range(arrived):
+            assembly.add(index, SNAPSHOT.frame(index), "first donor")
+        return assembly
+
+    def resume(script: bytes, assembly: Assembly) -> list[tuple[int, bytes]]:
+        p2p = FakeP2P("joiner")
+        p2p.script = script
+        asyncio.run(fetch_part(p2p, transfer.handler_name(RUN), DONOR.to_base58(), assembly, 0, 1))
+        return parse_messages(bytes(p2p.writers[0].data))
+
+    tail = {**GOOD_HEADER, "sending": SNAPSHOT.frame_count - arrived}
+    script = jmsg(Kind.HEADER, tail) + b"".join(GOOD_DONOR[1 + arrived :])
+    assembly = half_done()
+    [(kind, request)] = resume(script, assembly)
+    assert kind == Kind.REQUEST and json.loads(request)["skip"] == arrived
+    snapshot = assembly.finish()
+    assert snapshot.digest == SNAPSHOT.digest
+    assert all(torch.equal(snapshot.tensors[n], t) for n, t in STATE.items())
+    assert assembly.received_bytes == SNAPSHOT.nbytes  # every frame once
+    with pytest.raises(ProtocolError, match="header announces"):
+        resume(b"".join(GOOD_DONOR), half_done())
+    errors.check()
 
 
 def test_state_client_accepts_the_honest_donor() -> None:

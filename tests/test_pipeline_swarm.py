@@ -215,12 +215,13 @@ def test_a_stage_peer_whose_parameters_go_non_finite_rolls_back_and_serves_none_
     role.optimizer.step = poisoning_step
     state_server = role.backend.state_server
     publish = state_server.publish
-    state_server.publish = lambda snapshot: (served.append(snapshot), publish(snapshot))[1]
+    # what each published state holds, decoded as a joiner would (a replaced one is closed later)
+    state_server.publish = lambda state: (served.append(state.decode().tensors), publish(state))[1]
     wait_until(lambda: not holder.thread.is_alive(), 200, "the data holder's 30 steps")
     assert holder.error is None and server.error is None
     assert poisoned and server.peer.progress.rollbacks == 1 and server.peer._status()["rollbacks"] == 1
     assert all_finite(p.detach() for p in role.module.parameters())
-    assert served and all(all_finite(s.tensors.values()) for s in served)
+    assert served and all(all_finite(tensors.values()) for tensors in served)
     assert holder.steps == 30 and math.isfinite(holder.peer.progress.loss)
 
 

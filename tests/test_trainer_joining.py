@@ -1,4 +1,5 @@
-"""What a joiner accepts from a donor's state beyond the verified frames: its meta and its size."""
+"""What a joiner accepts from a donor's state beyond the verified frames (its meta and its size), and
+the state a trainer serves: its progress, its precision, and its digest after a takeover."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import torch
 from swarm.compression import FrameError, TensorStreamDecoder, encode_tensors, get_codec
 from swarm.learning import OuterOptimizer
 from swarm.state import StateTransferError
-from swarm.trainer._joining import progress_of, snapshot_of, state_limits
+from swarm.trainer._joining import adopt, progress_of, snapshot_of, state_limits
 from swarm.trainer._progress import Progress
 
 
@@ -41,6 +42,52 @@ def test_a_joined_peer_serves_the_progress_of_the_state_it_took_over_plus_its_ow
     outer = OuterOptimizer(torch.nn.Linear(2, 2), lr=0.7, momentum=0.9)
     own = Progress(step=5, round=1, samples_total=80)
     joined = {"round": 6, "step": 46, "samples_total": 736}
-    assert progress_of(snapshot_of(outer, own, joined).meta) == {"round": 7, "step": 51, "samples_total": 816}
+    with snapshot_of(outer, own, joined) as served:
+        assert progress_of(served.meta) == {"round": 7, "step": 51, "samples_total": 816}
     # the first peer of a swarm (or a resumed one) took over nothing: its own counters
-    assert progress_of(snapshot_of(outer, own).meta) == {"round": 1, "step": 5, "samples_total": 80}
+    with snapshot_of(outer, own) as served:
+        assert progress_of(served.meta) == {"round": 1, "step": 5, "samples_total": 80}
+
+
+def _trained_outer(seed: int) -> tuple[torch.nn.Module, OuterOptimizer]:
+    """A model and its outer optimizer after one outer step: full-precision anchor and momentum."""
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.Linear(8, 4))
+    outer = OuterOptimizer(model, lr=0.7, momentum=0.9)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(0.1 * torch.randn_like(param))
+    outer.apply(outer.pseudo_gradient())
+    assert outer.momentum_buffers
+    return model, outer
+
+
+def test_a_joiner_gets_the_state_at_bf16_precision_and_serves_the_same_digest_until_it_trains() -> None:
+    """A joiner receives each anchor and momentum value rounded to bf16 (relative error at most 2^-8);
+    re-encoding those values is exact, so the state it serves right after the takeover is the one it
+    took over, digest and all."""
+    donor_model, donor = _trained_outer(0)
+    donor_progress = Progress(step=5, round=1, samples_total=80)
+    joiner_model, joiner = _trained_outer(1)
+    with snapshot_of(donor, donor_progress) as served:
+        state = served.decode(state_limits(donor_model))
+        assert state.digest == served.digest
+        decoded = dict(state.tensors)
+        with pytest.raises(ValueError, match="does not match this model"):
+            adopt(torch.nn.Linear(16, 8), OuterOptimizer(torch.nn.Linear(16, 8), lr=0.7, momentum=0.9), state)
+        assert state.tensors == decoded  # refused: untouched
+        adopt(joiner_model, joiner, state)
+        assert state.tensors == {}  # taken over: the momentum is the decoded tensor, not a copy
+        assert all(t is decoded[f"momentum/{n}"] for n, t in joiner.momentum_buffers.items())
+        with snapshot_of(joiner, Progress(), progress_of(state.meta)) as again:
+            assert again.digest == served.digest
+    for name in donor.anchor:
+        for theirs, ours in (
+            (donor.anchor, joiner.anchor),
+            (donor.momentum_buffers, joiner.momentum_buffers),
+        ):
+            exact, received = theirs[name], ours[name]
+            assert torch.equal(received, exact.bfloat16().float()), name
+            assert bool(((received - exact).abs() <= exact.abs() * 2**-8).all()), name
+            assert not torch.equal(received, exact), name  # really rounded: the test can tell
+        assert torch.equal(dict(joiner_model.named_parameters())[name].detach(), joiner.anchor[name])

@@ -1,17 +1,21 @@
 """Peer state beyond one process: atomic, verified local checkpoints, and verified transfers between peers.
 
-State transfer (docs/state-sync.md): a donor serves snapshots on a :class:`StateServer`
-(``_server.py``), a joiner fetches a trusted donor's state or the median of several donors' with
+State transfer (docs/state-sync.md): a donor publishes its state as a :class:`ServedState` (its
+canonical frames in a spool file, :func:`spool_state`, ``_served.py``) on a :class:`StateServer`
+(``_server.py``); a joiner fetches a trusted donor's state or the median of several donors' with
 :func:`download_state` (``_download.py``; the median and the checked progress in ``_merge.py``), both
-over the wire protocol of ``_transfer_protocol.py``. A bootstrap keeps and serves a copy with
+over the wire protocol of ``_transfer_protocol.py``, and gets a decoded :class:`StateSnapshot`
+(``_snapshot.py``: the canonical encoding and the digest). A bootstrap keeps and serves a copy with
 :class:`StateMirror` (``_mirror.py``).
 """
 
-from swarm.state._download import MIN_DONORS, download_state, fetch_state
+from swarm.state._download import MIN_DONORS, DownloadOptions, download_state, fetch_state
 from swarm.state._merge import MAX_PROGRESS, progress_of
 from swarm.state._mirror import StateMirror, choose_donors, initial_peer_ids
+from swarm.state._served import ServedState, spool_state
 from swarm.state._server import ServeStats, StateServer
-from swarm.state._transfer_protocol import StateSnapshot, StateTransferError, make_snapshot
+from swarm.state._snapshot import StateSnapshot, make_snapshot
+from swarm.state._transfer_protocol import StateTransferError
 from swarm.state.checkpoint import (
     FORMAT_VERSION,
     CheckpointError,
@@ -26,7 +30,9 @@ __all__ = [
     "MAX_PROGRESS",
     "MIN_DONORS",
     "CheckpointError",
+    "DownloadOptions",
     "ServeStats",
+    "ServedState",
     "StateMirror",
     "StateServer",
     "StateSnapshot",
@@ -41,4 +47,5 @@ __all__ = [
     "progress_of",
     "read_checkpoint",
     "save_checkpoint",
+    "spool_state",
 ]

@@ -6,7 +6,8 @@ initial peer the user named: the organizer's bootstrap, whose signed record carr
 what it serves), fetched in disjoint parts from every donor that announces that digest; or the
 coordinate-wise median (:mod:`swarm.state._merge`) of at least ``min_donors`` distinct states, each
 fetched in full from one of its donors. Every frame is checked against the announced digest before
-it is used (:mod:`swarm.state._transfer_protocol`). See docs/state-sync.md.
+it is used (:mod:`swarm.state._transfer_protocol`), and a donor that takes over a failed donor's
+share sends only the frames of it that did not arrive. See docs/state-sync.md.
 """
 
 from __future__ import annotations
@@ -16,16 +17,16 @@ import dataclasses
 import logging
 import random
 from collections.abc import Callable, Collection, Coroutine, Iterable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Required, TypedDict, Unpack
 
 from swarm.compression import DecodeLimits
 from swarm.p2p import StreamKey, check_run_id, run_with_replica, swarm_key_of
 from swarm.state._merge import median_snapshot, progress_of
+from swarm.state._snapshot import StateSnapshot
 from swarm.state._transfer_protocol import (
     IO_TIMEOUT_S,
     Assembly,
-    StateSnapshot,
     StateTransferError,
     fetch_part,
     handler_name,
@@ -45,87 +46,92 @@ MIN_DONORS = 3
 outside the honest values; with 2 it could set it (their mean), with 1 it is the donor's state."""
 
 
+class DownloadOptions(TypedDict, total=False):
+    """What :func:`download_state` and :func:`fetch_state` take besides the donors: ``run_id``, and
+    optionally the others (their defaults and meaning: :func:`download_state`)."""
+
+    run_id: Required[str]
+    trusted: Collection[str]
+    min_donors: int
+    limits: DecodeLimits
+    timeout_s: float
+    parallel: int
+
+
 def download_state(
     source: DHT | P2P,
     donors: Sequence[tuple[str, str]],
     *,
-    run_id: str,
-    trusted: Collection[str] = (),
-    min_donors: int = MIN_DONORS,
-    limits: DecodeLimits = DecodeLimits(),
-    timeout_s: float = 60.0,
-    parallel: int = 4,
     swarm_key: SwarmKey | None = None,
+    **options: Unpack[DownloadOptions],
 ) -> StateSnapshot:
     """Download a verified state from ``donors`` = (peer id, announced digest) pairs; blocking.
 
     ``source`` is a running ``hivemind.DHT`` or ``hivemind.p2p.P2P``: we open our own client to its
-    daemon for the download. If a donor in ``trusted`` (peer ids) announces a state, that state is
-    returned as is, fetched in ``k = min(parallel, donors with it)`` disjoint parts, part i from donor
-    i, a failed part going to another donor of the group. Otherwise (or if that fails) the donors'
-    distinct digests count: with fewer than ``min_donors`` nothing is dialled and StateTransferError
+    daemon for the download. If a donor in ``trusted`` (peer ids, default none) announces a state,
+    that state is returned as is, fetched in ``k = min(parallel, donors with it)`` disjoint parts, part
+    i from donor i; a failed part goes to another donor of the group, which sends only the frames of
+    it that have not arrived. Otherwise (or if that fails) the donors' distinct digests count: with
+    fewer than ``min_donors`` (default :data:`MIN_DONORS`) nothing is dialled and StateTransferError
     says so (wait for more donors, or take a partner's anchor); else ``max(min(parallel, distinct),
-    min_donors)`` distinct states, chosen at random, are each fetched in full (a failed one replaced by
-    another) and their coordinate-wise median is returned. A donor whose state does not decode or
-    whose progress counters are out of range is dropped like one that does not answer. The result's
-    ``sources`` name the donors it came from. In a private swarm (``swarm_key``, by default the key a
-    DHT ``source`` was started with) each stream starts with the swarm key handshake.
+    min_donors)`` distinct states, chosen at random, are each fetched in full (a failed donor replaced
+    by another holder of its state, which resumes it, else by another state) and their
+    coordinate-wise median is returned. A donor whose state does not decode or whose progress
+    counters are out of range is dropped like one that does not answer.
+
+    ``run_id`` names the handler; ``limits`` (default ``DecodeLimits()``) bound the decoded tensors;
+    ``timeout_s`` (default 60) ends a download that went that long without a verified frame;
+    ``parallel`` (default 4) bounds the streams at once. The result's ``sources`` name the donors it
+    came from, its ``received_bytes`` what they sent. In a private swarm (``swarm_key``, by default
+    the key a DHT ``source`` was started with) each stream starts with the swarm key handshake.
     Raises StateTransferError.
     """
-    _check_donors(donors, run_id, trusted, min_donors, timeout_s, parallel)  # before opening anything
+    plan = _Plan.of(donors, options)  # before opening anything
     key = swarm_key if swarm_key is not None else swarm_key_of(source)
-
-    async def download(p2p: P2P) -> StateSnapshot:
-        return await fetch_state(
-            p2p,
-            donors,
-            run_id=run_id,
-            trusted=trusted,
-            min_donors=min_donors,
-            limits=limits,
-            timeout_s=timeout_s,
-            parallel=parallel,
-            swarm_key=key,
-        )
-
-    return run_with_replica(source, download, name=f"state-download-{run_id}", open_timeout_s=IO_TIMEOUT_S)
+    name = f"state-download-{plan.run_id}"
+    return run_with_replica(source, lambda p2p: plan.run(p2p, key), name=name, open_timeout_s=IO_TIMEOUT_S)
 
 
 async def fetch_state(
     p2p: P2P,
     donors: Sequence[tuple[str, str]],
     *,
-    run_id: str,
-    trusted: Collection[str] = (),
-    min_donors: int = MIN_DONORS,
-    limits: DecodeLimits = DecodeLimits(),
-    timeout_s: float = 60.0,
-    parallel: int = 4,
     swarm_key: StreamKey | None = None,
+    **options: Unpack[DownloadOptions],
 ) -> StateSnapshot:
     """:func:`download_state` on a running loop, through ``p2p`` (dialled as is; ``swarm_key``: the
     handshake's key, None for none)."""
-    valid = _check_donors(donors, run_id, trusted, min_donors, timeout_s, parallel)
-    ctx = _Context(p2p, handler_name(run_id), limits, swarm_key)
-    return await _download(ctx, valid, timeout_s, parallel, trusted=trusted, min_donors=min_donors)
+    return await _Plan.of(donors, options).run(p2p, swarm_key)
 
 
-def _check_donors(
-    donors: Iterable[tuple[str, str]],
-    run_id: str,
-    trusted: Collection[str],
-    min_donors: int,
-    timeout_s: float,
-    parallel: int,
-) -> list[tuple[str, str]]:
-    """The donors with a valid digest, one per peer; StateTransferError when they cannot give a state."""
-    check_run_id(run_id)
-    if parallel < 1 or timeout_s <= 0 or min_donors < 1:
-        raise ValueError("parallel and min_donors must be >= 1 and timeout_s > 0")
-    valid = _valid_donors(donors)
-    if not any(peer in trusted for peer, _ in valid) and len({d for _, d in valid}) < min_donors:
-        raise _too_few(valid, min_donors)
-    return valid
+@dataclass(frozen=True)
+class _Plan:
+    """A download's options with their defaults, and the donors with a valid digest (one per peer)."""
+
+    donors: list[tuple[str, str]]
+    run_id: str
+    trusted: Collection[str] = ()
+    min_donors: int = MIN_DONORS
+    limits: DecodeLimits = field(default_factory=DecodeLimits)
+    timeout_s: float = 60.0
+    parallel: int = 4
+
+    @classmethod
+    def of(cls, donors: Iterable[tuple[str, str]], options: DownloadOptions) -> _Plan:
+        """The checked plan; StateTransferError when the donors cannot give a state, ValueError for
+        options out of range."""
+        plan = cls([], **options)
+        check_run_id(plan.run_id)
+        if plan.parallel < 1 or plan.timeout_s <= 0 or plan.min_donors < 1:
+            raise ValueError("parallel and min_donors must be >= 1 and timeout_s > 0")
+        plan = dataclasses.replace(plan, donors=_valid_donors(donors))
+        has_trusted = any(peer in plan.trusted for peer, _ in plan.donors)
+        if not has_trusted and len({d for _, d in plan.donors}) < plan.min_donors:
+            raise _too_few(plan.donors, plan.min_donors)
+        return plan
+
+    async def run(self, p2p: P2P, swarm_key: StreamKey | None) -> StateSnapshot:
+        return await _download(_Context(p2p, handler_name(self.run_id), self.limits, swarm_key), self)
 
 
 def _valid_donors(donors: Iterable[tuple[str, str]]) -> list[tuple[str, str]]:
@@ -158,46 +164,42 @@ class _Context:
     swarm_key: StreamKey | None
     on_frame: Callable[[], None] | None = None  # a verified frame arrived: the deadline moves on
 
+    async def fetch(self, donor: str, assembly: Assembly, part: int = 0, parts: int = 1) -> None:
+        """What ``assembly`` lacks of part ``part`` of ``parts``, from ``donor``."""
+        await fetch_part(self.p2p, self.handler, donor, assembly, part, parts, self.swarm_key, self.on_frame)
+
 
 class _DonorFault(Exception):
     """A donor's announced state is unusable (does not decode, hostile progress): drop that donor."""
 
 
-async def _download(
-    ctx: _Context,
-    donors: list[tuple[str, str]],
-    timeout_s: float,
-    parallel: int,
-    *,
-    trusted: Collection[str] = (),
-    min_donors: int = MIN_DONORS,
-) -> StateSnapshot:
+async def _download(ctx: _Context, plan: _Plan) -> StateSnapshot:
     groups: dict[str, list[str]] = {}
-    for peer, digest in donors:
+    for peer, digest in plan.donors:
         groups.setdefault(digest, []).append(peer)
-    loop = asyncio.get_running_loop()
+    loop, timeout_s = asyncio.get_running_loop(), plan.timeout_s
     try:
         async with asyncio.timeout(timeout_s) as deadline:  # moved on by every verified frame
             ctx = dataclasses.replace(ctx, on_frame=lambda: deadline.reschedule(loop.time() + timeout_s))
             failed = []
-            for digest in dict.fromkeys(d for peer, d in donors if peer in trusted):
-                holders = sorted(groups.pop(digest), key=lambda peer: peer not in trusted)
+            for digest in dict.fromkeys(d for peer, d in plan.donors if peer in plan.trusted):
+                holders = sorted(groups.pop(digest), key=lambda peer: peer not in plan.trusted)
                 try:
-                    return await _fetch_trusted(ctx, digest, holders, parallel)
+                    return await _fetch_trusted(ctx, digest, holders, plan.parallel)
                 except StateTransferError as exc:
                     logger.warning("the trusted state %s failed: %s", digest[:12], exc)
                     failed.append(str(exc))
-            if len(groups) < min_donors:
+            if len(groups) < plan.min_donors:
                 others = [(p, d) for d, peers in groups.items() for p in peers]
-                raise _too_few(others, min_donors, "; ".join(failed))
-            return await _fetch_median(ctx, groups, parallel, min_donors)
+                raise _too_few(others, plan.min_donors, "; ".join(failed))
+            return await _fetch_median(ctx, groups, plan.parallel, plan.min_donors)
     except TimeoutError:
         raise StateTransferError(f"state download made no progress for {timeout_s}s") from None
 
 
 async def _fetch_trusted(ctx: _Context, digest: str, group: list[str], parallel: int) -> StateSnapshot:
     """One state in parts from the donors that announce it; a failed part goes to a donor that has not
-    failed."""
+    failed, which resumes it."""
     assembly = Assembly(digest, ctx.limits)
     parts = min(parallel, len(group))
     delivered: list[str] = []
@@ -209,25 +211,27 @@ async def _fetch_trusted(ctx: _Context, digest: str, group: list[str], parallel:
         return candidates[0] if candidates else None
 
     async def attempt(part: int, donor: str) -> None:
-        await fetch_part(ctx.p2p, ctx.handler, donor, assembly, part, parts, ctx.swarm_key, ctx.on_frame)
+        await ctx.fetch(donor, assembly, part, parts)
         delivered.append(donor)
 
     await _assign([(part, group[part]) for part in range(parts)], replacement, attempt)
     snapshot = await asyncio.to_thread(assembly.finish)
     progress_of(snapshot.meta)
-    return dataclasses.replace(snapshot, sources=tuple(dict.fromkeys(delivered)))
+    sources = tuple(dict.fromkeys(delivered))
+    return dataclasses.replace(snapshot, sources=sources, received_bytes=assembly.received_bytes)
 
 
 async def _fetch_median(
     ctx: _Context, groups: dict[str, list[str]], parallel: int, min_donors: int
 ) -> StateSnapshot:
     """Full states of distinct digests (chosen at random), each verified against its digest, merged by
-    the coordinate-wise median; a failed donor is replaced by another holder of its digest, then by
-    the next digest."""
+    the coordinate-wise median; a failed donor is replaced by another holder of its digest (which
+    resumes where it stopped), then by the next digest."""
     order = random.sample(list(groups), len(groups))
     untried = order[max(min(parallel, len(order)), min_donors) :]
     slot_digest = dict(enumerate(order[: len(order) - len(untried)]))
     unusable: set[str] = set()
+    assemblies: dict[str, Assembly] = {}
     results: dict[str, tuple[str, StateSnapshot]] = {}
     announced = {peer: digest for digest, peers in groups.items() for peer in peers}
 
@@ -243,9 +247,9 @@ async def _fetch_median(
 
     async def attempt(slot: int, donor: str) -> None:
         digest = announced[donor]
-        assembly = Assembly(digest, ctx.limits)
+        assembly = assemblies.get(digest) or assemblies.setdefault(digest, Assembly(digest, ctx.limits))
         try:
-            await fetch_part(ctx.p2p, ctx.handler, donor, assembly, 0, 1, ctx.swarm_key, ctx.on_frame)
+            await ctx.fetch(donor, assembly)
             snapshot = await asyncio.to_thread(assembly.finish)
             progress_of(snapshot.meta)
         except StateTransferError as exc:
@@ -256,7 +260,9 @@ async def _fetch_median(
     first = [(slot, groups[digest][0]) for slot, digest in slot_digest.items()]
     await _assign(first, replacement, attempt, need_all=False)
     merged = await asyncio.to_thread(median_snapshot, [s for _, s in results.values()], min_donors)
-    return dataclasses.replace(merged, sources=tuple(donor for donor, _ in results.values()))
+    sources = tuple(donor for donor, _ in results.values())
+    received = sum(a.received_bytes for a in assemblies.values())
+    return dataclasses.replace(merged, sources=sources, received_bytes=received)
 
 
 async def _assign(

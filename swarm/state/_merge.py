@@ -19,7 +19,8 @@ from typing import Any
 
 import torch
 
-from swarm.state._transfer_protocol import StateSnapshot, StateTransferError, build_snapshot
+from swarm.state._snapshot import StateSnapshot, build_snapshot
+from swarm.state._transfer_protocol import StateTransferError
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +50,8 @@ def progress_of(meta: dict[str, Any]) -> dict[str, int]:
 
 def median_snapshot(snapshots: list[StateSnapshot], min_donors: int) -> StateSnapshot:
     """The coordinate-wise median of distinct donor states that share the most common tensor schema,
-    with meta merged by :func:`merge_meta`.
+    with meta merged by :func:`merge_meta`, each value rounded to bf16 (the mean of the two middle
+    values of an even count may need more bits): the result holds exactly what its digest names.
 
     Equal digests count once. Raises StateTransferError when fewer than ``min_donors`` distinct
     states of that schema remain: a median of fewer would follow one or two donors.
@@ -65,6 +67,8 @@ def median_snapshot(snapshots: list[StateSnapshot], min_donors: int) -> StateSna
             f"only {len(used)} distinct donor state(s) of one schema, need {min_donors} for a robust merge"
         )
     tensors = {name: coordinate_median([s.tensors[name] for s in used]) for name in used[0].tensors}
+    for tensor in tensors.values():
+        tensor.copy_(tensor.to(torch.bfloat16))
     return build_snapshot(tensors, merge_meta([s.meta for s in used]), used[0].chunk_bytes)
 
 

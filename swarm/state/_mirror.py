@@ -20,7 +20,8 @@ from swarm._periodic import PeriodicTask
 from swarm.state._download import MIN_DONORS, download_state
 from swarm.state._merge import progress_of
 from swarm.state._server import StateServer
-from swarm.state._transfer_protocol import StateSnapshot, StateTransferError, make_snapshot
+from swarm.state._snapshot import StateSnapshot, make_snapshot
+from swarm.state._transfer_protocol import StateTransferError
 from swarm.state.checkpoint import CheckpointError, load_latest_checkpoint, save_checkpoint
 
 if TYPE_CHECKING:

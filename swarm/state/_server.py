@@ -1,6 +1,7 @@
-"""StateServer: a donor serves its latest published snapshot to joiners, in verified parts.
+"""StateServer: a donor serves its latest published state to joiners, in verified parts.
 
-See docs/state-sync.md and the wire protocol in :mod:`swarm.state._transfer_protocol`.
+See docs/state-sync.md and the wire protocol in :mod:`swarm.state._transfer_protocol`. What is served
+is a :class:`~swarm.state._served.ServedState`: frames in a spool file, read one at a time.
 """
 
 from __future__ import annotations
@@ -8,10 +9,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from swarm.p2p import P2PFactory, ProtocolError, StreamService
+from swarm.state._served import ServedState, spool_state
+from swarm.state._snapshot import StateSnapshot
 from swarm.state._transfer_protocol import (
     IO_TIMEOUT_S,
     REQUEST_MAX_BYTES,
@@ -19,10 +22,7 @@ from swarm.state._transfer_protocol import (
     ProgressFloor,
     Request,
     SlowPeerError,
-    StateSnapshot,
-    build_snapshot,
     handler_name,
-    header_json,
     recv,
     send,
     send_json,
@@ -58,23 +58,45 @@ class ServeStats:
     too_slow: int = 0
 
 
-@dataclass(frozen=True)
+@dataclass(eq=False)
 class _Published:
-    snapshot: StateSnapshot
-    hashes_hex: list[str]
+    """A state published here, and the streams that serve it now. A state that a newer one replaced
+    (``retired``) is closed once its last stream ends; both fields change only under the server's lock."""
+
+    state: ServedState
+    hashes_hex: list[str] = field(init=False)
+    streams: int = 0
+    retired: bool = False
+
+    def __post_init__(self) -> None:
+        self.hashes_hex = [h.hex() for h in self.state.hashes]
+
+    def header(self, sending: int) -> dict[str, Any]:
+        state = self.state
+        return {
+            "digest": state.digest,
+            "frames": state.frame_count,
+            "meta": state.meta,
+            "chunk_bytes": state.chunk_bytes,
+            "hashes": self.hashes_hex,
+            "sending": sending,
+        }
 
 
 class StateServer(StreamService):
-    """Serves the latest published snapshot on ``swarm.state.v{PROTOCOL_VERSION}.{run_id}``.
+    """Serves the latest published state on ``swarm.state.v{PROTOCOL_VERSION}.{run_id}``.
 
     Give ``dht`` (a running ``hivemind.DHT``: we open our own client to its daemon) or ``p2p_factory``
-    (an async callable returning a P2P dedicated to this server). A request pins the snapshot it
-    started on: a ``publish`` during a download never mixes two states into one stream. In a private
-    swarm (``swarm_key``, by default the key ``dht`` was started with) a client must pass the swarm key
-    handshake before its request is read. Admission: at most :data:`MAX_STREAMS_PER_PEER` streams per
-    peer id and :data:`MAX_CONCURRENT_STREAMS` parts being sent in all, each kept above the progress
-    floor :data:`MIN_SEND_BYTES_PER_S`. Each frame is read with ``snapshot.frame(index)`` in a worker
-    thread right before it is sent: the one place a served frame's bytes come from.
+    (an async callable returning a P2P dedicated to this server). A request pins the state it
+    started on: a ``publish`` during a download never mixes two states into one stream, and the
+    replaced state's spool file stays open until its last stream ends, then is closed (so at most
+    two states are alive while one is being replaced). In a private swarm (``swarm_key``, by default
+    the key ``dht`` was started with) a client must pass the swarm key handshake before its request
+    is read. Admission: at most :data:`MAX_STREAMS_PER_PEER` streams per peer id and
+    :data:`MAX_CONCURRENT_STREAMS` parts being sent in all, each kept above the progress floor
+    :data:`MIN_SEND_BYTES_PER_S`. Each frame is read with ``state.frame(index)`` in a worker thread
+    right before it is sent: the one place a served frame's bytes come from. ``spool_dir``: where a
+    published :class:`StateSnapshot` is spooled (default: the system's temporary directory).
     """
 
     what = "state request"
@@ -86,6 +108,7 @@ class StateServer(StreamService):
         *,
         p2p_factory: P2PFactory | None = None,
         swarm_key: SwarmKey | None = None,
+        spool_dir: str | None = None,
     ) -> None:
         super().__init__(
             run_id,
@@ -96,24 +119,49 @@ class StateServer(StreamService):
             auth_timeout_s=IO_TIMEOUT_S,
         )
         self._lock = threading.Lock()
+        self._spool_dir = spool_dir
         self._published: _Published | None = None
+        self._open: list[_Published] = []  # the published one and replaced ones still being served
+        self._shut = False
         self._stats = ServeStats()
         self._sending = 0  # parts being sent now; like the per-peer counts, only touched on the loop thread
         self._streams: dict[str, int] = {}
         self._start(f"state-{run_id}")
 
-    def publish(self, snapshot: StateSnapshot) -> None:
-        """Serve ``snapshot`` from now on (atomically replaces the previous one)."""
-        if not snapshot.frames:
-            snapshot = build_snapshot(snapshot.tensors, snapshot.meta, snapshot.chunk_bytes)
-        published = _Published(snapshot, [f.sha256.hex() for f in snapshot.frames])
+    def publish(self, state: ServedState | StateSnapshot) -> None:
+        """Serve ``state`` from now on (atomically replaces the previous one). The server takes a
+        :class:`ServedState` over and closes it once it is replaced and no stream serves it any more;
+        a :class:`StateSnapshot` is spooled first (:func:`spool_state`, in ``spool_dir``)."""
+        if isinstance(state, StateSnapshot):
+            state = spool_state(state.tensors, state.meta, state.chunk_bytes, self._spool_dir)
+        published = _Published(state)
         with self._lock:
-            self._published = published
+            shut = self._shut
+            previous = None if shut else self._published
+            if not shut:
+                self._published = published
+                self._open.append(published)
+        if shut:  # closed: nothing would ever serve it
+            state.close()
+        if previous is not None:
+            self._release(previous, retire=True)
+
+    def _release(self, published: _Published, *, retire: bool = False, stream: bool = False) -> None:
+        """Retire ``published`` and/or end one of its streams; close its state once it is retired and
+        no stream serves it."""
+        with self._lock:
+            published.retired |= retire
+            published.streams -= stream
+            idle = published.retired and not published.streams
+            if idle and published in self._open:
+                self._open.remove(published)
+        if idle:
+            published.state.close()
 
     @property
     def digest(self) -> str | None:
         with self._lock:
-            return None if self._published is None else self._published.snapshot.digest
+            return None if self._published is None else self._published.state.digest
 
     def stats(self) -> ServeStats:
         with self._lock:
@@ -145,45 +193,51 @@ class StateServer(StreamService):
             raise ProtocolError(f"expected REQUEST, got {kind.name}")
         request = Request.parse(payload)
         self._count(requests=1)
+        pinned = self._pin(request)
+        if isinstance(pinned, dict):
+            self._count(refused=1)
+            await send_json(writer, Kind.ERROR, pinned, IO_TIMEOUT_S)
+            return
+        self._sending += 1
+        try:
+            sent = await self._send_part(writer, pinned, request)
+        finally:
+            self._sending -= 1
+            self._release(pinned, stream=True)
+        logger.info(
+            "served part %d/%d of %s (%d frames, %d skipped) to %s",
+            request.part,
+            request.parts,
+            request.digest[:12],
+            sent,
+            request.skip,
+            peer,
+        )
+
+    def _pin(self, request: Request) -> _Published | dict[str, str | None]:
+        """The published state ``request`` asks for, pinned for one stream (its spool stays open until
+        :meth:`_release`), or the error to answer."""
         with self._lock:
             published = self._published
-        error: dict[str, str | None]
-        if published is None or published.snapshot.digest != request.digest:
-            error = {
-                "error": "digest mismatch",
-                "digest": None if published is None else published.snapshot.digest,
-            }
-        elif self._sending >= MAX_CONCURRENT_STREAMS:
-            error = {"error": "busy"}
-        else:
-            self._sending += 1
-            try:
-                sent = await self._send_part(writer, published, request)
-            finally:
-                self._sending -= 1
-            logger.info(
-                "served part %d/%d of %s (%d frames) to %s",
-                request.part,
-                request.parts,
-                request.digest[:12],
-                sent,
-                peer,
-            )
-            return
-        self._count(refused=1)
-        await send_json(writer, Kind.ERROR, error, IO_TIMEOUT_S)
+            if published is None or published.state.digest != request.digest:
+                current = None if published is None else published.state.digest
+                return {"error": "digest mismatch", "digest": current}
+            if self._sending >= MAX_CONCURRENT_STREAMS:
+                return {"error": "busy"}
+            published.streams += 1
+            return published
 
     async def _send_part(self, writer: asyncio.StreamWriter, published: _Published, request: Request) -> int:
-        snapshot = published.snapshot
-        indices = request.indices(len(snapshot.frames))
+        state = published.state
+        indices = request.indices(state.frame_count)
         floor = ProgressFloor(MIN_SEND_BYTES_PER_S, IO_TIMEOUT_S, "reader")
-        header = header_json(snapshot, published.hashes_hex, len(indices))
         try:
             await floor.within(
-                send_json(writer, Kind.HEADER, header, IO_TIMEOUT_S), 70 * len(published.hashes_hex)
+                send_json(writer, Kind.HEADER, published.header(len(indices)), IO_TIMEOUT_S),
+                70 * state.frame_count,
             )
             for index in indices:
-                data = await asyncio.to_thread(snapshot.frame, index)
+                data = await asyncio.to_thread(state.frame, index)
                 await floor.within(send(writer, Kind.FRAME, data, IO_TIMEOUT_S), len(data))
                 self._count(frames_sent=1)
         except SlowPeerError:
@@ -191,3 +245,12 @@ class StateServer(StreamService):
             raise
         self._count(parts_served=1)
         return len(indices)
+
+    def close(self) -> None:
+        """Stop serving, then close every state published here. Idempotent."""
+        super().close()
+        with self._lock:
+            self._shut, self._published = True, None
+            remaining, self._open = self._open, []
+        for published in remaining:
+            published.state.close()

@@ -1,18 +1,21 @@
-"""Wire protocol of state transfer: framed messages, the request, the verified header, the digest.
+"""Wire protocol of state transfer: framed messages, the request, the verified header and assembly.
 
 One raw hivemind binary stream per request. Every message is
 ``kind (1 byte) | length (4 bytes, big endian) | payload``::
 
-    client                                            donor
-    REQUEST {"digest", "part", "parts"}   ──────────▶
-                                          ◀────────── HEADER {"digest", "frames", "meta",
-                                                              "chunk_bytes", "hashes", "sending"}
-                                          ◀────────── FRAME * sending   (indices part, part+parts, ...)
-                                       or ◀────────── ERROR {"error": "digest mismatch", ...}
+    client                                                donor
+    REQUEST {"digest", "part", "parts", "skip"}   ──────▶
+                                                  ◀────── HEADER {"digest", "frames", "meta",
+                                                                  "chunk_bytes", "hashes", "sending"}
+                                                  ◀────── FRAME * sending   (the part's indices part,
+                                                          part+parts, ..., less the first skip of them)
+                                               or ◀────── ERROR {"error": "digest mismatch", ...}
 
-The digest commits to the canonical JSON of the meta and to the sha256 of every frame, in order.
-The client checks the header against the digest it expected, then every frame against its hash, so
-a bad frame is pinned on the donor that sent it and no frame is used before it is verified.
+The digest (:mod:`swarm.state._snapshot`) commits to the canonical JSON of the meta and to the
+sha256 of every frame, in order. The client checks the header against the digest it expected, then
+every frame against its hash, so a bad frame is pinned on the donor that sent it and no frame is used
+before it is verified. A part that fails is asked of another donor with ``skip``: the frames of it
+that arrived are not sent again.
 """
 
 from __future__ import annotations
@@ -22,24 +25,17 @@ import enum
 import hashlib
 import json
 import threading
-from collections.abc import Awaitable, Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
 from swarm._errors import SwarmError
 from swarm._protocol import PROTOCOL_VERSION
-from swarm.compression import (
-    DecodeLimits,
-    FrameError,
-    TensorStreamDecoder,
-    decode_frame,
-    encode_frame,
-    encode_tensors,
-    get_codec,
-)
+from swarm.compression import DecodeLimits, FrameError, TensorStreamDecoder
 from swarm.p2p import ProtocolError, StreamKey, dial, dump_json, parse_json, read_message, write_message
+from swarm.state._snapshot import MAX_CHUNK_BYTES, StateSnapshot, build_snapshot, canonical_meta, state_digest
 
 if TYPE_CHECKING:
     from hivemind.p2p import P2P
@@ -47,17 +43,14 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 REQUEST_MAX_BYTES = 4096
 HEADER_MAX_BYTES = 16 << 20
-MAX_CHUNK_BYTES = 64 << 20
 MAX_PARTS = 256
 MAX_FRAMES = (HEADER_MAX_BYTES - (1 << 20)) // 67  # one hex hash and its JSON punctuation each
-_DOMAIN = f"swarm.state.v{PROTOCOL_VERSION}\n".encode()
 IO_TIMEOUT_S = 20.0
 """Bound on dialling, on each message read and on each write drain, both sides."""
 MIN_RECV_BYTES_PER_S = 32 << 10
 """Progress floor of a part being received: after ``IO_TIMEOUT_S`` of grace the frames must keep up
 with this rate (counted at ``chunk_bytes`` each), or the donor is dropped and its part reassigned. An
 honest donor drops us first below its own floor (``_server.MIN_SEND_BYTES_PER_S``, 4 times this)."""
-_FP32 = get_codec("fp32")
 
 
 class Kind(enum.IntEnum):
@@ -69,27 +62,6 @@ class Kind(enum.IntEnum):
 
 def handler_name(run_id: str) -> str:
     return f"swarm.state.v{PROTOCOL_VERSION}.{run_id}"
-
-
-def canonical_meta(meta: Mapping[str, Any]) -> bytes:
-    """The one byte string a meta dict hashes as (ValueError/TypeError if it is not plain JSON)."""
-    return json.dumps(meta, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
-
-
-def state_digest(meta_json: bytes, chunk_bytes: int, frame_hashes: Iterable[bytes]) -> str:
-    """sha256 over a domain tag, the canonical meta, the chunk size and the sha256 of each frame.
-
-    A hash of frame hashes (rather than of the concatenated frames) lets a client check every frame
-    the moment it arrives, from whichever donor, and blame exactly the donor that sent a bad one.
-    """
-    hashes = list(frame_hashes)
-    h = hashlib.sha256(_DOMAIN)
-    h.update(len(meta_json).to_bytes(8, "big") + meta_json)
-    h.update(chunk_bytes.to_bytes(8, "big"))
-    h.update(len(hashes).to_bytes(8, "big"))
-    for frame_hash in hashes:
-        h.update(frame_hash)
-    return h.hexdigest()
 
 
 async def send(writer: asyncio.StreamWriter, kind: Kind, payload: bytes, timeout: float) -> None:
@@ -118,25 +90,39 @@ def is_digest(value: object) -> bool:
 
 @dataclass(frozen=True)
 class Request:
+    """Part ``part`` of ``parts`` of the state ``digest`` (its frames part, part+parts, ...), less the
+    first ``skip`` of them: those another donor already delivered."""
+
     digest: str
     part: int
     parts: int
+    skip: int = 0
 
     def encode(self) -> bytes:
-        return json.dumps({"digest": self.digest, "part": self.part, "parts": self.parts}).encode()
+        fields = {"digest": self.digest, "part": self.part, "parts": self.parts, "skip": self.skip}
+        return json.dumps(fields).encode()
 
     @classmethod
     def parse(cls, payload: bytes) -> Request:
         obj = parse_json(payload)
-        request = cls(_field(obj, "digest", str), _field(obj, "part", int), _field(obj, "parts", int))
+        fields = (_field(obj, "digest", str), _field(obj, "part", int), _field(obj, "parts", int))
+        request = cls(*fields, skip=_field(obj, "skip", int))
         if not is_digest(request.digest):
             raise ProtocolError("field 'digest' is not a sha256 hex digest")
         if not (1 <= request.parts <= MAX_PARTS and 0 <= request.part < request.parts):
             raise ProtocolError(f"part {request.part} of {request.parts} is out of range")
+        if not 0 <= request.skip <= MAX_FRAMES:
+            raise ProtocolError(f"field 'skip' {request.skip} is not in [0, {MAX_FRAMES}]")
         return request
 
     def indices(self, frames: int) -> range:
-        return range(self.part, frames, self.parts)
+        """The frame indices to send of a state of ``frames`` frames; ProtocolError if ``skip`` passes
+        the end of the part."""
+        part = range(self.part, frames, self.parts)
+        if self.skip > len(part):
+            where = f"part {self.part}/{self.parts} ({len(part)} frames)"
+            raise ProtocolError(f"field 'skip' {self.skip} passes the end of {where}")
+        return part[self.skip :]
 
 
 @dataclass(frozen=True)
@@ -174,17 +160,6 @@ class Header:
         return header
 
 
-def header_json(snapshot: StateSnapshot, hashes_hex: list[str], sending: int) -> dict[str, Any]:
-    return {
-        "digest": snapshot.digest,
-        "frames": len(hashes_hex),
-        "meta": snapshot.meta,
-        "chunk_bytes": snapshot.chunk_bytes,
-        "hashes": hashes_hex,
-        "sending": sending,
-    }
-
-
 class StateTransferError(SwarmError):
     """A state download failed; the message names the donors involved and why."""
 
@@ -217,64 +192,6 @@ class ProgressFloor:
             raise SlowPeerError(f"{self._who} below the progress floor of {self._rate:.0f} B/s") from None
 
 
-@dataclass(frozen=True)
-class FrameInfo:
-    """Where one canonical frame comes from, and its sha256 (what the digest commits to)."""
-
-    name: str
-    chunk_index: int
-    num_chunks: int
-    offset: int
-    count: int
-    sha256: bytes
-
-
-@dataclass(frozen=True)
-class StateSnapshot:
-    """Immutable CPU fp32 tensors plus JSON meta, identified by ``digest``; build with make_snapshot."""
-
-    tensors: dict[str, torch.Tensor]
-    meta: dict[str, Any]
-    digest: str
-    chunk_bytes: int = 1 << 20
-    frames: tuple[FrameInfo, ...] = field(default=(), repr=False, compare=False)
-    sources: tuple[str, ...] = field(default=(), compare=False)
-    """The donors a downloaded snapshot came from (empty for one made here)."""
-
-    def frame(self, index: int) -> bytes:
-        """Canonical frame ``index`` (re-encoded on demand: fp32 frames are deterministic)."""
-        info = self.frames[index]
-        encoded = _FP32.encode(self.tensors[info.name])
-        return encode_frame(
-            info.name, encoded, _FP32, info.offset, info.count, info.chunk_index, info.num_chunks
-        )
-
-
-def make_snapshot(
-    tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any], chunk_bytes: int = 1 << 20
-) -> StateSnapshot:
-    """Copy ``tensors`` to CPU fp32 and compute the digest over their canonical frames and ``meta``."""
-    copies = {
-        name: t.detach().to("cpu", torch.float32, copy=True).contiguous() for name, t in tensors.items()
-    }
-    return build_snapshot(copies, meta, chunk_bytes)
-
-
-def build_snapshot(
-    tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any], chunk_bytes: int
-) -> StateSnapshot:
-    meta_json = canonical_meta(meta)
-    ordered = sorted(tensors.items())
-    frames = []
-    for data in encode_tensors(ordered, _FP32, chunk_bytes):
-        f = decode_frame(data)
-        frames.append(
-            FrameInfo(f.name, f.chunk_index, f.num_chunks, f.offset, f.count, hashlib.sha256(data).digest())
-        )
-    digest = state_digest(meta_json, chunk_bytes, (f.sha256 for f in frames))
-    return StateSnapshot(dict(ordered), json.loads(meta_json), digest, chunk_bytes, tuple(frames))
-
-
 async def fetch_part(
     p2p: P2P,
     handler: str,
@@ -285,14 +202,16 @@ async def fetch_part(
     swarm_key: StreamKey | None = None,
     on_frame: Callable[[], None] | None = None,
 ) -> None:
-    """One stream: request part ``part`` of ``parts``, verify the header, verify and decode each frame.
+    """One stream: request what ``assembly`` lacks of part ``part`` of ``parts`` (``skip``: the frames
+    of it that arrived, from an earlier donor), verify the header, verify and decode each frame.
 
     With ``swarm_key`` the stream starts with the swarm key handshake; a donor that fails it raises
     :class:`~swarm.p2p.AuthError`. The frames must keep up with :data:`MIN_RECV_BYTES_PER_S` (else
     :class:`SlowPeerError`); ``on_frame()`` is called after each verified frame."""
+    request = Request(assembly.digest, part, parts, assembly.delivered(part, parts))
     reader, writer = await dial(p2p, donor, handler, swarm_key, IO_TIMEOUT_S)
     try:
-        await send(writer, Kind.REQUEST, Request(assembly.digest, part, parts).encode(), IO_TIMEOUT_S)
+        await send(writer, Kind.REQUEST, request.encode(), IO_TIMEOUT_S)
         kind, payload = await recv(reader, HEADER_MAX_BYTES, IO_TIMEOUT_S)
         if kind is Kind.ERROR:
             raise ProtocolError(f"donor refused: {str(parse_json(payload).get('error'))[:200]}")
@@ -300,10 +219,10 @@ async def fetch_part(
             raise ProtocolError(f"expected HEADER, got {kind.name}")
         header = await asyncio.to_thread(Header.parse, payload, assembly.digest)
         assembly.accept(header)
-        indices = range(part, len(header.hashes), parts)
+        indices = request.indices(len(header.hashes))
         if header.sending != len(indices):
             raise ProtocolError(
-                f"header announces {header.sending} frames, part {part}/{parts} has {len(indices)}"
+                f"header announces {header.sending} frames, part {part}/{parts} has {len(indices)} to send"
             )
         floor = ProgressFloor(MIN_RECV_BYTES_PER_S, IO_TIMEOUT_S, f"donor {donor}")
         for index in indices:
@@ -321,14 +240,29 @@ async def fetch_part(
 
 class Assembly:
     """One announced state being received: every frame is checked against the verified hash list
-    before it reaches the decoder, so the decoder only ever sees frames the digest commits to."""
+    before it reaches the decoder, so the decoder only ever sees frames the digest commits to.
+    ``received_bytes`` counts the verified frames' bytes, a frame that came twice twice."""
 
     def __init__(self, digest: str, limits: DecodeLimits) -> None:
         self.digest = digest
         self.header: Header | None = None
+        self.received_bytes = 0
         self._decoder = TensorStreamDecoder(limits=limits)
         self._received: set[int] = set()
         self._lock = threading.Lock()
+
+    def delivered(self, part: int, parts: int) -> int:
+        """How many frames of part ``part`` of ``parts``, from its first on, have arrived: a part's frames
+        come in order, so a donor taking the part over starts after them."""
+        with self._lock:
+            if self.header is None:
+                return 0
+            count = 0
+            for index in range(part, len(self.header.hashes), parts):
+                if index not in self._received:
+                    break
+                count += 1
+            return count
 
     def accept(self, header: Header) -> None:
         if self.header is None:  # all headers verified against the same digest are identical
@@ -339,7 +273,8 @@ class Assembly:
         if hashlib.sha256(data).digest() != self.header.hashes[index]:
             raise ProtocolError(f"frame {index} does not match its announced hash")
         with self._lock:
-            if index in self._received:  # a reassigned part re-sends what an earlier donor delivered
+            self.received_bytes += len(data)
+            if index in self._received:  # sent twice (never asked for: a resumed part skips it)
                 return
             try:
                 self._decoder.feed(data)

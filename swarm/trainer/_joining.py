@@ -1,11 +1,12 @@
 """A trainer's state as donors serve it, and how a joiner takes it over: a download
 (:func:`download_swarm_state`), or else a live partner's anchor (:func:`adopt_a_partner`).
 
-Every trainer publishes, after each outer step, a snapshot of what a newcomer needs: the anchor
-parameters, the outer momentum and its progress counters; the snapshot's digest goes into its
-membership record (``state_hash``). A joiner takes the state a trusted initial peer announces, or the
-coordinate-wise median of at least three distinct donors' states, and verifies every frame against
-the announced digests (:func:`swarm.state.download_state`; see docs/state-sync.md).
+Every trainer publishes, after each outer step, what a newcomer needs: the anchor parameters, the
+outer momentum and its progress counters, spooled to disk in bf16 (:func:`snapshot_of`); the state's
+digest goes into its membership record (``state_hash``). A joiner takes the state a trusted initial
+peer announces, or the coordinate-wise median of at least three distinct donors' states, and verifies
+every frame against the announced digests (:func:`swarm.state.download_state`; see
+docs/state-sync.md).
 
 Which members to download from (:func:`~swarm.state.choose_donors`) and the check of a donor's
 progress counters (:func:`~swarm.state.progress_of`) live in :mod:`swarm.state` with the bootstrap's
@@ -24,13 +25,14 @@ from swarm.compression import DecodeLimits
 from swarm.gossip import SyncOutcome
 from swarm.learning import OuterOptimizer
 from swarm.state import (
+    ServedState,
     StateSnapshot,
     StateTransferError,
     choose_donors,
     download_state,
     initial_peer_ids,
-    make_snapshot,
     progress_of,
+    spool_state,
 )
 from swarm.trainer._backend import JoinResult
 from swarm.trainer._offers import ANCHOR_WEIGHT
@@ -63,15 +65,26 @@ _PARAM, _MOMENTUM = "param/", "momentum/"
 
 
 def snapshot_of(
-    outer: OuterOptimizer, progress: Progress, joined: dict[str, int] | None = None
-) -> StateSnapshot:
-    """The state a joiner needs: anchor, outer momentum (once it exists) and progress counters.
+    outer: OuterOptimizer,
+    progress: Progress,
+    joined: dict[str, int] | None = None,
+    spool_dir: str | None = None,
+) -> ServedState:
+    """The state a joiner needs, ready to publish: anchor, outer momentum (once it exists) and progress
+    counters, encoded in bf16 into a spool file in ``spool_dir`` (:func:`swarm.state.spool_state`;
+    default: the system's temporary directory). Call it where the outer state does not change (the
+    training thread); hand the result to ``StateServer.publish``, which closes it when done.
 
+    The tensors are read where they are (GPU or host) one at a time, never copied whole: the host
+    holds one tensor's bf16 encoding at a time, then about 100 bytes per 1 MiB frame; the disk 2
+    bytes per value (4 per parameter of the model). A joiner receives each value rounded to bf16.
     The counters are the state's: those of the state this peer took over at join (``joined``, the
     donors' meta) plus its own since. A freshly joined peer so serves the swarm's progress, not its
-    own round 0 (a bootstrap keeping the state would otherwise go back to round 0 on copying it).
+    own round 0 (a bootstrap keeping the state would otherwise go back to round 0 on copying it), and
+    until it has trained it serves exactly the state it took over (the same digest). Raises ValueError
+    (a non-finite value) or OSError (the disk).
     """
-    tensors = {_PARAM + name: t for name, t in outer.anchor.items()}
+    tensors = {_PARAM + name: t for name, t in outer.anchor.items()}  # references, not copies
     tensors.update({_MOMENTUM + name: t for name, t in outer.momentum_buffers.items()})
     base = joined or {}
     meta: dict[str, Any] = {
@@ -79,7 +92,7 @@ def snapshot_of(
         "step": base.get("step", 0) + progress.step,
         "samples_total": base.get("samples_total", 0) + progress.samples_total,
     }
-    return make_snapshot(tensors, meta)
+    return spool_state(tensors, meta, spool_dir=spool_dir)
 
 
 def state_limits(model: torch.nn.Module) -> DecodeLimits:
@@ -95,19 +108,28 @@ def state_limits(model: torch.nn.Module) -> DecodeLimits:
 
 @torch.no_grad()
 def adopt(model: torch.nn.Module, outer: OuterOptimizer, snapshot: StateSnapshot) -> None:
-    """Load a downloaded snapshot: parameters into the model and anchor, momentum into the outer optimizer."""
+    """Load a downloaded snapshot: parameters into the model and anchor, momentum into the outer optimizer.
+
+    It takes the snapshot's tensors over (``snapshot.tensors`` is empty afterwards, or untouched if the
+    state does not match the model: ValueError): each parameter's tensor is freed once copied into the
+    model, before the new anchor is made, and a momentum tensor already where the outer state lives is
+    kept as is. With the outer state in host memory a joiner's host so holds at most 12 bytes per
+    parameter of it at once (the download and the old anchor; then the momentum and the old and new
+    anchors), never a second copy of the momentum.
+    """
     params = dict(model.named_parameters())
-    received = {name[len(_PARAM) :] for name in snapshot.tensors if name.startswith(_PARAM)}
+    tensors = snapshot.tensors
+    received = {name[len(_PARAM) :] for name in tensors if name.startswith(_PARAM)}
     if received != set(params):
         missing, extra = sorted(set(params) - received), sorted(received - set(params))
         raise ValueError(f"donor state does not match this model: missing {missing[:3]}, extra {extra[:3]}")
     for name, param in params.items():
-        param.copy_(snapshot.tensors[_PARAM + name])
+        param.copy_(tensors.pop(_PARAM + name))
     outer.reset_anchor()
+    momentum = {key[len(_MOMENTUM) :]: tensors.pop(key) for key in list(tensors) if key.startswith(_MOMENTUM)}
+    tensors.clear()
     outer.momentum_buffers = {
-        name[len(_MOMENTUM) :]: t.to(outer.anchor[name[len(_MOMENTUM) :]].device, copy=True)
-        for name, t in snapshot.tensors.items()
-        if name.startswith(_MOMENTUM) and name[len(_MOMENTUM) :] in params
+        name: t.to(outer.anchor[name].device, torch.float32) for name, t in momentum.items() if name in params
     }
 
 

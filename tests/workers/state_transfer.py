@@ -1,8 +1,8 @@
 """A state donor for the state-transfer tests: one StateServer on its own p2pd (no DHT), one snapshot.
 
 Output lines: ``READY <peer id> <maddr> <digest>`` once, then ``STATS requests=.. parts=.. frames=..
-refused=..`` whenever the counters change. ``--corrupt`` flips a byte in every frame it sends.
-Stops on SIGTERM/SIGINT.
+refused=..`` whenever the counters change. ``--corrupt`` flips a byte in every frame it sends,
+``--corrupt-from N`` in every frame of index N or more. Stops on SIGTERM/SIGINT.
 """
 
 from __future__ import annotations
@@ -18,9 +18,11 @@ SCHEMA = {"param/w": (64, 300), "param/b": (300,), "momentum/w": (64, 300), "mom
 
 
 def make_state(seed: int, step: int = 10) -> tuple[dict[str, torch.Tensor], dict]:
-    """Deterministic tensors and meta for ``seed`` (the tests regenerate them to check results)."""
+    """Deterministic tensors and meta for ``seed`` (the tests regenerate them to check results). The
+    values are ones bf16 holds, so a download returns exactly them."""
     generator = torch.Generator().manual_seed(seed)
     tensors = {name: torch.randn(shape, generator=generator) for name, shape in SCHEMA.items()}
+    tensors = {name: t.bfloat16().float() for name, t in tensors.items()}
     meta = {"round": step // 10, "step": step, "samples_total": step * 32}
     return tensors, meta
 
@@ -43,6 +45,7 @@ def main() -> None:
     parser.add_argument("--step", type=int, default=10)
     parser.add_argument("--chunk-bytes", type=int, default=16384)
     parser.add_argument("--corrupt", action="store_true")
+    parser.add_argument("--corrupt-from", type=int, default=None)
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
 
@@ -59,7 +62,12 @@ def main() -> None:
     server = StateServer(run_id=args.run_id, p2p_factory=own_daemon)
     try:
         snapshot = make_snapshot(*make_state(args.seed, args.step), chunk_bytes=args.chunk_bytes)
-        server.publish(faulty_snapshot(snapshot, corrupt=flip_byte) if args.corrupt else snapshot)
+        first_bad = 0 if args.corrupt else args.corrupt_from
+        if first_bad is None:
+            server.publish(snapshot)
+        else:
+            corrupt = lambda index, frame: flip_byte(index, frame) if index >= first_bad else frame  # noqa: E731
+            server.publish(faulty_snapshot(snapshot, corrupt=corrupt))
         print("READY", server.peer_id, maddrs[0], snapshot.digest, flush=True)
         last = None
         while not stop.wait(0.05):
