@@ -9,7 +9,7 @@ import torch
 from swarm.compression import FrameError, TensorStreamDecoder, encode_tensors, get_codec
 from swarm.learning import OuterOptimizer
 from swarm.state import StateTransferError
-from swarm.trainer._joining import adopt, progress_of, snapshot_of, state_limits
+from swarm.trainer._joining import adopt, progress_of, publish_state, snapshot_of, state_limits
 from swarm.trainer._progress import Progress
 
 
@@ -91,3 +91,29 @@ def test_a_joiner_gets_the_state_at_bf16_precision_and_serves_the_same_digest_un
             assert bool(((received - exact).abs() <= exact.abs() * 2**-8).all()), name
             assert not torch.equal(received, exact), name  # really rounded: the test can tell
         assert torch.equal(dict(joiner_model.named_parameters())[name].detach(), joiner.anchor[name])
+
+
+class _Server:
+    """Stands in for a StateServer: keeps what is published (and closes what it replaces)."""
+
+    def __init__(self) -> None:
+        self.published: list = []
+
+    def publish(self, state) -> None:
+        self.published.append(state)
+
+
+def test_a_state_that_cannot_be_spooled_is_not_published_and_the_previous_one_stays(tmp_path, caplog) -> None:
+    """The spool goes next to the checkpoints (made if missing, ``~`` expanded); a disk that refuses
+    it costs this round's publication, with a warning, never the trainer."""
+    _, outer = _trained_outer(2)
+    server = _Server()
+    directory = tmp_path / "not-yet" / "checkpoints"
+    digest = publish_state(server, outer, Progress(step=1), None, str(directory))
+    assert digest == server.published[0].digest and directory.is_dir()
+    blocked = tmp_path / "a-file"
+    blocked.write_text("not a directory")
+    assert publish_state(server, outer, Progress(step=2), None, str(blocked / "checkpoints")) is None
+    assert len(server.published) == 1 and "not publishing our state this round" in caplog.text
+    for state in server.published:
+        state.close()

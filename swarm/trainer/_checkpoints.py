@@ -10,6 +10,7 @@ checkpoint of another run's config is never resumed.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -29,7 +30,8 @@ class Checkpoints:
     """A trainer's checkpoints in ``train.checkpoint_dir`` (none kept when it is unset)."""
 
     def __init__(self, config: RunConfig, progress: Progress) -> None:
-        self.directory = config.train.checkpoint_dir
+        directory = config.train.checkpoint_dir
+        self.directory = None if directory is None else os.path.expanduser(directory)
         self.every_s = config.train.checkpoint_every_s
         self.config_hash = config.config_hash()
         self.progress = progress

@@ -41,7 +41,7 @@ from swarm.gossip import (
     consensus_order,
     hypercube_partner,
 )
-from swarm.learning import OuterOptimizer, all_finite
+from swarm.learning import OuterOptimizer
 from swarm.state import StateServer
 from swarm.trainer._backend import (
     BackendContext,
@@ -51,7 +51,7 @@ from swarm.trainer._backend import (
     RoundRole,
     outer_state_device,
 )
-from swarm.trainer._joining import adopt_a_partner, download_swarm_state, snapshot_of
+from swarm.trainer._joining import adopt_a_partner, download_swarm_state, publish_state
 from swarm.trainer._joining import other_trainers as others
 from swarm.trainer._live import LiveModel, Update
 from swarm.trainer._offers import AnchorOffers, DeltaOffers, ModelOffers
@@ -202,12 +202,13 @@ class GossipBackend:
         once when joining, in the background from the training thread."""
         if self.state_server is None:
             return
-        if not all_finite(self.outer.anchor.values()):
-            logger.warning("not publishing our state: its anchor is not finite (a rollback follows)")
+        spool = self._config.train.checkpoint_dir
+        digest = publish_state(
+            self.state_server, self.outer, self._context.progress, self._joined_meta, spool
+        )
+        if digest is None:
             return
-        snapshot = snapshot_of(self.outer, self._context.progress, self._joined_meta)
-        self.state_server.publish(snapshot)
-        self._state_hash = snapshot.digest
+        self._state_hash = digest
         if wait:
             self._node.announce_now()
         else:

@@ -16,6 +16,7 @@ copy of the state (:class:`~swarm.state.StateMirror`); they are re-exported here
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -23,9 +24,10 @@ import torch
 
 from swarm.compression import DecodeLimits
 from swarm.gossip import SyncOutcome
-from swarm.learning import OuterOptimizer
+from swarm.learning import OuterOptimizer, all_finite
 from swarm.state import (
     ServedState,
+    StateServer,
     StateSnapshot,
     StateTransferError,
     choose_donors,
@@ -52,6 +54,7 @@ __all__ = [
     "download_swarm_state",
     "other_trainers",
     "progress_of",
+    "publish_state",
     "snapshot_of",
     "state_limits",
 ]
@@ -93,6 +96,31 @@ def snapshot_of(
         "samples_total": base.get("samples_total", 0) + progress.samples_total,
     }
     return spool_state(tensors, meta, spool_dir=spool_dir)
+
+
+def publish_state(
+    server: StateServer,
+    outer: OuterOptimizer,
+    progress: Progress,
+    joined: dict[str, int] | None,
+    checkpoint_dir: str | None,
+) -> str | None:
+    """Spool our state (:func:`snapshot_of`) and serve it; its digest, or None when it could not be
+    spooled (then the previous state stays served, and the warning says why). The spool goes next to
+    the checkpoints (a disk the user chose), else to the system's temporary directory."""
+    if not all_finite(outer.anchor.values()):
+        logger.warning("not publishing our state: its anchor is not finite (a rollback follows)")
+        return None
+    spool = None if checkpoint_dir is None else os.path.expanduser(checkpoint_dir)
+    try:
+        if spool is not None:
+            os.makedirs(spool, exist_ok=True)
+        state = snapshot_of(outer, progress, joined, spool_dir=spool)
+    except (OSError, ValueError) as exc:  # a full disk, or a momentum gone non-finite
+        logger.warning("not publishing our state this round (joiners get the previous one): %s", exc)
+        return None
+    server.publish(state)
+    return state.digest
 
 
 def state_limits(model: torch.nn.Module) -> DecodeLimits:
