@@ -226,7 +226,7 @@ def run_plan(plan: Plan, *, root: Path, rate: str, target: float, say: Say) -> d
 
 
 def _train(lab, run: Run, plan: Plan, target: float, say: Say) -> tuple:
-    common = _common_args(plan.sets)
+    common = config_args(plan.sets)
     maddr = _start_bootstrap(lab, run, common)
     for index in range(1, plan.peers + 1):
         extra = ["--set", f"emulation.slowdown={plan.slowdown}"] if index == plan.slow_peer else []
@@ -250,7 +250,8 @@ def _train(lab, run: Run, plan: Plan, target: float, say: Say) -> tuple:
     return watcher, seconds
 
 
-def _common_args(sets: list[str]) -> list[str]:
+def config_args(sets: list[str]) -> list[str]:
+    """The benchmarks' config file, then ``sets`` as ``--set`` overrides (later ones win)."""
     return ["--config", CONFIG, *[a for s in sets for a in ("--set", s)]]
 
 
@@ -277,21 +278,28 @@ def _peer_files(run: Run, index: int) -> list[str]:
     return [*names, "--set", f"train.checkpoint_dir={checkpoints}"]
 
 
-def _start(run: Run, host, name: str, args: list[str]) -> subprocess.Popen:
-    """``swarm ARGS`` in ``host``."""
+def start_swarm(
+    host: netlab.Host, args: list[str], log: Path, env: dict[str, str] | None = None
+) -> subprocess.Popen:
+    """``swarm ARGS`` in ``host`` (in its own session, killed with this process), its output in ``log``;
+    ``env``: its environment, :func:`child_env` by default."""
     from peers.local import _die_with_parent
 
-    entry = ["-m", "peers.cli"]
-    with (run.log_dir / f"{name}.log").open("wb") as log:
-        proc = host.popen(
-            [sys.executable, *entry, *args],
+    with log.open("wb") as out:
+        return host.popen(
+            [sys.executable, "-m", "peers.cli", *args],
             cwd=REPO,
-            env=child_env(),
-            stdout=log,
+            env=child_env() if env is None else env,
+            stdout=out,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             preexec_fn=_die_with_parent,
         )
+
+
+def _start(run: Run, host, name: str, args: list[str]) -> subprocess.Popen:
+    """``swarm ARGS`` in ``host``."""
+    proc = start_swarm(host, args, run.log_dir / f"{name}.log")
     run.processes[name] = proc
     return proc
 

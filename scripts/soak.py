@@ -161,23 +161,10 @@ class Swarm:
         trainer.lives.append(Life(proc, log_path, history, summary, int(progress["step"]) if progress else 0))
 
     def _spawn(self, host: netlab.Host, log_path: Path, args: list[str]) -> subprocess.Popen:
-        from peers.local import _die_with_parent
-
-        sets = [item for s in SETS for item in ("--set", s)]
         command, *rest = args
-        argv = [sys.executable, "-m", "peers.cli", command, "--config", _runner.CONFIG, *sets, *rest]
         log_path.parent.mkdir(parents=True, exist_ok=True)
         env = {**_runner.child_env(), "SWARM_LOG_LEVEL": "INFO"}
-        with log_path.open("wb") as out:
-            return host.popen(
-                argv,
-                cwd=_runner.REPO,
-                env=env,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                preexec_fn=_die_with_parent,
-            )
+        return _runner.start_swarm(host, [command, *_runner.config_args(SETS), *rest], log_path, env)
 
     def check_running(self) -> None:
         exited = [t for t in self.trainers if t.current.proc.poll() is not None]

@@ -16,7 +16,7 @@ import asyncio
 import math
 import os
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from typing import Any
 
 import pytest
@@ -32,7 +32,7 @@ from swarm.gossip._gate import ExchangeGate, Turn
 from swarm.gossip._metrics import MetricsRecorder
 from swarm.gossip._mixing import mix, robust_mix
 from swarm.gossip._options import GossipOptions
-from swarm.gossip._protocol import MsgKind
+from swarm.gossip._protocol import Channel, MsgKind
 from swarm.gossip._reputation import Reputation
 from swarm.gossip._robust import Blame, ClipPolicy, ClipStats, centered_clip_named, clip_scale
 from swarm.gossip._validation import NormPolicy, tensor_norm, validate_received
@@ -224,41 +224,63 @@ def test_a_steady_model_push_is_banned_whatever_weight_it_claims(pushes: tuple, 
 # ---------------------------------------------------------------------------- finding 9: the lock
 
 
+def _floor_spec(chunk_bytes: int, rate_window_s: float) -> ExchangeSpec:
+    """An fp32 exchange in ``chunk_bytes`` frames whose partner must keep up 64 KiB/s, judged over
+    windows of ``rate_window_s``."""
+    return ExchangeSpec(
+        codec=get_codec("fp32"),
+        chunk_bytes=chunk_bytes,
+        policy=NormPolicy(),
+        min_rate_bytes_s=64 * 1024,
+        rate_window_s=rate_window_s,
+    )
+
+
+def _their_frames(numel: int, spec: ExchangeSpec) -> list[bytes]:
+    """The frames of a partner's random tensor ``x`` of ``numel`` values, as ``spec`` cuts them."""
+    return list(encode_tensors([("x", torch.randn(numel))], spec.codec, chunk_bytes=spec.chunk_bytes))
+
+
+Attack = Callable[[Channel], Coroutine[Any, Any, None]]
+"""What the attacker does on its end of the channel (run as a task until our exchange settles)."""
+
+
+async def _against(
+    attacks: list[Attack], numel: int, spec: ExchangeSpec, what: str
+) -> exchange_module.Settled:
+    """Our exchange of a random ``x`` of ``numel`` values with a partner running ``attacks``; the
+    attacks are cancelled once ours settles (within 60 s, else it fails naming ``what``)."""
+    ours = {"x": torch.randn(numel)}
+    a, b = await channel_pair()
+    attacker = [asyncio.create_task(attack(b)) for attack in attacks]
+    try:
+        return await settle(run_exchange(a, ours, (1.0, 1.0), spec, None), 60.0, what)
+    finally:
+        for task in attacker:
+            task.cancel()
+        await asyncio.gather(*attacker, return_exceptions=True)
+        a.close()
+        b.close()
+
+
 def test_a_trickling_partner_is_dropped_by_the_rate_floor() -> None:
     """One 4 KiB frame a second passes the framing's stall check (5 s) but not a floor of 64 KiB/s:
     the exchange ends long before the trickler would have sent everything."""
-    codec = get_codec("fp32")
-    spec = ExchangeSpec(
-        codec=codec, chunk_bytes=4096, policy=NormPolicy(), min_rate_bytes_s=64 * 1024, rate_window_s=0.5
-    )
-    ours = {"x": torch.randn(20_000)}
-    frames = list(encode_tensors([("x", torch.randn(20_000))], codec, chunk_bytes=4096))
+    spec = _floor_spec(chunk_bytes=4096, rate_window_s=0.5)
+    frames = _their_frames(20_000, spec)
     trickled: list[int] = []
 
-    async def scenario() -> exchange_module.Settled:
-        a, b = await channel_pair()
+    async def trickle(b: Channel) -> None:
+        for frame in frames:
+            await b.send(MsgKind.DATA, frame)
+            trickled.append(len(frame))
+            await asyncio.sleep(1.0)  # the attacker's pace
 
-        async def trickle() -> None:
-            for frame in frames:
-                await b.send(MsgKind.DATA, frame)
-                trickled.append(len(frame))
-                await asyncio.sleep(1.0)  # the attacker's pace
+    async def drain(b: Channel) -> None:
+        while True:
+            await b.recv()
 
-        async def drain() -> None:
-            while True:
-                await b.recv()
-
-        attacker = [asyncio.create_task(trickle()), asyncio.create_task(drain())]
-        try:
-            return await settle(run_exchange(a, ours, (1.0, 1.0), spec, None), 60.0, "trickler")
-        finally:
-            for task in attacker:
-                task.cancel()
-            await asyncio.gather(*attacker, return_exceptions=True)
-            a.close()
-            b.close()
-
-    ended = asyncio.run(scenario())
+    ended = asyncio.run(_against([trickle, drain], 20_000, spec, "trickler"))
     assert ended.outcome is SyncOutcome.TIMEOUT and "slow partner" in ended.reason, ended
     assert len(trickled) < len(frames) // 2, (len(trickled), len(frames))
 
@@ -267,10 +289,7 @@ def test_our_own_slow_decoding_is_not_blamed_on_the_partner(monkeypatch) -> None
     """The partner sends everything at once, and our decoder takes 0.3 s a frame (a starved CPU):
     windows of 0.1 s pass with no bytes received, but spent in our own work, not waiting on the
     partner; the exchange commits. (Counting them dropped honest partners of a loaded peer.)"""
-    codec = get_codec("fp32")
-    spec = ExchangeSpec(
-        codec=codec, chunk_bytes=4096, policy=NormPolicy(), min_rate_bytes_s=64 * 1024, rate_window_s=0.1
-    )
+    spec = _floor_spec(chunk_bytes=4096, rate_window_s=0.1)
     ours, theirs = {"x": torch.randn(3000)}, {"x": torch.randn(3000)}
     feed = exchange_module.FrameStore.feed
 
@@ -335,36 +354,20 @@ async def wait_async(condition: Callable[[], bool], what: str, timeout: float = 
 
 def test_a_partner_reading_slowly_is_dropped_by_the_rate_floor() -> None:
     """The other direction: the partner sends its part at once but reads ours at 4 KiB a second."""
-    codec = get_codec("fp32")
-    spec = ExchangeSpec(
-        codec=codec, chunk_bytes=65536, policy=NormPolicy(), min_rate_bytes_s=64 * 1024, rate_window_s=0.5
-    )
+    spec = _floor_spec(chunk_bytes=65536, rate_window_s=0.5)
     numel = 1 << 21  # 8 MiB: far more than the socket and transport buffers hold
-    ours = {"x": torch.randn(numel)}
-    frames = list(encode_tensors([("x", torch.randn(numel))], codec, chunk_bytes=65536))
+    frames = _their_frames(numel, spec)
     taken: list[int] = []
 
-    async def scenario() -> exchange_module.Settled:
-        a, b = await channel_pair()
+    async def slow_reader(b: Channel) -> None:
+        for frame in frames:
+            await b.send(MsgKind.DATA, frame)
+        await b.send_json(MsgKind.END, {"frames": len(frames)})
+        while chunk := await b._reader.read(4096):
+            taken.append(len(chunk))
+            await asyncio.sleep(1.0)  # the attacker's pace
 
-        async def slow_reader() -> None:
-            for frame in frames:
-                await b.send(MsgKind.DATA, frame)
-            await b.send_json(MsgKind.END, {"frames": len(frames)})
-            while chunk := await b._reader.read(4096):
-                taken.append(len(chunk))
-                await asyncio.sleep(1.0)  # the attacker's pace
-
-        attacker = asyncio.create_task(slow_reader())
-        try:
-            return await settle(run_exchange(a, ours, (1.0, 1.0), spec, None), 60.0, "slow reader")
-        finally:
-            attacker.cancel()
-            await asyncio.gather(attacker, return_exceptions=True)
-            a.close()
-            b.close()
-
-    ended = asyncio.run(scenario())
+    ended = asyncio.run(_against([slow_reader], numel, spec, "slow reader"))
     assert ended.outcome is SyncOutcome.TIMEOUT and "slow partner" in ended.reason, ended
     assert "sent" in ended.reason and sum(taken) < numel * 4 // 2, (ended.reason, sum(taken))
 

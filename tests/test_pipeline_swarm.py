@@ -29,30 +29,25 @@ from swarm.network import NetworkOptions
 from swarm.pipeline import StagePeer, build_full, plan_stages, stage_parameters
 from swarm.state import list_checkpoints, read_checkpoint
 from tests._processes import wait_until
+from tests.workers.tiny import tiny
 
 pytestmark = pytest.mark.multipeer
 
 BATCH = 8
-TINY = [
+TINY = tiny(
     "model.n_layer=2",
-    "model.n_embd=32",
-    "model.n_head=2",
-    "model.block_size=32",
     f"train.batch_size={BATCH}",
-    "train.lr=3e-3",
-    "train.warmup_steps=2",
     "train.eval_batches=4",
     "averaging.sync_every_steps=5",
     "averaging.outer_lr=1.0",
     "averaging.outer_momentum=0",
-    "network.record_interval_s=1",
-    "network.record_ttl_s=4",
     "network.reachability_check=false",
     "pipeline.num_stages=2",
     "pipeline.microbatch_size=4",
     "pipeline.request_timeout_s=10",
     "pipeline.rebalance_every_s=null",
-]
+)
+"""The tests' tiny trainer (tests/workers/tiny.py) with two blocks, cut into two stages."""
 
 
 def _config(*overrides: str) -> RunConfig:
