@@ -4,10 +4,20 @@ Peers announce it in their records; a peer with another version is never chosen 
 monitor flags it. Bump it on any incompatible change to what crosses the network.
 """
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 """2: both sides of a gossip exchange use it (offer mode); HELLO may carry an anchor probe.
 3: records carry losses in bits (``loss_unit``), ``eval_bits_per_byte`` and ``rollbacks``; a peer
 going away says ``leaving`` (its record, and BUSY "leaving").
 4: a gossip exchange averages the pair's models by default (``averaging.exchange: model``) and a
 model offer's probe carries its schedule round; a version-3 peer would read those parameters as a
-pseudo-gradient, so the two never exchange."""
+pseudo-gradient, so the two never exchange.
+5: a state is served as bf16 frames and a request names the frames of its part to skip; a gossip
+exchange whose offer changed under it ends mid-stream with NACK "not committed", which blames
+nobody."""
+
+
+def protocol_id(service: str, run_id: str) -> str:
+    """The libp2p protocol id of one of swarm's stream services (``gossip``, ``state``, ``reach``...)
+    for a run: namespaced by service, protocol version and run, so that peers of another version or
+    run never reach each other's handlers."""
+    return f"swarm.{service}.v{PROTOCOL_VERSION}.{run_id}"

@@ -28,7 +28,8 @@ import torch
 from hypothesis import event, given
 from hypothesis import strategies as st
 
-import swarm.state._server as transfer
+import swarm.state._server as server_module
+import swarm.state._transfer_protocol as transfer
 from swarm.compression import DecodeLimits
 from swarm.network._reachability import CheckLimits, ReachabilityChecker
 from swarm.network._reachability import Kind as ReachKind
@@ -183,7 +184,7 @@ def test_state_server_bounds_memory_and_time(
     finally:
         tracemalloc.stop()
     assert peak < 1 << 20, f"peak {peak} bytes"
-    monkeypatch.setattr(transfer, "IO_TIMEOUT_S", 0.3)
+    monkeypatch.setattr(server_module, "IO_TIMEOUT_S", 0.3)
     assert ask(server, p2p, b"\x01\x00", eof=False) == []  # a stalled request: the read timeout
     errors.check()
     assert_serves_a_good_request(server, p2p)

@@ -32,11 +32,12 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from swarm._protocol import PROTOCOL_VERSION
+from swarm._protocol import PROTOCOL_VERSION, protocol_id
 from swarm.p2p import ProtocolError, dump_json, parse_json, read_message, write_message
 
 __all__ = [
     "CONTROL_MAX_BYTES",
+    "PROTOCOL_VERSION",
     "Channel",
     "Hello",
     "MsgKind",
@@ -64,7 +65,7 @@ class MsgKind(enum.IntEnum):
 
 def handler_name(run_id: str) -> str:
     """The libp2p protocol id of the gossip handler: namespaced by protocol version and run."""
-    return f"swarm.gossip.v{PROTOCOL_VERSION}.{run_id}"
+    return protocol_id("gossip", run_id)
 
 
 class Channel:

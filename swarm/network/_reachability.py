@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 from multiaddr import Multiaddr
 
-from swarm._protocol import PROTOCOL_VERSION
+from swarm._protocol import protocol_id
 from swarm.p2p import (
     P2PFactory,
     ProtocolError,
@@ -90,7 +90,7 @@ class Kind(enum.IntEnum):
 
 
 def handler_name(run_id: str) -> str:
-    return f"swarm.reach.v{PROTOCOL_VERSION}.{run_id}"
+    return protocol_id("reach", run_id)
 
 
 class RequestRefused(ProtocolError):
@@ -224,6 +224,8 @@ class ReachabilityChecker(StreamService):
     """
 
     what = "reachability check"
+    protocol = "reach"
+    io_timeout_s = IO_TIMEOUT_S
 
     def __init__(
         self,
@@ -236,14 +238,7 @@ class ReachabilityChecker(StreamService):
         cooldown_s: float = CHECK_COOLDOWN_S,
         swarm_key: SwarmKey | None = None,
     ) -> None:
-        super().__init__(
-            run_id,
-            handler_name(run_id),
-            dht=dht,
-            p2p_factory=p2p_factory,
-            swarm_key=swarm_key,
-            auth_timeout_s=IO_TIMEOUT_S,
-        )
+        super().__init__(run_id, dht=dht, p2p_factory=p2p_factory, swarm_key=swarm_key)
         self._announced, self._dial_timeout = announced, dial_timeout_s
         self.limits = CheckLimits(cooldown_s)
         self.checks = 0

@@ -15,6 +15,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, ClassVar, Self
 
+from swarm._protocol import protocol_id
 from swarm.p2p._auth import AuthError, StreamKey, authenticate_stream, swarm_key_of
 from swarm.p2p._forward import RELAYED_SUFFIX, read_preamble, send_ready
 from swarm.p2p._framing import ProtocolError
@@ -55,6 +56,11 @@ class StreamService:
     """What one stream is, for log lines ("refused state request from ...")."""
     serves_relayed: ClassVar[bool] = True
     """Also serve streams a relay forwards (``handler`` + ``.relayed``, swarm/p2p/_forward.py)."""
+    protocol: ClassVar[str] = ""
+    """The service's name in its handler's protocol id (``swarm._protocol.protocol_id``), used when no
+    ``handler`` is given: ``state`` serves ``swarm.state.v<P>.<run_id>``."""
+    io_timeout_s: ClassVar[float | None] = None
+    """The swarm key handshake's timeout when no ``auth_timeout_s`` is given."""
     open_timeout_s: ClassVar[float | None] = 60.0
     close_timeout_s: ClassVar[float] = 30.0
 
@@ -70,6 +76,8 @@ class StreamService:
         client_mode: bool = False,
     ) -> None:
         check_run_id(run_id)
+        handler = handler or (protocol_id(self.protocol, run_id) if self.protocol else None)
+        auth_timeout_s = self.io_timeout_s if auth_timeout_s is None else auth_timeout_s
         if (dht is None) == (p2p_factory is None):
             raise ValueError("give exactly one of dht= or p2p_factory=")
         if not client_mode and (handler is None or auth_timeout_s is None):

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
-from swarm._protocol import PROTOCOL_VERSION
+from swarm._protocol import protocol_id
 from swarm.compression import DecodeLimits, FrameError, TensorStreamDecoder, encode_tensors, get_codec
 from swarm.config import RunConfig
 from swarm.p2p import HEADER_LEN, ProtocolError, dump_json, parse_json, read_message, write_message
@@ -72,7 +72,7 @@ class Kind(enum.IntEnum):
 
 
 def handler_name(run_id: str, stage: int) -> str:
-    return f"swarm.pipeline.v{PROTOCOL_VERSION}.{run_id}.stage{stage}"
+    return protocol_id("pipeline", f"{run_id}.stage{stage}")
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,6 @@ from swarm.state._transfer_protocol import (
     ProgressFloor,
     Request,
     SlowPeerError,
-    handler_name,
     recv,
     send,
     send_json,
@@ -100,6 +99,8 @@ class StateServer(StreamService):
     """
 
     what = "state request"
+    protocol = "state"
+    io_timeout_s = IO_TIMEOUT_S
 
     def __init__(
         self,
@@ -110,14 +111,7 @@ class StateServer(StreamService):
         swarm_key: SwarmKey | None = None,
         spool_dir: str | None = None,
     ) -> None:
-        super().__init__(
-            run_id,
-            handler_name(run_id),
-            dht=dht,
-            p2p_factory=p2p_factory,
-            swarm_key=swarm_key,
-            auth_timeout_s=IO_TIMEOUT_S,
-        )
+        super().__init__(run_id, dht=dht, p2p_factory=p2p_factory, swarm_key=swarm_key)
         self._lock = threading.Lock()
         self._spool_dir = spool_dir
         self._published: _Published | None = None

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 
 from swarm._errors import SwarmError
-from swarm._protocol import PROTOCOL_VERSION
+from swarm._protocol import protocol_id
 from swarm.compression import DecodeLimits, FrameError, TensorStreamDecoder
 from swarm.p2p import ProtocolError, StreamKey, dial, dump_json, parse_json, read_message, write_message
 from swarm.state._snapshot import MAX_CHUNK_BYTES, StateSnapshot, build_snapshot, canonical_meta, state_digest
@@ -61,7 +61,7 @@ class Kind(enum.IntEnum):
 
 
 def handler_name(run_id: str) -> str:
-    return f"swarm.state.v{PROTOCOL_VERSION}.{run_id}"
+    return protocol_id("state", run_id)
 
 
 async def send(writer: asyncio.StreamWriter, kind: Kind, payload: bytes, timeout: float) -> None:
