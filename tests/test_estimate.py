@@ -143,7 +143,7 @@ def _local_run(spawn, tmp_path: Path, name: str) -> Callable[[], dict]:
 def test_the_estimate_matches_the_measured_peak_memory(spawn, tmp_path: Path) -> None:
     """CPU, a 106M-parameter GPT: the peak resident set of its trainers, over that of a tiny model's
     trainers (the interpreter, torch and hivemind), is what the estimate says the model adds, within
-    15%: weights, gradients, AdamW, activations, anchor and momentum, the residual, the sync path's
+    10%: weights, gradients, AdamW, activations, anchor and momentum, the residual, the sync path's
     snapshot and the partners' frames, a state published and a checkpoint written every round.
 
     On the CPU the device is the host: both layouts put the same bytes in the same memory, so the
@@ -167,8 +167,10 @@ def test_the_estimate_matches_the_measured_peak_memory(spawn, tmp_path: Path) ->
     growth, estimate = measured / 2**20, total / 2**20
     print(f"{params:,} parameters: peak RSS growth {growth:.1f} MiB, estimated {estimate:.1f} MiB")
     assert params >= 100_000_000
+    # measured: 0.98 of the estimate; 10% is tighter than the 15% asked of it, so that a whole-model
+    # float32 term (4 bytes a parameter, 12% here) missed or counted twice fails
     for expected in (total, split):
-        assert 0.85 * expected < measured < 1.15 * expected
+        assert 0.9 * expected < measured < 1.1 * expected
 
 
 # ------------------------------------------------------------- `config check --device-memory --host-memory`
