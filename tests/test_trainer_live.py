@@ -11,7 +11,7 @@ import torch
 from swarm.gossip import Committed, SyncOutcome, SyncResult
 from swarm.learning import OuterOptimizer
 from swarm.trainer._live import LiveModel, Update, probe_distance, probe_positions
-from swarm.trainer._offers import ModelOffers
+from swarm.trainer._offers import AnchorOffers, ModelOffers
 
 BATCH = 4
 
@@ -278,3 +278,17 @@ def test_a_model_snapshot_is_the_anchor_plus_its_rounded_progress_and_the_update
     for name, p in model.named_parameters():  # lr 1, no momentum: the anchor is the mean
         assert torch.allclose(live.outer.anchor[name], mean[name], atol=1e-6)
         assert torch.allclose(p.detach(), mean[name] + (before[name] - offered[name]), atol=1e-6)
+
+
+def test_a_lazy_anchor_offer_reads_the_live_anchor_and_counts_while_an_exchange_holds_it() -> None:
+    """A model-exchanging peer serves joiners its anchor in place (no copy): while such an offer is
+    held the trainer takes no solo step (that would move the anchor under the exchange)."""
+    model, live = _live()
+    offers = AnchorOffers(live, lazy=True)
+    offer = offers.offer()
+    assert offers.in_flight()
+    assert all(offer.tensors[n] is live.outer.anchor[n] for n in live.outer.anchor)  # the live tensors
+    offers.released(offer)
+    assert not offers.in_flight()
+    copied = AnchorOffers(live).offer()
+    assert all(copied.tensors[n] is not live.outer.anchor[n] for n in live.outer.anchor)

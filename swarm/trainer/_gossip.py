@@ -273,7 +273,9 @@ class GossipBackend:
         if result.outcome is SyncOutcome.SKIPPED:
             logger.debug("own round skipped: %s", result.reason)  # a partner's exchange used our steps
         elif result.outcome is not SyncOutcome.OK and result.outcome is not SyncOutcome.CANCELLED:
-            if self.live.has_pending() or self._model_offers.in_flight():
+            # an exchange reading our anchor in place (model mode) would stop if a solo step moved it
+            reading = self._models and (self._model_offers.in_flight() or self._anchor_offers.in_flight())
+            if self.live.has_pending() or reading:
                 logger.info(
                     "sync without a partner (%s): a partner's exchange with us is this round",
                     result.outcome.value,

@@ -88,7 +88,32 @@ class DeltaOffers:
         """Nothing to give back: each offer is a copy of its own."""
 
 
-class ModelOffers:
+class _Held:
+    """Counts the offers that exchanges hold now (:meth:`Offerer.released` gives one back)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._holders = 0
+
+    def released(self, offer: Offer) -> None:
+        with self._lock:
+            self._holders -= 1
+            if not self._holders:
+                self._all_released()
+
+    def _all_released(self) -> None:
+        """Called (under the lock) when the last held offer came back."""
+
+    def in_flight(self) -> bool:
+        """Whether an exchange still holds one of our offers. If it reads our live anchor, our own
+        round then takes no outer step on its own (a solo round): that would move the anchor under
+        it and stop it, while it is usually the partner's exchange (or a joiner's) that made ours
+        find the partner busy or missing."""
+        with self._lock:
+            return self._holders > 0
+
+
+class ModelOffers(_Held):
     """Offers a copy of our parameters; a committed exchange becomes a ``model`` update: the outer step
     along ``anchor - mean`` (with outer lr 1 and no momentum: the pair's mean model), keeping the steps
     taken since the snapshot.
@@ -99,13 +124,12 @@ class ModelOffers:
     """
 
     def __init__(self, live: LiveModel) -> None:
+        super().__init__()
         self._live = live
         self.round = 0
-        self._lock = threading.Lock()
         self._shared: ModelSnapshot | None = None
         """The snapshot the exchanges in flight hold (a served exchange and our own may overlap: they
-        share it), and how many of them do."""
-        self._holders = 0
+        share it)."""
 
     def offer(self) -> Offer | None:
         with self._lock:
@@ -122,19 +146,8 @@ class ModelOffers:
             blame_norm=snapshot.progress_norm,
         )
 
-    def released(self, offer: Offer) -> None:
-        with self._lock:
-            self._holders -= 1
-            if not self._holders:
-                self._shared = None
-
-    def in_flight(self) -> bool:
-        """Whether an exchange still holds our snapshot. Our own round then takes no outer step on its
-        own (a solo round): that would move the anchor the exchange reads, and stop it, while it is
-        usually the partner's exchange that made ours find the partner busy; its commit is this
-        round."""
-        with self._lock:
-            return self._holders > 0
+    def _all_released(self) -> None:
+        self._shared = None
 
     def committed(self, offer: Offer, exchange: Committed) -> None:
         """Queue the update; it reads the mix tensor by tensor when applied (and folds our error
@@ -179,7 +192,7 @@ def equal_share_scale(own_weight: float, partner_weight: float) -> float:
     return (capped / (own_weight + capped)) / (partner_weight / (own_weight + partner_weight))
 
 
-class AnchorOffers:
+class AnchorOffers(_Held):
     """Offers our anchor; a committed exchange shifts our anchor (and model) by its pull.
 
     ``lazy``: the offer reads the live anchor (:meth:`LiveModel.anchor_view`) instead of a copy; for a
@@ -193,13 +206,18 @@ class AnchorOffers:
     """
 
     def __init__(self, live: LiveModel, lazy: bool = False) -> None:
+        super().__init__()
         self._live = live
         self._lazy = lazy
         self.weight = ANCHOR_WEIGHT
 
     def offer(self) -> Offer | None:
-        anchor = self._live.anchor_view() if self._lazy else self._live.anchor_snapshot()
-        return None if anchor is None else Offer(tensors=anchor, weight=self.weight)
+        with self._lock:
+            anchor = self._live.anchor_view() if self._lazy else self._live.anchor_snapshot()
+            if anchor is None:
+                return None
+            self._holders += 1
+            return Offer(tensors=anchor, weight=self.weight)
 
     def committed(self, offer: Offer, exchange: Committed) -> None:
         if isinstance(exchange.mixed, MixedTensors) and exchange.mixed.unchanged:
@@ -209,9 +227,6 @@ class AnchorOffers:
         self._live.queue(
             Update("anchor", shift=shift, info=_info(exchange, weight=offer.weight, drift=drift))
         )
-
-    def released(self, offer: Offer) -> None:
-        """Nothing to give back: a copy, or a view of the live anchor."""
 
 
 ANCHOR_WEIGHT = 1.0
