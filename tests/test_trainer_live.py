@@ -283,7 +283,7 @@ def test_a_model_snapshot_is_the_anchor_plus_its_rounded_progress_and_the_update
 def test_a_lazy_anchor_offer_reads_the_live_anchor_and_counts_while_an_exchange_holds_it() -> None:
     """A model-exchanging peer serves joiners its anchor in place (no copy): while such an offer is
     held the trainer takes no solo step (that would move the anchor under the exchange)."""
-    model, live = _live()
+    _, live = _live()
     offers = AnchorOffers(live, lazy=True)
     offer = offers.offer()
     assert offers.in_flight()
