@@ -117,9 +117,13 @@ def _local_run(spawn, tmp_path: Path, name: str) -> Callable[[], dict]:
     their state and write checkpoints; returns a function that waits for their summaries, each with
     its process's peak resident set."""
     summary = tmp_path / f"{name}.json"
+    # rounds of at least 3 s: time for each trainer's record to say it joined (a joining peer is not
+    # dialled), so that exchanges run in both roles before the limit; the large model's steps take that
+    # long by themselves, the tiny one's are padded (an emulated device: no memory)
+    pace = ["train.max_steps=9"] if name == "large" else ["train.max_steps=12", "emulation.step_time_s=1.0"]
     overrides = [
         *_overrides(name),
-        "train.max_steps=9",
+        *pace,
         "train.eval_batches=1",
         "train.checkpoint_every_s=0.01",  # after every round (and on the way out)
         f"train.checkpoint_dir={tmp_path / name / 'checkpoints'}",
