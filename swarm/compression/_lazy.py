@@ -21,13 +21,19 @@ Schema = dict[str, tuple[tuple[int, ...], torch.dtype]]
 class LazyTensors(Mapping[str, torch.Tensor]):
     """A read-only mapping of names to tensors that ``compute(name)`` makes on each access."""
 
-    def __init__(self, schema: Schema, compute: Callable[[str], torch.Tensor]) -> None:
+    def __init__(self, schema: Schema, compute: Callable[[str], torch.Tensor] | None = None) -> None:
         self.schema: Schema = dict(schema)
         self._make = compute
 
     def __getitem__(self, name: str) -> torch.Tensor:
         if name not in self.schema:
             raise KeyError(name)
+        return self._value(name)
+
+    def _value(self, name: str) -> torch.Tensor:
+        """The tensor of ``name``, made anew: ``compute(name)``, or a subclass's own."""
+        if self._make is None:
+            raise NotImplementedError("give compute=, or override _value")
         return self._make(name)
 
     def __iter__(self) -> Iterator[str]:

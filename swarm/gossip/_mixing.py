@@ -73,8 +73,10 @@ class MixedTensors(LazyTensors):
     dtype of ours; and the error feedback it owes (``feedback``: the averager's, with the residuals
     our frames were encoded with).
 
-    ``clip``: the robust rule with factor ``clip`` (None: the plain rule). ``lossy``: our frames decode
-    to ``sent``, not to ``local`` (the plain rule then conserves the pair's mass through ``q``).
+    ``clip``: the robust rule with factor ``clip`` (None: the plain rule). ``sent`` is ``local`` itself
+    for a lossless codec (our frames decode to our tensors); else the plain rule conserves the pair's
+    mass through what they decode to. ``norms``: the exchange's measured norms, where they answer
+    :meth:`pull_norm` and :meth:`local_norm` without a pass over the tensors.
     """
 
     def __init__(
@@ -88,7 +90,7 @@ class MixedTensors(LazyTensors):
         feedback: ErrorFeedback | None = None,
         norms: Mapping[str, TensorNorms] | None = None,
     ) -> None:
-        super().__init__(schema_of(local), self._mixed)  # see __getitem__: a copy computes its own
+        super().__init__(schema_of(local))
         self._local, self._sent, self._received = local, sent, received
         self._weights, self._clip, self._feedback = weights, clip, feedback
         self._norms = norms
@@ -132,13 +134,8 @@ class MixedTensors(LazyTensors):
             return math.sqrt(sum(n.local**2 for n in self._norms.values()))
         return math.sqrt(sum(tensor_norm(self._local[n]) ** 2 for n in self.schema))
 
-    def _mixed(self, name: str) -> torch.Tensor:
+    def _value(self, name: str) -> torch.Tensor:
         return self._compute(name)[0]
-
-    def __getitem__(self, name: str) -> torch.Tensor:
-        if name not in self.schema:
-            raise KeyError(name)
-        return self._compute(name)[0]  # not the bound method given at construction: a copy's own
 
     def _compute(self, name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(the mixed tensor, ours as float32, what our frames decode to)."""
