@@ -437,3 +437,29 @@ def test_the_monitor_shows_peers_throughput_and_capacity_per_stage_and_the_bottl
     assert "stage 1: 2 peers, 20 samples/s, capacity 24 samples/s  <- bottleneck" in console.file.getvalue()
     plain = build_snapshot(members[:1], None, now, policy)
     assert plain.stages == () and plain.to_dict()["bottleneck_stage"] is None
+
+
+def test_a_server_knows_its_data_holders_left_even_if_no_record_showed_one_active() -> None:
+    """A data holder can join, train and leave between two reads of the records (a tiny run on a
+    loaded machine): the samples the server stepped on say holders were here, and once none came for
+    the grace period the server is done, instead of serving nobody for good."""
+    from swarm.pipeline import _roster
+
+    class NoMembers:
+        peer_id = "server"
+
+        def members(self) -> list:
+            return []
+
+    now = [1000.0]
+    roster = _roster.Roster(NoMembers(), "hash", 2, period_s=3600, clock=lambda: now[0])  # type: ignore[arg-type]
+    try:
+        roster.refresh()
+        assert not roster.holders_gone(grace_s=10)  # no holder ever: keep waiting for one
+        roster.holders_active()
+        now[0] += 5
+        assert not roster.holders_gone(grace_s=10)
+        now[0] += 6
+        assert roster.holders_gone(grace_s=10)
+    finally:
+        roster.close()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from swarm.membership import PROTOCOL_VERSION
@@ -25,9 +26,17 @@ logger = logging.getLogger(__name__)
 class Roster:
     """Compatible live trainers of the run (same config hash and protocol), kept fresh by a thread."""
 
-    def __init__(self, node: SwarmNode, config_hash: str, num_stages: int, *, period_s: float = 1.0) -> None:
+    def __init__(
+        self,
+        node: SwarmNode,
+        config_hash: str,
+        num_stages: int,
+        *,
+        period_s: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._node, self._hash, self.num_stages = node, config_hash, num_stages
-        self._period = period_s
+        self._period, self._clock = period_s, clock
         self._lock = threading.Lock()
         self._records: list[Any] = []
         self.router: Router | None = None
@@ -61,7 +70,7 @@ class Roster:
             self._records = records
             self._holders = frozenset(r.peer_id for r in records if r.stage == 0)
             if any(r.stage == 0 and r.state in ACTIVE and r.peer_id != self._node.peer_id for r in records):
-                self._holder_seen_at = time.monotonic()
+                self._holder_seen_at = self._clock()
             router = self.router
         if router is not None:
             serving = [
@@ -89,11 +98,17 @@ class Roster:
                 (r.peer_id, r.samples_total) for r in self._records if r.stage == 0 and r.peer_id != exclude
             ]
 
+    def holders_active(self) -> None:
+        """A data holder's work just arrived (a server stepped on its samples): holders are here, even
+        if no record read so far showed one active (a holder can join, train and leave between reads)."""
+        with self._lock:
+            self._holder_seen_at = self._clock()
+
     def holders_gone(self, grace_s: float = 10.0) -> bool:
         """Data holders were here, and none has been active for ``grace_s`` seconds: a server is done."""
         with self._lock:
             seen = self._holder_seen_at
-        return seen is not None and time.monotonic() - seen > grace_s
+        return seen is not None and self._clock() - seen > grace_s
 
     def close(self) -> None:
         self._stop.set()

@@ -295,6 +295,7 @@ class ServerRole(StageRole):
         device = worker.stats.train_device_s - self._device_mark
         self._device_mark = worker.stats.train_device_s
         worker.stepped()
+        self.host.roster.holders_active()  # the samples came from data holders: they were here
         return self.inner_step(samples, loss, device, device)
 
     def leave(self) -> list[RoundResult]:
