@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+import signal
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -21,7 +22,7 @@ from swarm.learning.estimate import (
     estimate_peer,
     model_shape,
 )
-from tests._processes import heavy_scenario, swarm_cli
+from tests._processes import heavy_scenario, swarm_cli, wait_until
 
 CONFIGS = sorted((Path(__file__).resolve().parent.parent / "configs").glob("*.yaml"))
 runner = CliRunner()
@@ -112,36 +113,43 @@ def _overrides(name: str) -> list[str]:
     ]
 
 
-def _local_run(spawn, tmp_path: Path, name: str) -> Callable[[], dict]:
-    """Start two gossip trainers of the ``name`` model that exchange in both roles, evaluate, publish
-    their state and write checkpoints; returns a function that waits for their summaries, each with
-    its process's peak resident set."""
-    summary = tmp_path / f"{name}.json"
-    # rounds of at least 3 s: time for each trainer's record to say it joined (a joining peer is not
-    # dialled), so that exchanges run in both roles before the limit; the large model's steps take that
-    # long by themselves, the tiny one's are padded (an emulated device: no memory)
-    # a loaded machine takes seconds to snapshot the large model for a partner: patience, so that the
-    # handshake does not time out (and the partner get banned for it)
-    large = ["train.max_steps=9", "averaging.chunk_timeout_s=60", "averaging.exchange_timeout_s=120"]
-    pace = large if name == "large" else ["train.max_steps=12", "emulation.step_time_s=1.0"]
+def _local_run(spawn, tmp_path: Path, name: str) -> tuple[Any, Path, Path]:
+    """Start two gossip trainers of the ``name`` model without a step limit: they exchange in both
+    roles, evaluate, publish their state and write a checkpoint every round until the test stops them;
+    returns the process, its log directory and the summary it writes (each peer's peak resident set)."""
+    summary, logs = tmp_path / f"{name}.json", tmp_path / name
+    # the tiny model's steps are padded (an emulated device: no memory) so that it trains about as
+    # slowly as the large one, and its records say it joined long before its limit
+    pace = ["emulation.step_time_s=0.5"] if name == "small" else []
     overrides = [
         *_overrides(name),
         *pace,
+        "train.max_steps=100000",
         "train.eval_batches=1",
         "train.checkpoint_every_s=0.01",  # after every round (and on the way out)
-        f"train.checkpoint_dir={tmp_path / name / 'checkpoints'}",
+        f"train.checkpoint_dir={logs / 'checkpoints'}",
         "averaging.sync_every_steps=3",
+        # a loaded machine takes seconds to snapshot the large model for a partner: patience, so that
+        # a handshake does not time out (and the partner get banned for it)
+        "averaging.chunk_timeout_s=60",
+        "averaging.exchange_timeout_s=120",
         "network.record_interval_s=1",
         "network.record_ttl_s=4",
     ]
     args = ["local", "--peers", "2", "--config", "configs/local-tiny.yaml", "--summary", str(summary)]
-    local = spawn(swarm_cli(*args, *(f"--set={o}" for o in overrides), "--log-dir", str(tmp_path / name)))
+    local = spawn(swarm_cli(*args, *(f"--set={o}" for o in overrides), "--log-dir", str(logs)))
+    return local, logs, summary
 
-    def summaries() -> dict:
-        assert local.wait(timeout=500) == 0, local.output()
-        return json.loads(summary.read_text())
 
-    return summaries
+def _exchanges(logs: Path) -> list[int]:
+    """Each trainer's committed exchanges, as its latest history line (its own record) says."""
+    counts = []
+    for index in (1, 2):
+        history = logs / f"peer-{index}.history.jsonl"
+        lines = history.read_text().split("\n")[:-1] if history.exists() else []  # whole lines only
+        peers = json.loads(lines[-1])["peers"] if lines else []
+        counts.append(max((peer["exchanges_ok"] for peer in peers), default=0))
+    return counts
 
 
 @heavy_scenario
@@ -155,11 +163,14 @@ def test_the_estimate_matches_the_measured_peak_memory(spawn, tmp_path: Path) ->
 
     On the CPU the device is the host: both layouts put the same bytes in the same memory, so the
     one measurement checks the total of each (the device's part plus the host's)."""
-    runs = _local_run(spawn, tmp_path, "small"), _local_run(spawn, tmp_path, "large")
-    small, large = (summaries() for summaries in runs)  # side by side: a peak is per process
-    for run in (small, large):  # the buffers were used
-        why = [(peer["rounds_by_role"], peer["exchanges_failed_by_cause"]) for peer in run["per_peer"]]
-        assert all(peer["exchanges_ok"] > 0 for peer in run["per_peer"]), why
+    runs = {name: _local_run(spawn, tmp_path, name) for name in ("small", "large")}  # side by side
+    summaries = {}
+    for name, (local, logs, summary) in runs.items():  # each stopped once its buffers were used, twice
+        wait_until(lambda logs=logs: min(_exchanges(logs)) >= 2, 600, f"the {name} trainers to exchange")
+        local.signal(signal.SIGINT)
+        assert local.wait(timeout=120) == 0, local.output()
+        summaries[name] = json.loads(summary.read_text())
+    small, large = summaries["small"], summaries["large"]
     measured = min(p["peak_rss_bytes"] for p in large["per_peer"]) - max(
         p["peak_rss_bytes"] for p in small["per_peer"]
     )
