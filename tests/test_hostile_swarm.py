@@ -14,25 +14,31 @@ trainers alone, and an attacked one of the same 4 with, at the same time,
   which a joiner comes in once the honest trainers announce at least 3 distinct states.
 
 Checked: every honest trainer, in both swarms, trains all its steps (the fake samples do not end the
-run); the mean held-out loss of the 4 honest trainers under attack is within ``LOSS_TOLERANCE`` of
-the clean swarm's; the config a joiner pulls through the organizer is the organizer's (in time: the
-alias bomb is never parsed); the joiner takes over the median of at least 3 trainers' states (or,
-when they all move on under its download, a partner's model through a clipped exchange), never the
-poisoned digest nor its progress, and trains all its steps to a loss within the same bound; no peer
-crashes; nothing outlives the test (processes, p2p daemons). The relay (finding 8) is not part of
-it: these trainers relay nothing (``tests/test_hostile_relay.py`` covers it).
+run); the median held-out loss of the 4 honest trainers under attack is within ``LOSS_TOLERANCE`` of
+the clean swarm's, and every one of them is finite; the config a joiner pulls through the organizer is
+the organizer's (in time: the alias bomb is never parsed); the joiner takes over the median of at
+least 3 trainers' states (or, when they all move on under its download, a partner's model through a
+clipped exchange), never the poisoned digest nor its progress, and trains all its steps to a loss
+within the same bound; no peer crashes; nothing outlives the test (processes, p2p daemons). The relay
+(finding 8) is not part of it: these trainers relay nothing (``tests/test_hostile_relay.py`` covers
+it).
 
-Measured on the shared 2-core machine: alone, 92 s, mean held-out loss clean 4.731, attacked 4.730;
-in a full suite run, 163 s, clean 4.828, attacked 4.655, joiner 4.792 (it adopted a partner's model:
-the donors moved on under each of its three attempts). The 4 honest trainers' own losses spread
-over 4.63-4.80 in the first clean swarm, so the 5% bound (0.24 bits per byte) holds clean-run noise
-of the mean of four with room, while an undefended attack drives the loss to Inf/NaN
-(docs/gossip.md).
+Measured on the shared 2-core machine: alone, 92 s, mean held-out loss clean 4.731, attacked 4.730; in
+a full suite run, 163 s, clean 4.828, attacked 4.655, joiner 4.792 (it adopted a partner's model: the
+donors moved on under each of its three attempts). One trainer of four sometimes ends far from the
+others after 40 steps, in either swarm: 5.11 against 4.54-4.73 in a clean swarm, 5.86 against
+4.59-5.16 in another, 6.54 against 4.62-5.13 in an attacked one under a full suite's load. The
+outlier's rounds look like the others' (the same anchor norm, momentum and drift within a few percent,
+traced per applied update), and every outer step moves the anchor by about 10% of its norm, so where a
+trainer's last one falls before its end likely decides it. Hence the median: the 5% bound (about 0.24
+bits per byte) holds that noise, while an undefended attack drives every honest trainer's loss to
+Inf/NaN (docs/gossip.md).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import time
 from collections.abc import Callable, Iterator
@@ -146,7 +152,7 @@ def test_honest_trainers_train_through_every_attack_at_once(swarms, closing, tmp
     [joined] = [report["joined"] for report in joiner.wait_done(timeout=240)]
     summaries = {name: [json.loads(paths[name][i].read_text()) for i in honest] for name in runs}
     joiner_summary = json.loads(joiner_path.read_text())
-    losses = {name: statistics.fmean(peer["eval_loss"] for peer in summaries[name]) for name in runs}
+    losses = {name: statistics.median(peer["eval_loss"] for peer in summaries[name]) for name in runs}
     report = {
         "seconds": round(time.monotonic() - started),
         "loss": {name: round(loss, 3) for name, loss in losses.items()},
@@ -166,6 +172,7 @@ def test_honest_trainers_train_through_every_attack_at_once(swarms, closing, tmp
     for name in runs:
         assert [peer["steps"] for peer in summaries[name]] == [STEPS] * len(HONEST), (name, report)
     # findings 1 and 9: the honest trainers' model is as good as without the attackers
+    assert all(math.isfinite(peer["eval_loss"]) for peer in summaries["attacked"]), report
     assert losses["attacked"] <= losses["clean"] * (1 + LOSS_TOLERANCE), report
     # findings 2 and 7: a joiner that took donors' states took the median of at least 3 trainers'
     # (the attacking trainers' own models may be among them: they train on real data), none of the

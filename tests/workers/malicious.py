@@ -97,16 +97,17 @@ def _install_attack(peer: Any, attack: str) -> None:
 
 
 def _log_clips() -> None:
+    """``MALICIOUS_DEBUG=1``: log the robust clip's verdict on every exchange's pair of tensors."""
     import swarm.gossip._exchange as exchange
 
-    original = exchange.robust_mix
+    original = exchange.clip_stats
 
-    def logged(*args: Any) -> Any:
-        tensors, stats = original(*args)
-        logging.getLogger("clip").warning("w=%.0f v=%.0f %s", args[2], args[4], stats)
-        return tensors, stats
+    def logged(norms: Any, policy: Any, reference: float, weights: tuple[float, float], own: Any) -> Any:
+        stats = original(norms, policy, reference, weights, own)
+        logging.getLogger("clip").warning("w=%.0f v=%.0f %s", weights[0], weights[1], stats)
+        return stats
 
-    exchange.robust_mix = logged
+    exchange.clip_stats = logged
 
 
 class BanLog(logging.Handler):
