@@ -89,8 +89,12 @@ class Kind(enum.IntEnum):
     ERROR = 3
 
 
+SERVICE = "reach"
+"""The service's name in its handler's protocol id (the checker's ``StreamService.protocol``)."""
+
+
 def handler_name(run_id: str) -> str:
-    return protocol_id("reach", run_id)
+    return protocol_id(SERVICE, run_id)
 
 
 class RequestRefused(ProtocolError):
@@ -224,7 +228,7 @@ class ReachabilityChecker(StreamService):
     """
 
     what = "reachability check"
-    protocol = "reach"
+    protocol = SERVICE
     io_timeout_s = IO_TIMEOUT_S
 
     def __init__(

@@ -18,6 +18,7 @@ from swarm.state._snapshot import StateSnapshot
 from swarm.state._transfer_protocol import (
     IO_TIMEOUT_S,
     REQUEST_MAX_BYTES,
+    SERVICE,
     Kind,
     ProgressFloor,
     Request,
@@ -99,7 +100,7 @@ class StateServer(StreamService):
     """
 
     what = "state request"
-    protocol = "state"
+    protocol = SERVICE
     io_timeout_s = IO_TIMEOUT_S
 
     def __init__(

@@ -60,8 +60,12 @@ class Kind(enum.IntEnum):
     ERROR = 4
 
 
+SERVICE = "state"
+"""The service's name in its handler's protocol id (the server's ``StreamService.protocol``)."""
+
+
 def handler_name(run_id: str) -> str:
-    return protocol_id("state", run_id)
+    return protocol_id(SERVICE, run_id)
 
 
 async def send(writer: asyncio.StreamWriter, kind: Kind, payload: bytes, timeout: float) -> None:
