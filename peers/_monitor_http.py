@@ -7,7 +7,8 @@
 
 A Starlette app runs on a uvicorn server in a thread of its own, so the monitor loop stays as it is: each
 refresh hands the snapshot to :meth:`StatusServer.update` and requests read the latest one. The socket
-is bound before the thread starts, so a bad or busy address fails at once, in the caller.
+is bound before the thread starts, so a bad or busy address fails at once, in the caller. What the server
+admits (connections, request heads, ``Host`` names) is peers/_monitor_guard.py's.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from peers._monitor_guard import HostRule, HttpLimits, RequestGuard, guarded_protocol
 from peers._monitor_prometheus import SnapshotCollector
 from swarm.metrics import SwarmSnapshot
 
@@ -115,11 +117,20 @@ class StatusServer:
     """The page, the snapshot API and ``/metrics`` on ``host:port`` (port 0: see :attr:`port`).
 
     ``seed``: snapshots (JSON form) to start the plots with, e.g. :func:`swarm.metrics.read_history`
-    of the ``--history`` file. Raises OSError when the address cannot be bound.
+    of the ``--history`` file. ``allowed_hosts``: ``Host`` names answered besides addresses (see
+    :class:`~peers._monitor_guard.HostRule`); ``limits``: connections and request heads. Raises OSError
+    when the address cannot be bound.
     """
 
     def __init__(
-        self, host: str, port: int, *, refresh_s: float = 2.0, seed: Iterable[dict[str, Any]] = ()
+        self,
+        host: str,
+        port: int,
+        *,
+        refresh_s: float = 2.0,
+        seed: Iterable[dict[str, Any]] = (),
+        allowed_hosts: Iterable[str] = (),
+        limits: HttpLimits = HttpLimits(),
     ) -> None:
         self.host = host
         self._lock = threading.Lock()
@@ -132,10 +143,15 @@ class StatusServer:
         self._registry.register(self._collector)
         self._page, self._csp = render_page(refresh_s)
         self._socket = _bind(host, port)
-        self.port: int = self._socket.getsockname()[1]
+        bound_ip, bound_port = self._socket.getsockname()[:2]
+        self.port: int = bound_port
+        rule = HostRule(str(bound_ip), bound_port, allowed_hosts)
         config = uvicorn.Config(
-            self._app(),
+            RequestGuard(self._app(), rule, limits),
             loop="asyncio",
+            http=guarded_protocol(limits),
+            ws="none",
+            h11_max_incomplete_event_size=limits.max_header_bytes,
             lifespan="off",
             log_config=None,
             log_level="warning",

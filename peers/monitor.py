@@ -54,6 +54,11 @@ def monitor(
     http: str | None = typer.Option(
         None, "--http", help="Serve a status page, /api/snapshot.json and /metrics on HOST:PORT."
     ),
+    http_allow_host: list[str] | None = typer.Option(
+        None,
+        "--http-allow-host",
+        help="Also answer --http requests for this host name (repeatable; addresses are always answered).",
+    ),
     tensorboard_dir: Path | None = typer.Option(
         None,
         "--tensorboard-dir",
@@ -79,7 +84,9 @@ def monitor(
         sinks = _open_sinks(output_format, once, prometheus_host, port, history_path)
         try:
             tensorboard = tensorboard_dir or cfg.monitor.tensorboard_dir
-            sinks.extras = _open_extra_sinks(http_address, tensorboard, cfg.monitor.refresh_s, history_path)
+            sinks.extras = _open_extra_sinks(
+                http_address, tensorboard, cfg.monitor.refresh_s, history_path, http_allow_host or []
+            )
             run_monitor(
                 cfg, network, sinks, policy=snapshot_policy(cfg, max_drift), once=once, wait_s=wait, stop=stop
             )
@@ -227,12 +234,17 @@ def _http_address(text: str, once: bool) -> tuple[str, int]:
 
 
 def _open_extra_sinks(
-    http: tuple[str, int] | None, tensorboard: str | Path | None, refresh_s: float, history: Path | None
+    http: tuple[str, int] | None,
+    tensorboard: str | Path | None,
+    refresh_s: float,
+    history: Path | None,
+    allowed_hosts: list[str],
 ) -> list[_Sink]:
-    """The status page (plots seeded from the ``--history`` file, if any) and the TensorBoard writer."""
+    """The status page (plots seeded from the ``--history`` file, if any; answering ``Host`` names in
+    ``allowed_hosts`` besides addresses) and the TensorBoard writer."""
     extras: list[_Sink] = []
     if http is not None:
-        extras.append(_open_status_page(*http, refresh_s, history))
+        extras.append(_open_status_page(*http, refresh_s, history, allowed_hosts))
     if tensorboard is not None:
         from peers._monitor_tensorboard import TensorBoardSink
 
@@ -246,13 +258,15 @@ def _open_extra_sinks(
     return extras
 
 
-def _open_status_page(host: str, port: int, refresh_s: float, history: Path | None) -> _Sink:
+def _open_status_page(
+    host: str, port: int, refresh_s: float, history: Path | None, allowed_hosts: list[str]
+) -> _Sink:
     from peers._monitor_http import StatusServer, url_of
     from swarm.metrics import read_history
 
     seed = read_history(history) if history is not None and history.is_file() else []
     try:
-        server = StatusServer(host, port, refresh_s=refresh_s, seed=seed)
+        server = StatusServer(host, port, refresh_s=refresh_s, seed=seed, allowed_hosts=allowed_hosts)
     except OSError as exc:
         common.fail(f"--http: cannot serve on {url_of(host, port)}: {exc}")
     typer.echo(f"status page at {server.url}", err=True)

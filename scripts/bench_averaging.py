@@ -70,7 +70,7 @@ def _run_swarm(index: int, dht: Any, cfg: dict, x: torch.Tensor, stop: Any, repo
     )
 
     def snapshot() -> torch.Tensor:
-        with averager.paused():
+        with averager.reading():  # not paused(): a reader must not stop the exchanges in flight
             return x.clone()
 
     averager.set_tensors([x])

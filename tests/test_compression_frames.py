@@ -253,11 +253,19 @@ def test_stream_errors() -> None:
         run(frames, {**expected, "bias": ((6,), torch.float32)})
     with pytest.raises(FrameError, match="dtype"):
         run(frames, {**expected, "bias": ((5,), torch.float16)})
-    # overlapping chunks: the same range sent again under another chunk index
+    # overlapping chunks: the same range sent again under another chunk index is off the grid
     f0 = frames[0]
     overlap = patch(f0, 16, "<I", decode_frame(f0).chunk_index + 1)
-    with pytest.raises(FrameError, match="overlaps"):
+    with pytest.raises(FrameError, match=r"offset: chunk 1 .* is not chunk 1 of"):
         run([f0, overlap])
+    # chunks cut to two sizes overlap: each is on a grid, but not on the same one
+    fp32, x = get_codec("fp32"), torch.randn(1000)
+    cut_300 = encode_frame("x", fp32.encode(x), fp32, 0, 300, 0, 4)
+    cut_250 = encode_frame("x", fp32.encode(x), fp32, 250, 250, 1, 4)
+    with pytest.raises(
+        FrameError, match="cut in chunks of 250 elements, its earlier chunks in chunks of 300"
+    ):
+        run([cut_300, cut_250], {"x": ((1000,), torch.float32)})
     # chunks of one tensor must agree on codec/shape; a failed decoder stays failed
     other = encode_frame("embed", get_codec("int4", 64).encode(torch.randn(300, 70)), get_codec("int4", 64))
     d = TensorStreamDecoder()
@@ -266,6 +274,35 @@ def test_stream_errors() -> None:
         d.feed(other)
     with pytest.raises(FrameError, match="already failed"):
         d.finish()
+
+
+def test_out_of_order_chunks_are_placed_in_constant_work_each() -> None:
+    """2000 one-element frames, every other one first, then the gaps from the end: each frame is
+    placed by its chunk index on the grid, one chunk record looked at per frame (a sorted list of
+    ranges moved up to the whole list for each)."""
+    fp32, x = get_codec("fp32"), torch.randn(2000)
+    frames = list(encode_tensors([("w", x)], fp32, chunk_bytes=HEADER_SIZE + 8 + 1 + 4))
+    assert len(frames) == 2000
+    decoder = TensorStreamDecoder({"w": ((2000,), torch.float32)})
+    for frame in [*frames[1::2], *frames[::2][::-1]]:
+        decoder.feed(frame)
+    assert torch.equal(decoder.finish()["w"], x)
+    assert decoder.chunk_steps == len(frames)
+
+
+def test_min_chunk_bytes_bounds_the_chunk_count_from_the_header() -> None:
+    """A tensor may come in no more chunks than frames of ``min_chunk_bytes`` need (5 for 16384 int8
+    values in 4096-byte frames): the 256 chunks of one-block frames are refused from the first."""
+    c, x = get_codec("int8", 64), torch.randn(64 * 256)
+    honest = list(encode_tensors([("w", x)], c, chunk_bytes=4096))
+    limits = DecodeLimits(min_chunk_bytes=4096)
+    assert len(honest) == 5 and all(decode_frame(f, limits, c) for f in honest)
+    tiny = next(iter(encode_tensors([("w", x)], c, chunk_bytes=HEADER_SIZE + 8 + 1 + c.block_nbytes())))
+    assert decode_frame(tiny).num_chunks == 256
+    with pytest.raises(FrameError, match=r"chunk count: 256 not in \[1, 5\]"):
+        decode_frame(tiny, limits)
+    with pytest.raises(FrameError, match=r"codec: a frame in int8 .* agreed on fp32"):
+        decode_frame(tiny, codec=get_codec("fp32"))
 
 
 def test_stream_limits() -> None:

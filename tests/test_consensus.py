@@ -247,7 +247,7 @@ class _Record:
 
 class _Member:
     def __init__(self, peer_id: str) -> None:
-        self.peer_id, self.record = peer_id, _Record()
+        self.peer_id, self.record, self.expires_at = peer_id, _Record(), 0.0
 
 
 class _Node:

@@ -340,7 +340,9 @@ def test_an_allocation_the_machine_refuses_is_a_frame_error() -> None:
     c = get_codec("fp32")
     body = bytearray(encode_frame("w", c.encode(torch.ones(64)), c, count=8, num_chunks=8))
     struct.pack_into("<B", body, 6, 4)  # dtype id: float64
-    struct.pack_into("<Q", body, HEADER_SIZE, 2**60)  # shape
+    # the last of 2**31 + 1 chunks of 2**29 elements: 8 elements at 2**60, on the grid of its tensor
+    struct.pack_into("<IIQ", body, 16, 2**31, 2**31 + 1, 2**60)  # chunk index, chunk count, offset
+    struct.pack_into("<Q", body, HEADER_SIZE, 2**60 + 8)  # shape
     limits = DecodeLimits(max_elements=2**62, max_total_elements=2**62)
     with pytest.raises(FrameError, match="cannot allocate"):
         TensorStreamDecoder(limits=limits).feed(with_crc(body))

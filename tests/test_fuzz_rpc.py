@@ -89,6 +89,7 @@ def make_averager(p2p: FakeP2P, partners: Callable[[], list[PartnerInfo]] = list
         chunk_timeout_s=0.3,
         busy_patience_s=0.05,
         ban_base_s=60.0,
+        retry_backoff_s=0.0,  # every case fails on purpose: no pause before the next one
     )
     averager.set_tensors({name: t.clone() for name, t in LOCAL.items()}, weight=1.0)
     return averager

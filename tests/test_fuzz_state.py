@@ -249,7 +249,7 @@ def test_fuzz_state_client(errors: ErrorLog, data: bytes) -> None:
 @given(
     frames=st.lists(crafted_frames(), min_size=1, max_size=3),
     meta=st.dictionaries(st.text(max_size=4), garbage, max_size=3),
-    chunk_bytes=st.sampled_from([4096, 4096, 64 << 20, 1]),
+    chunk_bytes=st.sampled_from([4096, 4096, transfer.MAX_RECV_CHUNK_BYTES, 64 << 20, 1]),
 )
 def test_fuzz_state_client_hostile_donor(
     errors: ErrorLog, frames: list[bytes], meta: dict, chunk_bytes: int

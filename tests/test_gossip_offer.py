@@ -242,7 +242,9 @@ def test_a_folded_exchange_applies_the_pseudo_gradient_and_pulls_the_anchors_in_
     proposals, served = _count(first._handshake, "propose"), _count(second, "_serve_exchange")
     result = first.sync()
     assert result.outcome is SyncOutcome.OK, result
-    _wait(b.live.has_pending, 10, "the dialled side's commit")
+    # the dialled side counts its commit just after queueing the update: wait for both
+    committed = lambda: b.live.has_pending() and second.metrics().exchanges_ok == 1  # noqa: E731
+    _wait(committed, 10, "the dialled side's commit")
     assert (proposals(), served()) == (1, 1)  # one handshake carried both parts
     assert first.metrics().exchanges_ok == 1 and second.metrics().exchanges_ok == 1
     # on the wire: the fp32 pseudo-gradient and the int8 anchor, once each, plus frame headers and the

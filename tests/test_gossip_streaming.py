@@ -1,6 +1,7 @@
 """The exchange's data phase streams (swarm.gossip._exchange, _mixing): our tensors may be computed as
-they are read, an exchange whose offer changed under it stops without blaming anyone, and a partner
-whose share is negligible (a joiner taking over) leaves us unchanged and costs no memory."""
+they are read, an exchange whose offer changed under it stops without blaming anyone, a partner
+whose share is negligible (a joiner taking over) leaves us unchanged and costs no memory, and one
+whose frames are not what the agreed codec and schema need is refused as bad data."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 from swarm.compression import ErrorFeedback, LazyTensors, get_codec
-from swarm.gossip._exchange import ExchangeSpec, NotCommitted, run_exchange, settle
+from swarm.gossip._exchange import ExchangeSpec, NotCommitted, Settled, run_exchange, settle
 from swarm.gossip._gate import ExchangeGate, Turn
 from swarm.gossip._metrics import SyncOutcome
 from swarm.gossip._mixing import MixedTensors
@@ -121,3 +122,52 @@ def test_a_joiner_taking_over_leaves_us_unchanged_and_gets_our_values(codec: str
     assert not joiner.tensors.unchanged
     server.tensors.fold_all()
     assert all(feedback.residual(n) is None for n in NAMES)  # nothing to fold into our residuals
+
+
+def _settle_pair(
+    ours: dict[str, torch.Tensor],
+    spec: ExchangeSpec,
+    theirs: dict[str, torch.Tensor],
+    their_spec: ExchangeSpec,
+) -> Settled:
+    """How our side of an exchange with a partner that streams with ``their_spec`` ends."""
+
+    async def scenario() -> Settled:
+        a, b = await channel_pair()
+        try:
+            ended = await asyncio.gather(
+                settle(run_exchange(a, ours, (1.0, 1.0), spec, None), 30.0, "b"),
+                settle(run_exchange(b, theirs, (1.0, 1.0), their_spec, None), 30.0, "a"),
+            )
+            return ended[0]
+        finally:
+            a.close()
+            b.close()
+
+    return asyncio.run(scenario())
+
+
+def _small(seed: int) -> dict[str, torch.Tensor]:
+    return {"w": torch.randn(64 * 64, generator=torch.Generator().manual_seed(seed))}
+
+
+def test_tiny_fp32_frames_under_an_int8_agreement_are_bad_data() -> None:
+    """A partner that agreed on int8 streams one-element fp32 frames (65 bytes each, for 4 bytes of
+    payload): its first frame is refused as bad data, which bans it at once."""
+    tiny = ExchangeSpec(codec=get_codec("fp32"), chunk_bytes=65, policy=NormPolicy())
+    spec = ExchangeSpec(codec=get_codec("int8", 64), chunk_bytes=4096, policy=NormPolicy())
+    ended = _settle_pair(_small(0), spec, _small(1), tiny)
+    assert ended.outcome is SyncOutcome.REJECTED and ended.bad_data, ended
+    assert "codec: a frame in fp32" in ended.reason
+
+
+def test_more_frames_than_the_schema_needs_are_bad_data() -> None:
+    """In the agreed codec but one block a frame (64 frames where 4096-byte chunks need 2): the first
+    frame's chunk count is refused as bad data, before anything is kept."""
+    flood = ExchangeSpec(codec=get_codec("int8", 64), chunk_bytes=61 + 68, policy=NormPolicy())
+    spec = ExchangeSpec(codec=get_codec("int8", 64), chunk_bytes=4096, policy=NormPolicy())
+    ended = _settle_pair(_small(0), spec, _small(1), flood)
+    assert ended.outcome is SyncOutcome.REJECTED and ended.bad_data, ended
+    assert "chunk count: 64 not in [1, 2]" in ended.reason
+    honest = _settle_pair(_small(0), spec, _small(1), spec)
+    assert honest.outcome is SyncOutcome.OK, honest

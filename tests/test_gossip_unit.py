@@ -24,12 +24,13 @@ from swarm.gossip._exchange import (
     commit,
     run_exchange,
 )
+from swarm.gossip._failures import FAILURES_TO_BAN, HOLD_S, MAX_HOLD_S
 from swarm.gossip._metrics import MetricsRecorder
 from swarm.gossip._mixing import mix
 from swarm.gossip._options import GossipOptions
 from swarm.gossip._partners import FORGET_AFTER_S, BanList, eligible_partners, pick_order
 from swarm.gossip._protocol import Channel, Hello, MsgKind, PartHello, ProtocolError, handler_name
-from swarm.gossip._reputation import HOLD_S, Reputation
+from swarm.gossip._reputation import Reputation
 from swarm.gossip._robust import ClipStats
 from swarm.gossip._validation import NormPolicy, ValidationError, schema_hash, validate_received
 from tests._channels import channel_pair
@@ -167,24 +168,54 @@ def test_ban_list_forgets_old_offenders_and_stays_bounded(monkeypatch) -> None:
     assert bans.is_banned("sybil-199") and not bans.is_banned("sybil-0")  # the earliest-ending went first
 
 
+def _member(peer: str, expires_at: float | None = 100.0, leaving: bool = False) -> PartnerInfo:
+    return PartnerInfo(peer, PROTOCOL_VERSION, "cfg", leaving=leaving, expires_at=expires_at)
+
+
 def test_failures_are_held_until_the_members_show_whether_the_partner_left() -> None:
     now = [0.0]
     options = GossipOptions(ban_base_s=10, ban_max_s=40)
     reputation = Reputation(options, MetricsRecorder(), clock=lambda: now[0])
-    for peer in ("gone", "leaving", "staying"):
+    peers = ("gone", "leaving", "staying", "died")
+    reputation.review([_member(p) for p in peers])  # all four were members
+    for peer in peers:
         reputation.failed(peer, f"connection reset by {peer}")
-    assert all(reputation.is_banned(p) for p in ("gone", "leaving", "staying"))  # not dialled meanwhile
+    assert all(reputation.is_banned(p) for p in peers)  # not dialled meanwhile
     assert reputation.reasons()["staying"] == "connection reset by staying"  # the reason, while held
-    assert reputation.bans.banned() == {}
-    staying = PartnerInfo("staying", 1, "cfg")
-    reputation.review([PartnerInfo("leaving", PROTOCOL_VERSION, "cfg"), staying])  # its record is late
-    assert reputation.bans.banned() == {}  # too early to judge: still held
+    reputation.review([_member("leaving"), _member("staying"), _member("died")])  # too early to judge
     now[0] = HOLD_S
-    listed = [PartnerInfo("leaving", PROTOCOL_VERSION, "cfg", leaving=True), staying]
-    reputation.review(listed)
-    assert set(reputation.banned()) == {"staying"} and reputation.bans.strikes() == {"staying": 1}
-    assert reputation.reasons() == {"staying": "connection reset by staying"}  # and once banned
+    reputation.review([_member("leaving", leaving=True), _member("staying"), _member("died")])
     assert not reputation.is_banned("gone") and not reputation.is_banned("leaving")
+    assert reputation.is_banned("staying") and reputation.is_banned("died")  # records not refreshed yet
+    now[0] += 1
+    reputation.review([_member("staying", expires_at=101.0), _member("died")])  # "staying" announced
+    assert not reputation.is_banned("staying")  # alive, but one failure is no ban: released
+    assert reputation.is_banned("died") and reputation.bans.banned() == {}
+    now[0] = MAX_HOLD_S
+    reputation.review([_member("staying", expires_at=101.0), _member("died")])  # never refreshed: it died
+    assert not reputation.is_banned("died") and reputation.bans.banned() == {}
+    reputation.failed("staying", "connection reset again")  # its second failure since a good exchange
+    now[0] += HOLD_S
+    reputation.review([_member("staying", expires_at=101.0)])
+    reputation.review([_member("staying", expires_at=102.0)])
+    assert set(reputation.bans.banned()) == {"staying"} and reputation.bans.strikes() == {"staying": 1}
+    assert reputation.reasons() == {"staying": "connection reset again"}
+
+
+def test_a_committed_exchange_forgives_failures_and_a_peer_without_a_record_gets_no_more() -> None:
+    now = [0.0]
+    reputation = Reputation(
+        GossipOptions(ban_base_s=10, ban_max_s=40), MetricsRecorder(), clock=lambda: now[0]
+    )
+    reputation.review([_member("member")])
+    for _ in range(FAILURES_TO_BAN):
+        reputation.failed("member", "timed out")
+        reputation.failed("stranger", "timed out")  # it dialled us and never had a record
+        now[0] += HOLD_S
+        reputation.review([_member("member", expires_at=now[0])])
+        reputation.review([_member("member", expires_at=now[0] + 1)])
+        reputation.committed("member", None)  # a good exchange between its failures
+    assert reputation.bans.banned().keys() == {"stranger"}  # judged at once, banned at its second
 
 
 def test_only_ordinary_exchanges_wear_a_suspicion_down() -> None:

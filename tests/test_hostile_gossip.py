@@ -165,7 +165,7 @@ def _model_exchanges(
     for _ in range(rounds):
         for name, theirs in partners.items():
             progress = 1e-3 * tensor_norm(ours["x"])
-            blame = reputation.norm_reference()
+            blame = reputation.norm_reference(name)
             mixed, stats = robust_mix(ours, ours, 1.0, theirs, weight, MODELS, blame, blame_norm=progress)
             partners[name] = {"x": theirs["x"] - (mixed["x"] - ours["x"])}
             ours = mixed
@@ -219,6 +219,36 @@ def test_a_steady_model_push_is_banned_whatever_weight_it_claims(pushes: tuple, 
             banned_at = exchange
             break
     assert banned_at is not None and banned_at < 12, (banned_at, pusher.reasons())
+
+
+def test_pumps_at_a_tiny_weight_interleaved_with_pushes_move_us_by_no_more_than_our_progress() -> None:
+    """Issue 41, N1: a "pump" at weight 1e-5 (excess about 0.04) raised the reference by half its
+    clipped difference, whatever its weight, and pushes at an excess of 1.0 in between kept the median
+    under the limit: 12 pushes moved a model 54% of its norm along the attacker's direction, never
+    banned. Now a mix moves the reference only by the share it moved us, a partner is judged against
+    the others' moves, never its own, and a model exchange is clipped to two plausible radii: the
+    attacker's direction gains about our progress per push, or the attacker is banned."""
+    g = torch.Generator().manual_seed(5)
+    ours = {"x": torch.randn(DIM, generator=g)}
+    start = ours["x"].clone()
+    reputation = Reputation(GossipOptions(clip_strikes=2), MetricsRecorder())
+    reputation.committed("warmup", clip_scale(ours, ours, MODELS, blame_norm=1e-3 * tensor_norm(ours["x"])))
+    direction = torch.nn.functional.normalize(torch.randn(DIM, generator=g), dim=0)
+    for exchange in range(24):
+        progress = 1e-3 * tensor_norm(ours["x"])
+        if exchange % 2 == 0:  # the pump: as far as the parameters' clip allows, at a tiny weight
+            weight, push = 1e-5, 0.1 * tensor_norm(ours["x"])
+        else:  # the push: an excess of 1.0 against the widest reference the attacker could hope for
+            weight, push = 1.0, MODELS.blame_ratio * max(progress, reputation.norm_reference())
+        theirs = {"x": ours["x"] + push * direction}
+        blame = reputation.norm_reference("attacker")
+        ours, stats = robust_mix(ours, ours, 1.0, theirs, weight, MODELS, blame, blame_norm=progress)
+        reputation.committed("attacker", stats)
+        if reputation.is_banned("attacker"):
+            break
+    gained = float((ours["x"] - start) @ direction) / tensor_norm(start)
+    print(f"moved {gained:.2%} along the attacker's direction in {exchange + 1} exchanges")
+    assert gained < 24 * 2e-3, gained  # at most about two progress norms per exchange, never 54%
 
 
 # ---------------------------------------------------------------------------- finding 9: the lock

@@ -58,6 +58,49 @@ def test_fresh_identities_claiming_huge_counts_bring_in_nothing_at_once() -> Non
     assert total < HUGE / 10**6
 
 
+HOUR = 3600
+SYBILS = 5  # with us and 3 honest peers, 5 of the 9 records we see
+
+
+def _sybil_claims(strategy: str, t: int, ledger: SwarmLedger) -> list[tuple[str, int]]:
+    """What a majority of Sybil records claims at second ``t``: a huge count from our first look on,
+    fresh keys after it whose counts grow fast, or a ratchet (each claims 16 times what it
+    was credited, up to the most a record may claim, so that a median of their rates lifts itself)."""
+    names = [f"sybil-{i}" for i in range(SYBILS)]
+    if strategy == "first-look":
+        return [(name, 10**15 + 10**9 * t) for name in names]
+    if strategy == "late":
+        return [(name, 10**9 * (t - 40)) for name in names] if t > 40 else []
+    return [(name, min(2**63 - 1, 16 * max(ledger.credited(name), RATE))) for name in names]
+
+
+@pytest.mark.parametrize("strategy", ["first-look", "late", "ratchet"])
+def test_a_majority_of_sybil_records_gains_at_most_rate_slack_times_our_own_rate(strategy: str) -> None:
+    """Old finding 3 (issue 41): Sybils that are most of the records set both medians, so each was
+    credited whatever it claimed (the finding: 7e16 samples in an hour; a ratchet's claims compound
+    to 2^63 - 1 each). Our own count and rate cap them: each live record is credited at most our count
+    at first sight, then 8x our rate while we watch it."""
+    clock = _Clock()
+    ledger = SwarmLedger(clock=clock)  # rate_slack 8
+    for t in range(1, HOUR + 1, 5):
+        clock.now = float(t)
+        total = ledger.observe([*_honest(t), *_sybil_claims(strategy, t, ledger)], own_samples=RATE * t)
+    per_sybil = RATE * 1 + 8 * RATE * HOUR  # our count at first sight, then 8x our rate for an hour
+    assert max(ledger.credited(f"sybil-{i}") for i in range(SYBILS)) <= per_sybil
+    assert total <= 3 * RATE * HOUR + SYBILS * per_sybil < 10**8
+
+
+def test_an_honest_majority_still_counts_every_honest_peer_in_full() -> None:
+    """The cap is our own rate: honest peers as fast as we are lose nothing to it."""
+    clock = _Clock()
+    ledger = SwarmLedger(clock=clock)
+    for t in range(1, HOUR + 1, 5):
+        clock.now = float(t)
+        total = ledger.observe([*_honest(t), ("liar", 10**12 * t)], own_samples=RATE * t)
+    assert all(ledger.credited(f"honest-{i}") == RATE * (HOUR - 4) for i in range(3))
+    assert total <= 3 * RATE * HOUR + RATE + 8 * RATE * HOUR
+
+
 def _signed_record(key: RSAPrivateKey, samples: int) -> tuple[bytes, dict, RSASignatureValidator]:
     signer = RSASignatureValidator(key)
     record = PeerRecord(

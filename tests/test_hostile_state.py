@@ -4,8 +4,10 @@ Real :class:`StateServer` handlers serve real snapshots to the real downloader (
 in-memory streams (``MemorySwarm``): what is faked is only the transport. Covered: two Sybil donors
 announcing one digest, one or two donors (never copied), a trusted initial peer (taken as is, or
 passed over when it fails), hostile progress counters (the median, never the maximum), per-peer
-stream caps and the progress floor of the server, checkpoint names of huge steps, and the
-bootstrap's mirror (same robust path, never saves poison, never frozen by an inflated copy).
+stream caps and the progress floor of the server, checkpoint names of huge steps, the bootstrap's
+mirror (same robust path, never saves poison, never frozen by an inflated copy), and slow donors
+(issue 41: the receive floor on bytes over windows, the chunk cap, endgame, the median's quorum,
+stage deadlines; a silent trainer does not freeze the mirror).
 """
 
 from __future__ import annotations
@@ -41,7 +43,8 @@ from swarm.state import (
     spool_state,
 )
 from swarm.state._merge import merge_meta
-from swarm.state._transfer_protocol import Kind, handler_name
+from swarm.state._schedule import START_WINDOWS, Budget, Scheduler
+from swarm.state._transfer_protocol import MAX_RECV_CHUNK_BYTES, FloorSpec, Kind, handler_name
 from tests._faults import faulty_snapshot
 from tests.workers.fuzz import FakeP2P, FakeWriter, jmsg, parse_messages, peer_id
 from tests.workers.state_transfer import flip_byte, make_state
@@ -55,20 +58,38 @@ HONEST_SAMPLES = (320, 352, 384)
 
 
 class PipeWriter:
-    """The writing half of an in-memory stream: what is written is fed to the other side's reader."""
+    """The writing half of an in-memory stream: what is written is fed to the other side's reader.
+    With ``trickle = (size, seconds)`` what is written reaches it ``size`` bytes every ``seconds``
+    (a drain waits for all of it); ``sent`` counts the bytes that reached it."""
 
-    def __init__(self, other: asyncio.StreamReader, delay: float = 0.0) -> None:
-        self._other, self._delay = other, delay
+    def __init__(
+        self, other: asyncio.StreamReader, delay: float = 0.0, trickle: tuple[int, float] | None = None
+    ) -> None:
+        self._other, self._delay, self._trickle = other, delay, trickle
+        self._pending = bytearray()
         self.closed = False
+        self.sent = 0
 
     def write(self, chunk: bytes | bytearray | memoryview) -> None:
         if self.closed:
             raise ConnectionResetError("write to a closed stream")
+        if self._trickle is not None:
+            self._pending += chunk
+            return
         self._other.feed_data(bytes(chunk))
+        self.sent += len(chunk)
 
     async def drain(self) -> None:
         if self.closed:
             raise ConnectionResetError("drain on a closed stream")
+        if self._trickle is not None:
+            size, seconds = self._trickle
+            while self._pending and not self.closed:
+                piece, self._pending = bytes(self._pending[:size]), self._pending[size:]
+                self._other.feed_data(piece)
+                self.sent += len(piece)
+                await asyncio.sleep(seconds)
+            return
         await asyncio.sleep(self._delay)  # how long the other side takes to read each piece
 
     def close(self) -> None:
@@ -86,15 +107,20 @@ class PipeWriter:
 class MemorySwarm:
     """The surface of ``hivemind.p2p.P2P`` a downloader dials through, joined in memory to the handlers
     of real StateServers (run on the downloader's loop). Records which donors were dialled; a donor
-    in ``delays`` takes that many seconds to hand on each piece it sends (a slow link)."""
+    in ``delays`` takes that many seconds to hand on each piece it sends (a slow link), one in
+    ``trickles`` hands on ``size`` bytes every ``seconds`` (:class:`PipeWriter`); ``links`` holds the
+    writer of each stream a donor answered on."""
 
     def __init__(self) -> None:
         self.peer_id = peer_id("joiner")
         self.donors: dict[str, FakeP2P] = {}
         self.servers: dict[str, StateServer] = {}
         self.delays: dict[str, float] = {}
+        self.trickles: dict[str, tuple[int, float]] = {}
+        self.links: dict[str, list[PipeWriter]] = {}
         self.dialled: list[str] = []
         self.serving: list[asyncio.Task[None]] = []
+        self.after: list[Callable[[], None]] = []  # called when a download ended
 
     async def call_binary_stream_handler(self, peer: Any, name: str) -> tuple[Any, Any, PipeWriter]:
         donor = self.donors.get(peer.to_base58())
@@ -104,7 +130,9 @@ class MemorySwarm:
         ours, theirs = asyncio.StreamReader(), asyncio.StreamReader()
         handler = donor.handlers[name]
         info = SimpleNamespace(peer_id=self.peer_id)
-        slow = PipeWriter(ours, self.delays.get(peer.to_base58(), 0.0))
+        label = peer.to_base58()
+        slow = PipeWriter(ours, self.delays.get(label, 0.0), self.trickles.get(label))
+        self.links.setdefault(label, []).append(slow)
         self.serving.append(asyncio.create_task(handler(info, theirs, slow)))
         return SimpleNamespace(peer_id=peer), ours, PipeWriter(theirs)
 
@@ -116,6 +144,8 @@ class MemorySwarm:
             try:
                 return await fetch_state(self, donors, run_id=RUN, **options)
             finally:
+                for release in self.after:
+                    release()
                 for task in self.serving:
                     task.cancel()
                 await asyncio.gather(*self.serving, return_exceptions=True)
@@ -319,6 +349,158 @@ def test_a_donor_below_the_receive_floor_loses_its_part(swarm, monkeypatch: pyte
     assert slow not in result.sources and fast in result.sources  # its part went to the fast donor
 
 
+# ---------------------------------------------------------------------------- slow donors (issue 41, N5)
+
+FLOOR = {"min_rate": 32 << 10, "window_s": 1.0}
+"""A receive floor small enough for quick tests: 32 KiB per 1 s window, the first within 2 s."""
+NEED = FLOOR["min_rate"] * FLOOR["window_s"]
+TRICKLE = (1024, 0.125)
+"""8 KiB/s, a quarter of the floor: a 78 KB state takes about 10 s."""
+
+
+@pytest.fixture
+def hold(swarm) -> Iterator[Callable[[int], None]]:
+    """A ``before_frame`` that never lets a frame go (a donor that sends its header, then nothing),
+    until the download ended (its worker thread is let go then, or the loop could not close)."""
+    memory, _ = swarm
+    release = threading.Event()
+    memory.after.append(release.set)
+
+    def never(index: int) -> None:
+        release.wait(30)
+
+    yield never
+    release.set()
+
+
+def test_a_trickling_donor_with_a_large_declared_chunk_is_snubbed_and_its_part_resumed(swarm, caplog) -> None:
+    """The trusted organizer declares the largest chunk a joiner takes and trickles its bytes at a
+    quarter of the floor (each read well within its own timeout): it is dropped at its first window,
+    before it sent one window's worth, and another holder of the digest resumes its part."""
+    memory, donor = swarm
+    tensors, meta = honest_states()[0]
+    big = make_snapshot(tensors, meta, chunk_bytes=MAX_RECV_CHUNK_BYTES)
+    organizer, _ = donor("organizer", tensors, meta, serve=big)
+    helper, _ = donor("helper", tensors, meta, serve=big)
+    memory.trickles[organizer] = TRICKLE
+    announced = [(organizer, big.digest), (helper, big.digest)]
+    result = memory.fetch(announced, trusted={organizer}, parallel=1, **FLOOR)
+    assert result.digest == big.digest and result.sources == (helper,)
+    assert "below the receive floor" in caplog.text
+    (link,) = memory.links[organizer]
+    assert 0 < link.sent < NEED  # cut at its first deadline, not after its part
+    with spool_state(tensors, meta, MAX_RECV_CHUNK_BYTES) as served:
+        assert result.received_bytes == served.nbytes  # the helper sent only what had not arrived
+
+
+def test_a_chunk_larger_than_a_joiner_takes_is_refused(swarm) -> None:
+    memory, donor = swarm
+    tensors, meta = honest_states()[0]
+    huge = make_snapshot(tensors, meta, chunk_bytes=MAX_RECV_CHUNK_BYTES + 1)
+    organizer, _ = donor("organizer", tensors, meta, serve=huge)
+    with pytest.raises(StateTransferError, match=r"chunk_bytes .* is not in"):
+        memory.fetch([(organizer, huge.digest)], trusted={organizer})
+
+
+def test_endgame_a_sybil_announcing_the_trusted_digest_costs_only_the_rest_of_its_part(swarm) -> None:
+    """A Sybil whose signed record announces the trusted digest gets a part and sends it slowly, above
+    the floor (never snubbed): a window after the organizer's part is done, the organizer is asked
+    for the rest of it too, and wins. Every byte the Sybil sent was verified against the digest."""
+    memory, donor = swarm
+    tensors, meta = honest_states()[0]
+    organizer, kept = donor("organizer", tensors, meta)
+    sybil, _ = donor("sybil", tensors, meta)
+    memory.trickles[sybil] = (1024, 0.1)  # 10 KiB/s: above the floor, four seconds for its part
+    announced = [(organizer, kept.digest), (sybil, kept.digest)]  # part 0 from the organizer
+    result = memory.fetch(announced, trusted={organizer}, parallel=2, min_rate=4 << 10, window_s=1.0)
+    assert result.digest == kept.digest and result.sources == (organizer,)
+    (link,) = memory.links[sybil]
+    frames = _frames(kept)
+    assert link.sent < sum(len(frames[i]) for i in range(1, len(frames), 2))  # not its whole part
+
+
+def _frames(snapshot: StateSnapshot) -> list[bytes]:
+    with spool_state(snapshot.tensors, snapshot.meta, snapshot.chunk_bytes) as served:
+        return [served.frame(i) for i in range(served.frame_count)]
+
+
+def test_the_median_finishes_despite_a_donor_that_never_sends(swarm, hold) -> None:
+    """Four distinct states, one donor sends its header and then nothing: the median of the other
+    three is taken, long before the download's progress timeout."""
+    memory, donor = swarm
+    honest = honest_states()
+    silent_state = make_snapshot(*poison(), chunk_bytes=CHUNK)
+    silent, _ = donor("silent", *poison(), serve=faulty_snapshot(silent_state, before_frame=hold))
+    donors = [donor(f"honest-{i}", *state) for i, state in enumerate(honest)]
+    announced = [(silent, silent_state.digest)] + [(peer, snap.digest) for peer, snap in donors]
+    result = memory.fetch(announced, parallel=4, timeout_s=10, **FLOOR)
+    assert silent not in result.sources and len(result.sources) == 3
+    assert_within_honest(result, [t for t, _ in honest])
+
+
+def test_a_median_state_slower_than_the_others_is_not_waited_for(swarm) -> None:
+    """A donor above the floor but far slower than the others (the only holder of its state): once
+    three states are in, it has as long again as they took, then the median of the three is taken."""
+    memory, donor = swarm
+    honest = honest_states()
+    slow_state = make_snapshot(*poison(), chunk_bytes=CHUNK)
+    slow, _ = donor("slow", *poison())
+    memory.trickles[slow] = (1024, 0.1)  # 10 KiB/s, above a floor of 4 KiB/s: 8 s for its state
+    donors = [donor(f"honest-{i}", *state) for i, state in enumerate(honest)]
+    announced = [(slow, slow_state.digest)] + [(peer, snap.digest) for peer, snap in donors]
+    result = memory.fetch(announced, parallel=4, min_rate=4 << 10, window_s=1.0)
+    assert slow not in result.sources and len(result.sources) == 3
+    assert_within_honest(result, [t for t, _ in honest])
+    (link,) = memory.links[slow]
+    assert link.sent < sum(len(f) for f in _frames(slow_state))
+
+
+def test_a_stage_past_its_deadline_fails_and_one_past_its_quorum_stops() -> None:
+    """The deadline of a stage: START_WINDOWS windows before its state's size is known, then twice
+    its bytes at the floor; a stage that needs every part fails past it, a median with its quorum stops."""
+
+    class Stuck:
+        """Keys 0 and 1 complete at once; every other attempt never ends."""
+
+        def replacement(self, key: int, failed: set[str], busy: set[str]) -> str | None:
+            return None
+
+        def spare(self, key: int, failed: set[str], busy: set[str]) -> str | None:
+            return None
+
+        def left(self, key: int) -> int:
+            return 1
+
+        async def attempt(self, key: int, donor: str) -> None:
+            if key >= 2:
+                await asyncio.Event().wait()
+
+    async def run(quorum: int | None) -> set[int]:
+        budget = Budget(FloorSpec(rate=1 << 20, window_s=0.05), quorum or 1)
+        assert budget.deadline == pytest.approx(budget.start + START_WINDOWS * 0.05)
+        scheduler = Scheduler(Stuck(), budget, quorum)
+        await asyncio.wait_for(scheduler.run([(key, f"donor-{key}") for key in range(3)]), 30)
+        return scheduler.complete
+
+    with pytest.raises(StateTransferError, match=r"parts \[2\] not complete within the deadline"):
+        asyncio.run(run(None))
+    assert asyncio.run(run(2)) == {0, 1}
+
+
+def test_a_header_sets_the_deadline_from_the_quorum_th_smallest_state() -> None:
+    async def deadlines() -> list[float]:
+        budget = Budget(FloorSpec(rate=1000.0, window_s=1.0), quorum=2)
+        found = []
+        for digest, frames, chunk in (("a", 10, 100), ("b", 10**6, 4 << 20), ("c", 20, 100)):
+            header = SimpleNamespace(digest=digest, hashes=[b""] * frames, chunk_bytes=chunk)
+            budget.on_header(header)  # type: ignore[arg-type]
+            found.append(budget.deadline - budget.start)
+        return found
+
+    # fewer states than the quorum: the largest (a hostile one), then the quorum-th smallest
+    assert asyncio.run(deadlines()) == [5.0, 3.0 + 2 * 10**6 * (4 << 20) / 1000, 3.0 + 2 * 2000 / 1000]
+
+
 # ---------------------------------------------------------------------------- the state server
 
 
@@ -440,7 +622,7 @@ def mirror_of(swarm, tmp_path: Path) -> Iterator[Callable[[list[Member]], StateM
     def download(source: Any, donors: list[tuple[str, str]], **options: Any) -> StateSnapshot:
         return memory.fetch(donors, **{k: v for k, v in options.items() if k != "run_id"})
 
-    def make(members: list[Member]) -> StateMirror:
+    def make(members: list[Member], **options: Any) -> StateMirror:
         node = SimpleNamespace(
             dht=None,
             members=lambda: members,
@@ -449,7 +631,7 @@ def mirror_of(swarm, tmp_path: Path) -> Iterator[Callable[[list[Member]], StateM
             announce_now=lambda: None,
         )
         server = StateServer(run_id=RUN, p2p_factory=FakeP2P("mirror").factory)
-        made.append(StateMirror(node, state_dir=str(tmp_path), server=server, download=download))
+        made.append(StateMirror(node, state_dir=str(tmp_path), server=server, download=download, **options))
         return made[-1]
 
     yield make
@@ -495,3 +677,20 @@ def test_an_inflated_kept_state_does_not_freeze_the_mirror(swarm, mirror_of, tmp
         taken.append(mirror.refresh())
     assert taken == [False, False, True]
     assert mirror.snapshot.meta["samples_total"] <= max(HONEST_SAMPLES)
+
+
+def test_a_silent_trainer_does_not_freeze_the_mirror(swarm, mirror_of, hold) -> None:
+    """The mirror's refresh is a bounded download too: a trainer that sends its header and then
+    nothing is left out, and the median of the other three is kept."""
+    _, donor = swarm
+    silent_state = make_snapshot(*poison(), chunk_bytes=CHUNK)
+    silent, _ = donor("silent", *poison(), serve=faulty_snapshot(silent_state, before_frame=hold))
+    members = [_member(silent, silent_state.digest)]
+    honest = honest_states()
+    for i, state in enumerate(honest):
+        peer, snap = donor(f"honest-{i}", *state)
+        members.append(_member(peer, snap.digest))
+    mirror = mirror_of(members, download_options={**FLOOR, "timeout_s": 10, "parallel": 4})
+    assert mirror.refresh() is True
+    assert silent not in mirror.snapshot.sources
+    assert_within_honest(mirror.snapshot, [t for t, _ in honest])

@@ -276,6 +276,7 @@ def test_auto_device_picks_mps_after_cuda(monkeypatch) -> None:
 # ------------------------------------------------------------------ compile, prefetch, throughput
 
 
+@pytest.mark.timeout(900)  # inductor compiles C++ kernels: minutes on a loaded 2-core machine
 def test_compiled_forward_trains_like_the_eager_one() -> None:
     pytest.importorskip("torch._dynamo")
     results = []

@@ -9,11 +9,10 @@ honest peers the exchanges they waste on them, but not their training. Bans are 
 happened, with the default ban times (a first ban lasts 10 s): while every peer trained, some honest
 peer banned each attacker, every honest peer with more than ``clip_strikes`` hard exchanges against
 the noise sender banned it (pairing is random, so a peer may meet an attacker once in 20 rounds;
-docs/gossip.md, "Blame is local"), and no honest peer judged another's data bad, in either swarm.
-A stream that broke (``BrokenPipeError``, ``IncompleteReadError``, a stall) also gets its partner a
-short ban, and on two cores shared with the rest of the suite honest peers' streams do break now
-and then (seen twice in three full-suite runs, never alone): those bans are printed, not held
-against the defence. Undefended, the same attacks take every peer to Inf/NaN (docs/gossip.md).
+docs/gossip.md, "Blame is local"), and no honest peer banned another, in either swarm: not for
+its data, and not for a stream that broke on two cores shared with the rest of the suite (one
+broken stream is held, not banned: docs/gossip.md, "Never a stall"). Undefended, the same attacks
+take every peer to Inf/NaN (docs/gossip.md).
 
 A last, in-process test checks that nobody can overwrite another peer's membership record (and so
 its announced progress), even with a well-formed record signed by a key of its own.
@@ -105,15 +104,6 @@ def _suspicions_while_all_trained(reports: list[dict[str, Any]], index: int, pee
     return sum(1 for at, suspect in reports[index]["suspicions"] if suspect == peer and at < first_done)
 
 
-VERDICTS = ("rejected its data", "it rejected our data", "suspicious exchanges")
-"""How the reasons of bans for data start (swarm/gossip/_exchange.py, _partners.py); the rest are for
-streams that broke or stalled."""
-
-
-def _verdict(reason: str) -> bool:
-    return any(verdict in reason for verdict in VERDICTS)
-
-
 @heavy_scenario
 @pytest.mark.multipeer
 @pytest.mark.timeout(480)
@@ -144,8 +134,8 @@ def test_honest_peers_train_through_an_attacker_and_ban_it(swarms, tmp_path) -> 
         banned_by = {}
         for i in honest:
             bans = _bans_while_all_trained(peer_reports, i)
-            wrongly = [(peer, reason) for peer, reason in bans if peer in honest_ids and _verdict(reason)]
-            assert not wrongly, f"{name}: honest peer {i} judged honest peers' data bad: {wrongly}"
+            wrongly = [(peer, reason) for peer, reason in bans if peer in honest_ids]
+            assert not wrongly, f"{name}: honest peer {i} banned honest peers: {wrongly}"
             banned_by[i] = {peer for peer, _ in bans}
         for index, attack in SWARMS[name][1].items():
             attacker = swarm.peer_ids[index]

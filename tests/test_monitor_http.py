@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import http.client
 import json
 import re
 import signal
@@ -218,6 +219,15 @@ def test_page_in_chromium_shows_stages_warnings_and_escapes_names(tmp_path) -> N
 NAMES = ("web-1", "web-<i>2</i>")
 
 
+def _status_for_host(port: int, host: str) -> int:
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    try:
+        connection.request("GET", "/api/history.json", headers={"Host": host})
+        return connection.getresponse().status
+    finally:
+        connection.close()
+
+
 def _printed_snapshots(process) -> list[dict]:
     lines = process.output().splitlines()
     return [json.loads(line) for line in lines if line.startswith('{"schema_version"')]
@@ -257,7 +267,8 @@ def test_status_page_of_a_local_swarm_in_chromium(spawn, tmp_path) -> None:
     chromium_or_skip()
     _, maddr, _ = spawn_local_swarm(spawn, "web-entry", NAMES)
     tensorboard = tmp_path / "tb"
-    monitor = spawn_live_monitor(spawn, maddr, "--http", "127.0.0.1:0", "--tensorboard-dir", str(tensorboard))
+    page_args = ("--http", "127.0.0.1:0", "--http-allow-host", "monitor.test")
+    monitor = spawn_live_monitor(spawn, maddr, *page_args, "--tensorboard-dir", str(tensorboard))
     line = monitor.wait_for_line(lambda text: text.startswith("status page at "), timeout=120)
     url = line.removeprefix("status page at ")
     port = int(re.search(r":(\d+)/$", url).group(1))
@@ -269,6 +280,8 @@ def test_status_page_of_a_local_swarm_in_chromium(spawn, tmp_path) -> None:
     metrics = get(url + "metrics")[2].decode()
     assert "swarm_trainers 2.0" in metrics and "swarm_eval_loss_mean " in metrics
     assert sum(s.startswith("swarm_peer_up{") and 'role="trainer"' in s for s in metrics.splitlines()) == 2
+    assert _status_for_host(port, "monitor.test") == 200  # --http-allow-host
+    assert _status_for_host(port, f"rebound.example:{port}") == 421
 
     ARTIFACTS.mkdir(exist_ok=True)
     screenshot = ARTIFACTS / "monitor-status-page.png"

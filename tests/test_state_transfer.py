@@ -182,7 +182,8 @@ def test_a_published_state_lives_in_a_spool_file_without_a_name(tmp_path, monkey
 
 def test_publish_during_download_never_mixes_states(client_dht: Callable[[list[str]], object]) -> None:
     """The server pins the state a request started on, keeping its spool open until the stream ends
-    (then closing it); a later request for it is refused. Closing the server closes what it serves."""
+    (then closing it); with no keep window a later request for it is refused. Closing the server
+    closes what it serves."""
     reached, release = threading.Event(), threading.Event()
 
     def gate(index: int) -> None:
@@ -195,7 +196,7 @@ def test_publish_during_download_never_mixes_states(client_dht: Callable[[list[s
     new = make_snapshot(*make_state(2, step=20), chunk_bytes=16384)
     old_served = faulty_snapshot(old, before_frame=gate)
     new_served = spool_state(new.tensors, new.meta, chunk_bytes=16384)
-    with StateServer(server_dht, RUN) as server:
+    with StateServer(server_dht, RUN, keep_replaced_s=0) as server:
         assert server.digest is None
         server.publish(old_served)
         assert server.digest == old.digest
@@ -222,9 +223,41 @@ def test_publish_during_download_never_mixes_states(client_dht: Callable[[list[s
     assert new_served.closed
 
 
+def test_a_donor_keeps_serving_the_state_its_record_still_names(
+    client_dht: Callable[[list[str]], object], tmp_path
+) -> None:
+    """A trainer publishes after every round and a joiner reads the digest from a record a round old
+    (before, it always got "digest mismatch"): the donor publishes a new state only once the server
+    has let the one before go, and the replaced one answers requests while a record may name it. So
+    the digest of the older, still announced state is served while the trainer goes on, and the
+    donor never holds more than two spooled copies."""
+    from swarm.learning import OuterOptimizer
+    from swarm.trainer._joining import publish_state
+    from swarm.trainer._progress import Progress
+
+    outer = OuterOptimizer(torch.nn.Linear(64, 32), lr=0.7, momentum=0.9)
+    server_dht = client_dht([])
+    with StateServer(server_dht, RUN, spool_dir=str(tmp_path), keep_replaced_s=600) as server:
+        announced = publish_state(server, outer, Progress(step=1), None, str(tmp_path))
+        later = [
+            publish_state(server, outer, Progress(step=step), None, str(tmp_path)) for step in range(2, 6)
+        ]
+        assert announced is not None and later[0] not in (None, announced)
+        assert later[1:] == [None] * 3  # the record naming `announced` may still be read: kept
+        assert server.digest == later[0] and server.spooled()[0] == 2
+        client = client_dht([str(m) for m in server_dht.get_visible_maddrs()])
+        for digest in (announced, later[0]):
+            donors, trusted = [(server.peer_id, digest)], {server.peer_id}
+            result = download_state(client, donors, run_id=RUN, trusted=trusted, timeout_s=30)
+            assert result.digest == digest
+        assert server.stats().refused == 0
+
+
 def test_argument_checks() -> None:
     with pytest.raises(ValueError, match="run_id"):
         StateServer(object(), "bad id!")
+    with pytest.raises(ValueError, match="keep_replaced_s"):
+        StateServer(object(), RUN, pin_lifetime_s=0)
     with pytest.raises(ValueError, match="exactly one"):
         StateServer(None, RUN)
     with pytest.raises(StateTransferError, match="no donor"):

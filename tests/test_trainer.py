@@ -196,7 +196,8 @@ def test_a_joiner_without_a_trusted_donor_is_not_dialled_while_joining_and_retri
     """With one donor that is not an initial peer there is no state to download: the joiner takes a
     partner's anchor in an anchor exchange. While it joins its record says so and the live peer does
     not dial it (a failed dial would be held against it, and the hold refuses the very exchange it
-    joins with); a refused first attempt is tried again rather than starting from the seed."""
+    joins with); a refused attempt is tried again, and a joiner refused every time offers partners
+    nothing (they would judge its seed an attacker's push) and tries again in its next round."""
     base = _config(tmp_path, "averaging.sync_every_steps=5")
     live = _Runner(base, NetworkOptions()).start()
     runners = [live]
@@ -217,17 +218,22 @@ def test_a_joiner_without_a_trusted_donor_is_not_dialled_while_joining_and_retri
         anchor_averager = joiner.peer.backend._averagers()[1]
         real_sync, calls = anchor_averager.sync, []
 
-        def refused_once(*args, **kwargs) -> SyncResult:
+        def refused_while_joining(*args, **kwargs) -> SyncResult:
             calls.append(1)
-            if len(calls) == 1:
+            if len(calls) <= 3:
                 partner = live.peer.node.peer_id
                 return SyncResult(SyncOutcome.REJECTED, partner, 0, 0, 0.0, 1.0, "test: refused")
             return real_sync(*args, **kwargs)
 
-        monkeypatch.setattr(anchor_averager, "sync", refused_once)
+        monkeypatch.setattr(anchor_averager, "sync", refused_while_joining)
         with caplog.at_level(logging.INFO, logger="swarm.trainer._joining"):
             joiner.peer.join_swarm()
-        assert len(calls) == 2 and "attempt 1/3: test: refused" in caplog.text, caplog.text
+        assert len(calls) == 3 and "attempt 3/3: test: refused" in caplog.text, caplog.text
+        backend = joiner.peer.backend
+        assert backend._model_offers.offer() is None  # at the seed: nothing for a partner to judge
+        backend._own_round()  # its next round tries once more, as the sync worker would
+        assert len(calls) == 4 and backend._model_offers.accepting
+        assert [u.kind for u in backend.live.apply_pending()] == ["anchor"]  # the partner's state
         assert joiner.peer.join_result.donors == ()  # no download: the anchor exchange
         assert evaluate(joiner.peer.model, joiner.peer.eval_set, 2) < 8.0 - 1.0, "it started from the seed"
         wait_until(lambda: state_seen_by_live_peer() == "idle", 30, "the joined peer's record to say idle")

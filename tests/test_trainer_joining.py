@@ -102,6 +102,9 @@ class _Server:
     def publish(self, state) -> None:
         self.published.append(state)
 
+    def can_publish(self) -> bool:
+        return True
+
 
 def test_a_state_that_cannot_be_spooled_is_not_published_and_the_previous_one_stays(tmp_path, caplog) -> None:
     """The spool goes next to the checkpoints (made if missing, ``~`` expanded); a disk that refuses

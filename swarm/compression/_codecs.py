@@ -127,6 +127,12 @@ class Codec(ABC):
         """Byte pieces of the chunk [start, start + count) of a CPU encoded tensor."""
 
     @abstractmethod
+    def payload_spans(self, numel: int, start: int, count: int) -> list[tuple[int, int, int]]:
+        """Where the payload of the chunk [start, start + count) lies in the payload of the whole
+        tensor of `numel` elements: (offset in the chunk's payload, offset in the tensor's, length)
+        per piece. The chunks of a tensor tile its payload, ``payload_nbytes(numel)`` bytes."""
+
+    @abstractmethod
     def decode_payload(
         self, payload: memoryview, count: int, out: torch.Tensor, allow_nonfinite: bool
     ) -> None:
@@ -170,6 +176,10 @@ class FloatCodec(Codec):
     def payload_parts(self, e: EncodedTensor, start: int, count: int) -> list[memoryview]:
         return [tensor_bytes(e.data[start : start + count])]
 
+    def payload_spans(self, numel: int, start: int, count: int) -> list[tuple[int, int, int]]:
+        size = self.block_nbytes()
+        return [(0, start * size, count * size)]
+
     def decode_payload(
         self, payload: memoryview, count: int, out: torch.Tensor, allow_nonfinite: bool
     ) -> None:
@@ -208,9 +218,17 @@ class _BlockCodec(Codec):
         """How many stored codes (elements of ``code_dtype``) hold ``count`` values."""
         return (count * self.bits + 7) // 8
 
+    def _scale_nbytes(self) -> int:
+        return torch.empty(0, dtype=self.scale_dtype).element_size()
+
     def payload_nbytes(self, count: int) -> int:
-        scale_size = torch.empty(0, dtype=self.scale_dtype).element_size()
-        return self._nblocks(count) * scale_size + self._ncodes(count)
+        return self._nblocks(count) * self._scale_nbytes() + self._ncodes(count)
+
+    def payload_spans(self, numel: int, start: int, count: int) -> list[tuple[int, int, int]]:
+        scales = self._nblocks(count) * self._scale_nbytes()  # start is on a block boundary
+        all_scales = self._nblocks(numel) * self._scale_nbytes()
+        first = start // self.block_size * self._scale_nbytes()
+        return [(0, first, scales), (scales, all_scales + self._ncodes(start), self._ncodes(count))]
 
     def block_nbytes(self) -> int:
         return self.payload_nbytes(self.block_size)

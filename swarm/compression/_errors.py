@@ -36,10 +36,15 @@ class DecodeLimits:
     """Most elements, summed over all tensors, one `TensorStreamDecoder` allocates."""
     allow_nonfinite: bool = False
     """Whether decoded NaN/Inf values are accepted (by default they are a `FrameError`)."""
+    min_chunk_bytes: int = 0
+    """The smallest frame an honest sender cuts a tensor into: a tensor may come in at most as many
+    chunks as frames of this many bytes need (0: one block per chunk). Bounds the frames, and what
+    each costs the receiver beyond its bytes, by the tensor's size rather than by the sender."""
 
     def __post_init__(self) -> None:
         for field in ("max_elements", "max_payload_bytes", "max_ndim", "max_name_bytes", "max_tensors"):
             if getattr(self, field) < 1:
                 raise ValueError(f"DecodeLimits.{field} must be >= 1")
-        if self.max_total_elements < 0:
-            raise ValueError("DecodeLimits.max_total_elements must be >= 0")
+        for field in ("max_total_elements", "min_chunk_bytes"):
+            if getattr(self, field) < 0:
+                raise ValueError(f"DecodeLimits.{field} must be >= 0")

@@ -27,6 +27,7 @@ raises `FrameError` naming the field; nothing is ever unpickled.
 
 from __future__ import annotations
 
+import functools
 import math
 import struct
 import zlib
@@ -85,6 +86,17 @@ def header_size(name: str, ndim: int) -> int:
     return HEADER_SIZE + 8 * ndim + len(name.encode("utf-8"))
 
 
+@functools.cache
+def wire_codec(name: str, block_size: int) -> Codec:
+    """The one decoding codec per (validated) codec and block size: at most 29 of them."""
+    return get_codec(name, block_size or 64, backend="torch")
+
+
+def _chunk_elements(codec: Codec, header_bytes: int, min_chunk_bytes: int) -> int:
+    """The fewest elements a chunk holds in frames of ``min_chunk_bytes`` (at least one block)."""
+    return max(1, (min_chunk_bytes - header_bytes) // codec.block_nbytes()) * codec.granule
+
+
 def encode_frame(
     name: str,
     encoded: EncodedTensor,
@@ -131,8 +143,14 @@ def encode_frame(
     return b"".join((head, struct.pack("<I", crc), *pieces))
 
 
-def decode_frame(data: bytes | bytearray | memoryview, limits: DecodeLimits = DecodeLimits()) -> Frame:
-    """Parse and validate one frame; raises FrameError (naming the field) on anything wrong."""
+def decode_frame(
+    data: bytes | bytearray | memoryview, limits: DecodeLimits = DecodeLimits(), codec: Codec | None = None
+) -> Frame:
+    """Parse and validate one frame; raises FrameError (naming the field) on anything wrong.
+
+    ``codec``: the codec the stream agreed on; a frame in another codec (or block size) is refused
+    from its header. Frames share one codec object per codec and block size, whatever their number.
+    """
     try:
         view = memoryview(data).cast("B")
     except TypeError as exc:
@@ -164,6 +182,11 @@ def decode_frame(data: bytes | bytearray | memoryview, limits: DecodeLimits = De
             )
     elif block_size:
         raise FrameError(f"block size: must be 0 for codec {codec_name}, got {block_size}")
+    if codec is not None and (codec_name, block_size) != (codec.name, codec.block_size):
+        raise FrameError(
+            f"codec: a frame in {codec_name} (block size {block_size}) on a stream agreed on "
+            f"{codec.name} (block size {codec.block_size})"
+        )
     if payload_len > limits.max_payload_bytes:
         raise FrameError(f"payload length: {payload_len} exceeds the limit {limits.max_payload_bytes}")
     expected_len = HEADER_SIZE + 8 * ndim + name_len + payload_len
@@ -185,9 +208,9 @@ def decode_frame(data: bytes | bytearray | memoryview, limits: DecodeLimits = De
     except UnicodeDecodeError as exc:
         raise FrameError("name: not valid UTF-8") from exc
 
-    codec = get_codec(codec_name, block_size or 64, backend="torch")
-    granule = codec.granule
-    max_chunks = max(1, -(-numel // granule))
+    wire = wire_codec(codec_name, block_size)
+    granule = wire.granule
+    max_chunks = max(1, -(-numel // _chunk_elements(wire, name_at + name_len, limits.min_chunk_bytes)))
     if not 1 <= num_chunks <= max_chunks:
         raise FrameError(f"chunk count: {num_chunks} not in [1, {max_chunks}] for {numel} elements")
     if chunk_index >= num_chunks:
@@ -200,13 +223,13 @@ def decode_frame(data: bytes | bytearray | memoryview, limits: DecodeLimits = De
         raise FrameError("count: empty chunk of a non-empty tensor")
     if offset + count < numel and count % granule:
         raise FrameError(f"count: {count} is not a multiple of the block size {granule} (not the last chunk)")
-    if payload_len != codec.payload_nbytes(count):
+    if payload_len != wire.payload_nbytes(count):
         raise FrameError(
-            f"payload length: {payload_len} != {codec.payload_nbytes(count)} for {count} elements"
+            f"payload length: {payload_len} != {wire.payload_nbytes(count)} for {count} elements"
         )
     return Frame(
         version=version,
-        codec=codec,
+        codec=wire,
         dtype=DTYPES_BY_ID[dtype_id],
         shape=tuple(shape),
         name=name,

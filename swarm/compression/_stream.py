@@ -7,7 +7,6 @@ memory stays bounded by one frame plus the tensors themselves.
 
 from __future__ import annotations
 
-import bisect
 import math
 from collections.abc import Iterator, Mapping, Sequence
 
@@ -95,57 +94,93 @@ def _frames(
             yield encode_frame(name, encoded, codec, offset, count, index, num_chunks)
 
 
-class _Pending:
-    """One tensor being received: its first frame's header and which element ranges arrived."""
+def chunk_size(f: Frame) -> int:
+    """The chunk size ``p`` of the grid the frame ``f`` lies on; FrameError if it lies on none.
 
-    def __init__(self, frame: Frame) -> None:
-        self.frame = frame
+    A tensor's ``k`` chunks are the grid :func:`encode_tensors` cuts: chunk ``i`` holds the elements
+    ``[i * p, min((i + 1) * p, numel))``. Any frame tells ``p`` (its count, or for the last chunk its
+    offset over ``k - 1``), so a chunk is placed by its index alone, and two chunks with different
+    indices on one grid never overlap.
+    """
+    n, k, i = f.numel, f.num_chunks, f.chunk_index
+    if k == 1:
+        p, ok = f.count, f.offset == 0 and f.count == n
+    elif i < k - 1:
+        p = f.count
+        ok = f.offset == i * p and (k - 1) * p < n <= k * p
+    else:
+        p, rest = divmod(f.offset, k - 1)
+        ok = not rest and not p % f.codec.granule and f.offset + f.count == n and f.count <= p
+    if not ok:
+        raise FrameError(
+            f"offset: chunk {i} [{f.offset}, {f.offset + f.count}) of {f.name!r} is not chunk {i} "
+            f"of {k} equal chunks of {n} elements"
+        )
+    return p
+
+
+class _Pending:
+    """One tensor being received: its header, its chunk size, and which chunks arrived (O(1) a frame)."""
+
+    __slots__ = ("chunks", "dtype", "header", "num_chunks", "numel", "per_chunk", "received", "shape")
+
+    def __init__(self, f: Frame, per_chunk: int) -> None:
+        self.header = _header(f)
+        self.shape, self.dtype, self.numel, self.num_chunks = f.shape, f.dtype, f.numel, f.num_chunks
+        self.per_chunk = per_chunk
         self.chunks: set[int] = set()
-        self.starts: list[int] = []
-        self.ends: list[int] = []
         self.received = 0
 
-    def check_consistent(self, f: Frame) -> None:
-        first = self.frame
-        key = (f.codec.name, f.dtype, f.shape, f.block_size, f.num_chunks)
-        if key != (first.codec.name, first.dtype, first.shape, first.block_size, first.num_chunks):
+    def check_consistent(self, f: Frame, per_chunk: int) -> None:
+        if _header(f) != self.header:
             raise FrameError(
                 f"header: codec/dtype/shape/block size/chunk count of a chunk of {f.name!r} "
                 "disagree with its earlier chunks"
             )
+        if per_chunk != self.per_chunk:
+            raise FrameError(
+                f"offset: chunk {f.chunk_index} of {f.name!r} is cut in chunks of {per_chunk} "
+                f"elements, its earlier chunks in chunks of {self.per_chunk}"
+            )
         if f.chunk_index in self.chunks:
             raise FrameError(f"chunk index: duplicate chunk {f.chunk_index} of {f.name!r}")
-        end = f.offset + f.count
-        i = bisect.bisect_left(self.starts, f.offset)
-        overlaps_prev = i > 0 and self.ends[i - 1] > f.offset
-        overlaps_next = i < len(self.starts) and self.starts[i] < end
-        if overlaps_prev or overlaps_next or (i < len(self.starts) and self.starts[i] == f.offset):
-            raise FrameError(f"offset: chunk [{f.offset}, {end}) of {f.name!r} overlaps another chunk")
 
     def add(self, f: Frame) -> None:
-        i = bisect.bisect_left(self.starts, f.offset)
-        self.starts.insert(i, f.offset)
-        self.ends.insert(i, f.offset + f.count)
         self.chunks.add(f.chunk_index)
         self.received += f.count
+
+    def whole(self) -> bool:
+        return self.received == self.numel and len(self.chunks) == self.num_chunks
+
+
+def _header(f: Frame) -> tuple[object, ...]:
+    return (f.codec.name, f.dtype, f.shape, f.block_size, f.num_chunks)
 
 
 class TensorStreamDecoder:
     """Reassembles named tensors from frames fed one at a time (in any order).
 
     With `expected` (name -> (shape, dtype)), a frame for an unknown name, or with another shape or
-    dtype, is rejected from its header, before anything is allocated. Any `FrameError` poisons the
-    decoder: later `feed`/`finish` calls raise too, so a half-received exchange is never used.
-    `finish` returns each tensor in the dtype it was sent with.
+    dtype, is rejected from its header, before anything is allocated; with `codec`, so is a frame in
+    another codec or block size. A tensor's chunks must lie on one grid (:func:`chunk_size`), so each
+    is placed by its index in O(1), in any order. Any `FrameError` poisons the decoder: later
+    `feed`/`finish` calls raise too, so a half-received exchange is never used. `finish` returns each
+    tensor in the dtype it was sent with.
     """
 
     def __init__(
         self,
         expected: Mapping[str, tuple[tuple[int, ...], torch.dtype]] | None = None,
         limits: DecodeLimits = DecodeLimits(),
+        *,
+        codec: Codec | None = None,
     ) -> None:
         self.expected = None if expected is None else {k: (tuple(s), d) for k, (s, d) in expected.items()}
         self.limits = limits
+        self.codec = codec
+        """The codec the stream agreed on (None: any, but one per tensor): a frame in another is refused."""
+        self.chunk_steps = 0
+        """Chunk records looked at to place the frames so far: one per frame, in any order."""
         self._tensors: dict[str, _Pending] = {}
         self._buffers: dict[str, torch.Tensor] = {}
         self._total_elements = 0
@@ -161,7 +196,7 @@ class TensorStreamDecoder:
             raise
 
     def _feed(self, data: bytes | bytearray | memoryview) -> None:
-        f = decode_frame(data, self.limits)
+        f = decode_frame(data, self.limits, self.codec)
         if self.expected is not None:
             if f.name not in self.expected:
                 raise FrameError(f"name: unexpected tensor {f.name!r}")
@@ -170,6 +205,7 @@ class TensorStreamDecoder:
                 raise FrameError(f"shape: {f.name!r} has shape {f.shape}, expected {shape}")
             if f.dtype != dtype:
                 raise FrameError(f"dtype: {f.name!r} has dtype {f.dtype}, expected {dtype}")
+        per_chunk = chunk_size(f)
         pending = self._tensors.get(f.name)
         if pending is None:
             if len(self._tensors) >= self.limits.max_tensors:
@@ -177,11 +213,12 @@ class TensorStreamDecoder:
             if self._total_elements + f.numel > self.limits.max_total_elements:
                 raise FrameError(f"shape: stream exceeds {self.limits.max_total_elements} elements in total")
             self._allocate(f)
-            pending = self._tensors[f.name] = _Pending(f)
+            pending = self._tensors[f.name] = _Pending(f, per_chunk)
             self._total_elements += f.numel
-        pending.check_consistent(f)
+        pending.check_consistent(f, per_chunk)
         self._take(f, data)
         pending.add(f)
+        self.chunk_steps += 1
 
     def _allocate(self, f: Frame) -> None:
         """The first frame of a tensor passed every check: make room for the whole tensor."""
@@ -197,7 +234,7 @@ class TensorStreamDecoder:
     def finish(self) -> dict[str, torch.Tensor]:
         """All tensors, complete; FrameError if any tensor or chunk is missing."""
         self._complete()
-        return {name: self._buffers[name].reshape(p.frame.shape) for name, p in self._tensors.items()}
+        return {name: self._buffers[name].reshape(p.shape) for name, p in self._tensors.items()}
 
     def _complete(self) -> None:
         """End the stream: FrameError (and the decoder is spent) unless every tensor is whole."""
@@ -208,10 +245,10 @@ class TensorStreamDecoder:
             self._failed = f"name: missing tensors {sorted(missing)}"
             raise FrameError(self._failed)
         for name, p in self._tensors.items():
-            if p.received != p.frame.numel or len(p.chunks) != p.frame.num_chunks:
+            if not p.whole():
                 self._failed = (
-                    f"chunk count: {name!r} got {len(p.chunks)}/{p.frame.num_chunks} chunks, "
-                    f"{p.received}/{p.frame.numel} elements"
+                    f"chunk count: {name!r} got {len(p.chunks)}/{p.num_chunks} chunks, "
+                    f"{p.received}/{p.numel} elements"
                 )
                 raise FrameError(self._failed)
 
@@ -224,9 +261,18 @@ class TensorStreamDecoder:
 
 def decode_chunk(f: Frame, out: torch.Tensor, limits: DecodeLimits) -> None:
     """Decode the checked frame ``f`` into ``out`` (its ``count`` elements, in the frame's dtype)."""
+    decode_values(f.codec, f.name, f.payload, f.count, out, limits)
+
+
+def decode_values(
+    codec: Codec, name: str, payload: memoryview, count: int, out: torch.Tensor, limits: DecodeLimits
+) -> None:
+    """Decode ``count`` values of ``name`` (a checked payload) into ``out``, in ``out``'s dtype."""
     if out.dtype == torch.float32:
-        f.codec.decode_payload(f.payload, f.count, out, limits.allow_nonfinite)
+        codec.decode_payload(payload, count, out, limits.allow_nonfinite)
     else:
-        out.copy_(f.values(limits))
+        values = torch.empty(count, dtype=torch.float32)
+        codec.decode_payload(payload, count, values, limits.allow_nonfinite)
+        out.copy_(values)
         if not limits.allow_nonfinite and not bool(torch.isfinite(out).all()):
-            raise FrameError(f"payload: values of {f.name!r} overflow its dtype {f.dtype}")
+            raise FrameError(f"payload: values of {name!r} overflow its dtype {out.dtype}")

@@ -22,8 +22,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from swarm.compression import ErrorFeedback, schema_of
+from swarm.gossip._backoff import Backoff
 from swarm.gossip._deadlines import Deadlines, payload_nbytes
-from swarm.gossip._exchange import as_named, commit, in_thread, run_exchange, settle
+from swarm.gossip._exchange import NEGLIGIBLE_SHARE, as_named, commit, in_thread, run_exchange, settle
 from swarm.gossip._gate import ExchangeGate, Turn
 from swarm.gossip._handshake import Handshake
 from swarm.gossip._local import Local, committed_of, companion_of, with_companion
@@ -47,6 +48,13 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 Tensors = Mapping[str, torch.Tensor] | Sequence[torch.Tensor]
+
+
+def is_donation(own_weight: float, partner_weight: float) -> bool:
+    """Whether an exchange only hands our tensors to the partner: its share of the pair's weight is at
+    most ``NEGLIGIBLE_SHARE`` (a joiner's, ``swarm.trainer``'s ``JOIN_WEIGHT``). Its mix would move us
+    by at most that share, so we commit nothing of it; the partner keeps what it received."""
+    return partner_weight <= NEGLIGIBLE_SHARE * (own_weight + partner_weight)
 
 
 class GossipAverager(ExchangeRoles, StreamService):
@@ -140,6 +148,13 @@ class GossipAverager(ExchangeRoles, StreamService):
         self._last_partner: str | None = None
         self._weight = float(initial_weight)
         self._aborted = False
+        self._aborting = threading.Event()  # wakes a sync backing off after failures
+        self._backoff = Backoff(opts.retry_backoff_s, opts.max_retry_backoff_s, self._rng)
+        self._served_at: dict[str, float] = {}  # partner: when we last served it (bounded)
+        self._refuses_us: dict[str, float] = {}  # partner: until when it said it banned us (bounded)
+        self.serve_interval_s = opts.serve_interval_s
+        """A partner is served at most once per this many seconds (0: no limit); a trainer sets it to
+        a share of its round, so that a partner gets one exchange per round, record or not."""
         self._inflight: asyncio.Task[SyncResult] | None = None  # only touched on the loop thread
         self._serving: asyncio.Task[None] | None = None  # the served exchange in flight, if any
         self._start(f"gossip-{run_id}")
@@ -160,6 +175,10 @@ class GossipAverager(ExchangeRoles, StreamService):
         as an exchange, so partners can exchange with us meanwhile, and tries again for up to
         ``busy_patience_s``; only then does it return BUSY. A served exchange in flight is waited for
         at most that long too; then both run, and the first to commit wins (the other commits nothing).
+        After a sync that failed or was rejected, the next one first waits a randomized,
+        exponential backoff (``retry_backoff_s`` doubling up to ``max_retry_backoff_s``,
+        reset by a committed exchange), so that peers calling ``sync`` in a loop never storm
+        partners that are busy, gone or refusing them.
         """
         if self._closed:
             raise RuntimeError("the averager is closed")
@@ -167,6 +186,12 @@ class GossipAverager(ExchangeRoles, StreamService):
             return self._sync(tensors, weight)
 
     def _sync(self, tensors: Tensors | None, weight: float | None) -> SyncResult:
+        self._aborting.wait(self._backoff.remaining())
+        result = self._sync_patiently(tensors, weight)
+        self._backoff.after(result.outcome, result.reason)
+        return result
+
+    def _sync_patiently(self, tensors: Tensors | None, weight: float | None) -> SyncResult:
         give_up_busy = time.monotonic() + self.options.busy_patience_s
         backoff, sent, received = 0.01, 0, 0
         while True:
@@ -217,6 +242,13 @@ class GossipAverager(ExchangeRoles, StreamService):
             finally:
                 self._gate.changed()
 
+    @contextlib.contextmanager
+    def reading(self) -> Iterator[None]:
+        """Read the registered tensors consistently (no commit lands meanwhile) without changing them:
+        unlike :meth:`paused`, exchanges in flight may still commit afterwards."""
+        with self._lock:
+            yield
+
     def invalidate(self) -> None:
         """The owner is about to change what its offers are computed from (offer mode with lazy
         offers, :mod:`swarm.gossip._offer`): the exchanges in flight stop and do not commit."""
@@ -251,6 +283,7 @@ class GossipAverager(ExchangeRoles, StreamService):
         starts an exchange that :meth:`close` would cut off. Thread-safe and idempotent.
         """
         self._aborted = True
+        self._aborting.set()
         with contextlib.suppress(RuntimeError):  # the loop is already closed
             self._loop.loop.call_soon_threadsafe(self._cancel_inflight)
 
@@ -314,8 +347,11 @@ class GossipAverager(ExchangeRoles, StreamService):
         it) if ``turn`` got the reservation and both sides ACKed, or leave everything untouched."""
         started, before = time.monotonic(), (channel.bytes_sent, channel.bytes_received)
         own = local.offer.blame_norm if local.offer is not None else None
-        blame = Blame(self._reputation.norm_reference(), own)
+        blame = Blame(self._reputation.norm_reference(partner), own)
         weights = (local.weight, theirs.weight)
+        donation = is_donation(local.weight, theirs.weight)
+        if donation:
+            turn = turn.as_donation()
         companion = companion_of(local, theirs, self._companion_spec)
         data = self._wrap_channel(channel)
         exchange = run_exchange(data, local.tensors, weights, self._spec, self._ef, blame, companion, turn)
@@ -325,6 +361,8 @@ class GossipAverager(ExchangeRoles, StreamService):
             latency = time.monotonic() - started
             moved = max(channel.bytes_sent - before[0], channel.bytes_received - before[1])
             self._deadlines.observe(partner, moved, latency)  # a deadline too short still measured the link
+            if ended.mixed is not None and donation:
+                return self._donated(partner, channel, latency, initiator)
             if ended.mixed is not None:
                 result = self._result(ended.outcome, partner, channel, latency, ended.reason)
                 done = None if local.offer is None else committed_of(ended.mixed, theirs, initiator, result)
@@ -340,6 +378,16 @@ class GossipAverager(ExchangeRoles, StreamService):
         role = "initiator" if initiator else "responder"
         log_failure(role, partner, "data", ended.outcome, ended.reason)
         return self._result(ended.outcome, partner, channel, latency, ended.reason)
+
+    def _donated(self, partner: str, channel: Channel, latency: float, initiator: bool) -> SyncResult:
+        """An exchange whose partner stated a joiner's weight ended: it took our tensors over, and
+        nothing here changes (no commit, no verdict on it, no schedule round). Our own sync that met
+        such a partner got nothing, so it did not succeed."""
+        self._metrics.count("donated")
+        if initiator:
+            reason = "the partner stated a joiner's weight: it took our tensors, we got nothing"
+            return self._result(SyncOutcome.FAILED, partner, channel, latency, reason)
+        return self._result(SyncOutcome.OK, partner, channel, latency, "donated: a joiner took our tensors")
 
     def _commit(
         self,

@@ -22,11 +22,12 @@ weights, codec and clip; the one ACK each way covers both parts.
 
 Memory: nothing here holds a whole model's decoded tensors (:mod:`swarm.gossip._mixing`). Our frames
 are encoded from our tensors one tensor at a time as they are sent, and again whenever their decoded
-values are needed; the partner's are kept as they arrived (:class:`~swarm.compression.FrameStore`);
-the result is a :class:`~swarm.gossip._mixing.MixedTensors` that computes each tensor when read. Our
-tensors may therefore be computed too (a :class:`~swarm.compression.LazyTensors` over the live
-anchor): an exchange whose ``turn`` went stale (another exchange committed, so what they are computed
-from may be changing) stops sending at once and ends as not committed, blaming nobody.
+values are needed; the partner's payloads are kept in the agreed codec, no more of them than the
+schema needs in it (:class:`~swarm.compression.FrameStore`, :func:`receive_limits`); the result is a
+:class:`~swarm.gossip._mixing.MixedTensors` that computes each tensor when read. Our tensors may
+therefore be computed too (a :class:`~swarm.compression.LazyTensors` over the live anchor): an
+exchange whose ``turn`` went stale (another exchange committed, so what they are computed from may be
+changing) stops sending at once and ends as not committed, blaming nobody.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ import torch
 
 from swarm._errors import SwarmError
 from swarm.compression import (
+    DecodeLimits,
     ErrorFeedback,
     FrameError,
     FrameStore,
@@ -226,7 +228,7 @@ def _nack_error(payload: bytes) -> Exception:
 
 
 async def _receive_parts(channel: Channel, parts: Sequence[_Part], keep: bool) -> list[FrameStore]:
-    return [await _receive_all(channel, part.schema, keep) for part in parts]
+    return [await _receive_all(channel, part.schema, part.spec, keep) for part in parts]
 
 
 @dataclass(frozen=True)
@@ -303,11 +305,22 @@ async def _send_parts(channel: Channel, parts: Sequence[_Part], sending: Sending
         await channel.send_json(MsgKind.END, {"frames": count})
 
 
-async def _receive_all(channel: Channel, schema: Schema, keep: bool = True) -> FrameStore:
-    """Keep DATA frames (``keep``; else only check them), each checked against ``schema`` as it
-    arrives, until END; FrameError becomes ValidationError; a NACK ends it as the partner's refusal
-    (or not committed, :func:`_nack_error`)."""
-    store = FrameStore(expected=schema, keep=keep)
+MIN_CHUNK_BYTES = 4096
+"""The smallest ``chunk_bytes`` an honest partner cuts its frames to (``GossipOptions`` refuses less)."""
+
+
+def receive_limits(spec: ExchangeSpec) -> DecodeLimits:
+    """What the partner's frames may cost us: at most as many per tensor as chunks of
+    ``MIN_CHUNK_BYTES`` (or our own smaller ``chunk_bytes``) need, in the agreed codec."""
+    return DecodeLimits(min_chunk_bytes=min(spec.chunk_bytes, MIN_CHUNK_BYTES))
+
+
+async def _receive_all(channel: Channel, schema: Schema, spec: ExchangeSpec, keep: bool = True) -> FrameStore:
+    """Keep DATA frames (``keep``; else only check them), each checked against ``schema`` and the
+    agreed codec as it arrives, until END; FrameError becomes ValidationError (bad data: a frame in
+    another codec, or more frames than the schema needs, bans the sender like a NaN does); a NACK
+    ends it as the partner's refusal (or not committed, :func:`_nack_error`)."""
+    store = FrameStore(expected=schema, limits=receive_limits(spec), codec=spec.codec, keep=keep)
     count = 0
     try:
         while True:

@@ -94,9 +94,20 @@ class Turn:
     def __init__(self, gate: ExchangeGate, generation: int) -> None:
         self._gate, self._generation = gate, generation
         self.reserved = False
+        self.donation = False
+
+    def as_donation(self) -> Turn:
+        """The same turn for an exchange whose partner only takes our tensors over (a joiner's weight):
+        it commits nothing here, so it reserves nothing and never moves the generation; an exchange
+        of ours in flight beside it still commits. It still ends if our tensors changed under it."""
+        turn = Turn(self._gate, self._generation)
+        turn.donation = True
+        return turn
 
     def reserve(self) -> str | None:
         """Reserve the commit; None if granted, else why not (then this exchange must not commit)."""
+        if self.donation:
+            return "the tensors changed since this exchange began" if self.stale() else None
         refusal = self._gate._reserve(self._generation)
         self.reserved = refusal is None
         return refusal

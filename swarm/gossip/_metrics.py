@@ -79,7 +79,7 @@ class MetricsRecorder:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        names = ("ok", "failed", "busy", "rejected", "no_partner", "clipped", "suspect")
+        names = ("ok", "failed", "busy", "rejected", "no_partner", "clipped", "suspect", "donated")
         self._counts = dict.fromkeys(names, 0)
         self._sent = 0
         self._received = 0

@@ -59,6 +59,13 @@ class GossipOptions:
     """Partners tried per sync before giving up."""
     busy_patience_s: float = 5.0
     """How long a sync keeps retrying while every partner answers BUSY."""
+    retry_backoff_s: float = 0.05
+    """After a sync that failed or was rejected, the next one waits about this long
+    first, doubling with each such sync in a row (:mod:`swarm.gossip._backoff`; 0: never waits)."""
+    max_retry_backoff_s: float = 2.0
+    """The longest of those waits."""
+    serve_interval_s: float = 0.0
+    """A partner is served at most once per this many seconds, whatever the outcome (0: no limit)."""
     companion_codec: str | None = None
     """Offer mode: every offer carries a companion part (:class:`~swarm.gossip.Part`) in this codec,
     exchanged in the same handshake, mixed on its own and never with error feedback (None: no part)."""
@@ -78,6 +85,8 @@ class GossipOptions:
             raise ValueError(f"min_rate_bytes_s must be at least 0, got {self.min_rate_bytes_s}")
         if self.max_attempts < 1:
             raise ValueError(f"max_attempts must be at least 1, got {self.max_attempts}")
+        if not (self.retry_backoff_s >= 0 and self.max_retry_backoff_s >= 0 and self.serve_interval_s >= 0):
+            raise ValueError("retry_backoff_s, max_retry_backoff_s and serve_interval_s must be at least 0")
         if self.clip_strikes < 1:
             raise ValueError(f"clip_strikes must be at least 1, got {self.clip_strikes}")
 

@@ -35,6 +35,9 @@ class PartnerInfo:
     relayed: bool = False
     """Reachable only through a relay (its record says ``reachability: relay``): dialled, but
     after direct partners are more likely (:func:`pick_order`)."""
+    expires_at: float | None = None
+    """When its record expires (the DHT's clock; None: unknown). A record refreshed after a failure
+    shows the partner alive (:mod:`swarm.gossip._failures`)."""
 
 
 PartnerSource = Callable[[], Sequence[PartnerInfo]]

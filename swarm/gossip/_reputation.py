@@ -5,10 +5,12 @@ The rules (docs/gossip.md, "Never a stall" and "Malicious partners"), on top of 
 - bad data (invalid tensors: NaN, another schema, an implausible norm; a broken protocol) bans its
   sender at once (:meth:`Reputation.misbehaved`), whoever it is: a peer without a record, or one
   whose record says ``leaving``, included. Leaving explains a cut stream, never bad data;
-- any other exchange or handshake that failed through the partner's fault bans it (exponential backoff),
-  unless the partner was leaving: such a failure is *held* (the partner is not dialled meanwhile)
-  until the next read of the members, then becomes a ban if the partner is still listed and not
-  ``leaving``, and is dropped otherwise. Leaving a run is not misbehaving;
+- any other exchange or handshake that failed through the partner's fault is *held* (the partner is not
+  dialled meanwhile) until the members say whether the partner is still here
+  (:mod:`swarm.gossip._failures`): a partner that left, says it is leaving, or whose record is never
+  refreshed again (it died) is not banned; one that is alive, or that never had a record, is banned
+  (exponential backoff) at its second failure since its last committed exchange. Leaving a run, or one
+  broken stream under load, is not misbehaving;
 - BUSY costs nothing; a REJECT saying that it banned *us* does not ban it back: that is no evidence
   against it (perhaps the failure was ours), and banning back would keep the pair apart long after
   its ban on us expired;
@@ -20,17 +22,19 @@ The rules (docs/gossip.md, "Never a stall" and "Malicious partners"), on top of 
 - an exchange without a clip at all forgives the partner;
 - one the clip did not judge (a joiner's weight) changes nothing.
 
-The robust clip blames relative to our own recent norms, so they are kept here too.
+The robust clip blames relative to our own recent norms, so they are kept here too: our progress norms
+(which no partner moves) and how far each partner's mix moved us. A partner is judged against the
+moves the *others* made (:meth:`Reputation.norm_reference`), so it never widens its own radius.
 """
 
 from __future__ import annotations
 
 import collections
 import logging
-import threading
 import time
 from collections.abc import Callable, Sequence
 
+from swarm.gossip._failures import HeldFailures
 from swarm.gossip._handshake import BANNED_REASON, Reply
 from swarm.gossip._metrics import MetricsRecorder
 from swarm.gossip._options import GossipOptions
@@ -41,9 +45,8 @@ from swarm.gossip._suspicion import Suspicions, Verdict
 
 logger = logging.getLogger(__name__)
 
-HOLD_S = 5.0
-"""A failure is judged this long after it happened at the earliest: time for a leaving partner's record
-to say so."""
+REFERENCE_WINDOW = 8
+"""Recent exchanges whose norms make the reference a partner is judged against."""
 
 
 class Reputation:
@@ -64,62 +67,49 @@ class Reputation:
         self.bans = BanList(options.ban_base_s, options.ban_max_s, also=also)
         self._clip_strikes = options.clip_strikes
         self._metrics = metrics
-        self._own_norms: collections.deque[float] = collections.deque(maxlen=8)
-        self._held: dict[str, tuple[str, float]] = {}  # peer: (failure, when), judged by review()
+        self._own_norms: collections.deque[tuple[str, float, float]] = collections.deque(
+            maxlen=REFERENCE_WINDOW
+        )  # (partner, our progress norm, how far its mix moved us)
+        self._held = HeldFailures(clock)
         self._suspicions = Suspicions(float(options.clip_strikes))
-        self._clock = clock
-        self._lock = threading.Lock()
 
     def is_banned(self, peer: str) -> bool:
         """Banned, or a failure of its is held: either way, not a partner for now."""
-        with self._lock:
-            if peer in self._held:
-                return True
-        return self.bans.is_banned(peer)
+        return self._held.holds(peer) or self.bans.is_banned(peer)
 
     def banned(self) -> dict[str, float]:
         """Banned peers and the seconds left on each ban; held ones with the ban they would get."""
         banned = self.bans.banned()
-        with self._lock:
-            held = list(self._held)
+        held = self._held.reasons()
         return {**{peer: self.bans.next_duration(peer) for peer in held}, **banned}
 
     def review(self, partners: Sequence[PartnerInfo]) -> None:
-        """Judge the failures held for ``HOLD_S`` against a fresh read of the members: a partner still
-        listed, and not leaving, is banned; one that left (or says it is leaving) is not."""
-        now = self._clock()
-        with self._lock:
-            held = {peer: reason for peer, (reason, at) in self._held.items() if now - at >= HOLD_S}
-            for peer in held:
-                del self._held[peer]
-        staying = {info.peer_id for info in partners if not info.leaving}
-        for peer, reason in held.items():
-            if peer in staying:
-                self.bans.ban(peer, reason)
-            else:
-                logger.info("not banning %s, which left the run: %s", peer, reason)
+        """Judge the failures held against a fresh read of the members (:mod:`swarm.gossip._failures`)."""
+        to_ban, dropped = self._held.review(partners)
+        for peer, reason in to_ban:
+            self.bans.ban(peer, reason)
+        for peer, reason in dropped:
+            logger.info("not banning %s: %s", peer, reason)
 
     def reasons(self) -> dict[str, str]:
         """Why each peer of :meth:`banned` is excluded: its ban's reason, or the failure held against it."""
-        reasons = self.bans.reasons()
-        with self._lock:
-            held = {peer: reason for peer, (reason, _) in self._held.items()}
-        return {**held, **reasons}
+        return {**self._held.reasons(), **self.bans.reasons()}
 
-    def norm_reference(self) -> float:
-        """The largest norm we were judged against, or moved by a model exchange's mix, in recent
-        exchanges: what the robust clip blames relative to (``swarm.gossip._robust``)."""
-        return max(self._own_norms, default=0.0)
+    def norm_reference(self, partner: str | None = None) -> float:
+        """What the robust clip blames ``partner`` relative to (``swarm.gossip._robust``): the largest
+        of our recent progress norms, and of how far recent mixes with *other* partners moved us. A
+        partner's own pushes never widen its radius."""
+        own = max((norm for _, norm, _ in self._own_norms), default=0.0)
+        moved = max((step for peer, _, step in self._own_norms if peer != partner), default=0.0)
+        return max(own, moved)
 
     def failed(self, peer: str, reason: str) -> None:
         """An exchange with ``peer`` failed through its fault: hold it toward a ban (see :meth:`review`)."""
-        with self._lock:
-            self._held.setdefault(peer, (reason, self._clock()))
+        self._held.hold(peer, reason)
 
     def misbehaved(self, peer: str, reason: str) -> None:
         """``peer`` sent bad data: ban it now, whatever its record says (module docstring)."""
-        with self._lock:
-            self._held.pop(peer, None)
+        self._held.drop(peer)
         self.bans.ban(peer, reason)
 
     def answered(self, peer: str, reply: Reply) -> None:
@@ -145,8 +135,9 @@ class Reputation:
         before we know our own usual norm: a first, tiny warm-up update looks like a victim.
         """
         knows_own_norm = bool(self._own_norms)
-        if clip is not None:
-            self._own_norms.append(max(clip.own_norm, clip.moved))
+        self._held.cleared(peer)
+        if clip is not None and clip.judged:
+            self._own_norms.append((peer, clip.own_norm, clip.moved))
         clips = [(what, c) for what, c in (("update", clip), ("companion part", companion)) if c is not None]
         if not clips:
             self.bans.forgive(peer)

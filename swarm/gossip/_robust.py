@@ -24,14 +24,16 @@ and the two stated sample counts (weights ``w``, ``v``) make plausible::
 (``blame_norm``): a model exchange sends parameters, whose norm says nothing about how far two honest
 models are apart, so it is judged against our own progress since the last consensus, ``||theta -
 anchor||``, with the pseudo-gradient's ratio (two honest models differ by about the difference of
-their progress, as two pseudo-gradients do). ``blame_ratio`` is ``clip_ratio`` unless set. Such an
-exchange also reports how far its mix moves us toward an equal partner (``ClipStats.moved``: half the
-clipped difference, whatever weight the partner states), which later exchanges are judged against
-too (``reference``): while the swarm is visibly out of consensus (a partition healing, a
-straggler catching up), our own consensus steps are large, and honest partners are as far from us as
-those steps say; in consensus they are small and the progress rules. A partner whose pushes alone
-keep our steps large meets an excess of about 1 in every exchange (the step is half the difference),
-over the median limit of ``swarm.gossip._suspicion``.
+their progress, as two pseudo-gradients do). ``blame_ratio`` is ``clip_ratio`` unless set. Its
+clip radius follows progress too, as ClippedGossip's does: ``tau`` is at most :data:`PROGRESS_CLIP`
+plausible radii, so a push moves us by about one round's progress at most, never by a share of the
+parameters' norm. Such an exchange also reports how far its mix moved us (``ClipStats.moved``: the
+clipped difference times the partner's share, its weight counted at most as ours), which later
+exchanges with *other* partners are judged against too (``reference``): while the swarm is visibly
+out of consensus (a partition healing, a straggler catching up), our own consensus steps are large,
+and honest partners are as far from us as those steps say; in consensus they are small and the
+progress rules. A partner never raises the reference it is judged against itself, so pushes
+interleaved with tiny-weight "pumps" or with quiet exchanges gain it nothing.
 
 Both tensors are per-sample means; the noise of a mean over ``n`` samples shrinks as ``1 / sqrt(n)``, so
 with ``||q||^2 >= noise^2 / w`` the difference of two honest means is at most about
@@ -98,10 +100,11 @@ class ClipStats:
     own_norm: float
     judged: bool = True
     moved: float = 0.0
-    """Where the offer stated a ``blame_norm`` (a model exchange; else 0): how far the mix would move
-    us toward a partner of equal weight, ``s ||d|| / 2``, kept with ``own_norm`` as a reference for
-    later ones. Not the weighted step: a partner claiming a huge weight would double it, and with it
-    the radius its own pushes are judged by."""
+    """Where the offer stated a ``blame_norm`` (a model exchange; else 0): how far the mix moves us,
+    ``s ||d||`` times the partner's share with its weight counted at most as ours
+    (:func:`capped_share`), kept with ``own_norm`` as a reference for later exchanges with *other*
+    partners (``swarm.gossip._reputation``). A partner stating a tiny weight (a pump) moves it as
+    little as it moves us; one claiming a huge weight no more than an equal partner."""
 
     @property
     def clipped(self) -> bool:
@@ -168,14 +171,33 @@ def clip_stats(
         return ClipStats(scale=1.0, excess=0.0, hard=False, own_norm=own, judged=False)
     own, theirs, diff = norms.sent, norms.received, norms.diff
     tau = policy.clip_ratio * max(min(own, theirs), policy.clip_floor)
-    scale = 1.0 if diff <= tau else tau / diff
     blamed = own if blame_norm is None else blame_norm
     ratio = policy.clip_ratio if policy.blame_ratio is None else policy.blame_ratio
     own_radius = ratio * max(blamed, reference, policy.clip_floor) * plausible_spread(weights)
+    if blame_norm is not None:  # a model exchange: the step follows progress, not the parameters' norm
+        tau = min(tau, PROGRESS_CLIP * own_radius)
+    scale = 1.0 if diff <= tau else tau / diff
     excess = diff / own_radius if own_radius > 0 else (math.inf if diff > 0 else 0.0)
-    moved = 0.0 if blame_norm is None else scale * diff / 2
+    moved = 0.0 if blame_norm is None else scale * diff * capped_share(weights)
     hard = excess > policy.hard_factor
     return ClipStats(scale=scale, excess=excess, hard=hard, own_norm=blamed, moved=moved)
+
+
+PROGRESS_CLIP = 2.0
+"""A model exchange's difference is clipped to this many plausible radii (ClippedGossip's rule: the
+radius follows progress). Honest excesses stay far below it (median 0.18, p99 0.71 in a clean swarm;
+1.4-2.2 while a partition heals), so an honest mix is rarely cut, while a push can move us by at most
+about one honest round's progress per exchange, not a share of the parameters' norm."""
+
+
+def capped_share(weights: tuple[float, float]) -> float:
+    """The partner's share of a mix, its stated weight counted at most as ours: ``min(v, w) / (w +
+    min(v, w))``, at most 1/2. What ``moved`` is scaled by, so that a partner stating a tiny weight
+    moves the reference as little as it moves us, and one claiming a huge weight no more than an
+    equal partner."""
+    ours, theirs = weights
+    capped = min(ours, theirs)
+    return capped / (ours + capped) if ours + capped > 0 else 0.0
 
 
 def centered_clip(

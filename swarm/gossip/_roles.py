@@ -49,6 +49,9 @@ class ExchangeRoles:
         _preferred_partner: Callable[[], str | None] | None
         _rng: random.Random
         _aborted: bool
+        _served_at: dict[str, float]
+        _refuses_us: dict[str, float]
+        serve_interval_s: float
         _inflight: asyncio.Task[SyncResult] | None
         _serving: asyncio.Task[None] | None
 
@@ -84,6 +87,9 @@ class ExchangeRoles:
         if self._aborted:
             await channel.send_json(MsgKind.BUSY, {"reason": "leaving"})
             return
+        if not self._serve_allowed(peer):
+            await channel.send_json(MsgKind.BUSY, {"reason": "served you this round already"})
+            return
         if not self._gate.try_serve():
             await channel.send_json(MsgKind.BUSY, {"reason": "in another exchange"})
             return
@@ -95,6 +101,7 @@ class ExchangeRoles:
                 await channel.send_json(MsgKind.BUSY, {"reason": "nothing to offer yet"})
                 return
             local, turn = taken
+            _remember(self._served_at, peer, time.monotonic())
             ours = self._handshake.hello(*local.stated())
             mismatch = ours.mismatch(theirs)
             if mismatch is not None:
@@ -109,6 +116,12 @@ class ExchangeRoles:
             self._serving = None
             self._gate.served()
 
+    def _serve_allowed(self, peer: str) -> bool:
+        """At most one served exchange per partner per ``serve_interval_s``, whatever its outcome: a
+        dialler with no record gets no more than a member."""
+        last = self._served_at.get(peer)
+        return last is None or time.monotonic() - last >= self.serve_interval_s
+
     async def _serving_offer(self) -> tuple[Local, Turn] | None:
         """What we serve and its turn, taken under the exchange lock; None if there is nothing to
         offer or the lock is held (``paused()``, or a commit: the partner gets BUSY)."""
@@ -121,6 +134,14 @@ class ExchangeRoles:
             self._lock.release()
 
     # ------------------------------------------------------------------ initiating side
+
+    def _excluded(self, peer: str) -> bool:
+        """Not a partner for now: banned (or a failure held against it), or it told us it banned us:
+        dialling it again before its ban could end only costs both sides a handshake."""
+        until = self._refuses_us.get(peer)
+        if until is not None and time.monotonic() < until:
+            return True
+        return self._reputation.is_banned(peer)
 
     async def _initiate_abortable(
         self, local: Local, candidates: Sequence[PartnerInfo], turn: Turn
@@ -147,7 +168,7 @@ class ExchangeRoles:
             self_id=self.peer_id,
             protocol_version=PROTOCOL_VERSION,
             config_hash=self.config_hash,
-            banned=self._reputation.is_banned,
+            banned=self._excluded,
             last_partner=self._last_partner,
         )
         if not eligible:
@@ -181,6 +202,9 @@ class ExchangeRoles:
                     info.peer_id, reply.channel, local, reply.hello, turn, initiator=True
                 )
             self._reputation.answered(info.peer_id, reply)
+            if reply.kind is MsgKind.REJECT and reply.reason == BANNED_REASON:
+                until = time.monotonic() + self.options.ban_base_s
+                _remember(self._refuses_us, info.peer_id, until)
             busy += reply.kind is MsgKind.BUSY
             if reply.kind is not MsgKind.BUSY:
                 outcome = SyncOutcome.FAILED if reply.kind is None else SyncOutcome.REJECTED
@@ -188,3 +212,15 @@ class ExchangeRoles:
             reason = f"{info.peer_id}: {reply.describe()}"
         outcome = SyncOutcome.BUSY if busy else SyncOutcome.FAILED
         return self._result(outcome, None, None, 0.0, reason)
+
+
+REMEMBERED = 4096
+"""Peers a per-peer table of the roles keeps, the oldest entry forgotten first."""
+
+
+def _remember(table: dict[str, float], peer: str, value: float) -> None:
+    """Set ``table[peer]`` as its newest entry, keeping at most :data:`REMEMBERED` peers."""
+    table.pop(peer, None)
+    table[peer] = value
+    while len(table) > REMEMBERED:
+        del table[next(iter(table))]

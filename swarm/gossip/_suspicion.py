@@ -12,6 +12,11 @@ Two kinds of evidence, both per partner (docs/gossip.md, "Malicious partners"):
   excess of about 0.9 in every exchange and is never hard; honest excesses are mostly far smaller
   (median 0.18, p99 0.71 measured in a clean swarm), and the median ignores the runs of large ones
   an honest pair shows after an attacker pulled its models apart (excesses of 1.4-2.2 were seen).
+  What counts as consistent is judged against the swarm too: the limit is the larger of
+  :data:`MEDIAN_LIMIT` and :data:`RELATIVE_LIMIT` times the median excess of the last
+  :data:`SWARM_WINDOW` exchanges with *other* partners. When every partner looks far (our lagging
+  exchanges on a loaded machine, a partition healing), honest medians of 0.70-0.71 were seen, and no
+  one partner stands out; an attacker among honest partners (median about 0.2) still meets 0.7.
 
 After a ban the hard count restarts at half the limit and the window empties; the partner's strikes
 (the ban backoff) are forgiven only once its hard count is zero and its recent median is ordinary.
@@ -36,6 +41,11 @@ WINDOW = 8
 MEDIAN_LIMIT = 0.7
 """A median excess over this bans: at the p99 of honest excesses in a clean swarm, under a negated
 update's (about 0.9)."""
+RELATIVE_LIMIT = 2.5
+"""... unless the other partners' median excess, times this, is higher."""
+SWARM_WINDOW = 32
+"""Judged exchanges with all partners whose median sets the relative limit (at least ``WINDOW`` of
+them from others are needed)."""
 
 
 class Verdict(Enum):
@@ -57,6 +67,7 @@ class Suspicions:
     def __init__(self, limit: float) -> None:
         self._limit = limit
         self._records: dict[str, _Record] = {}
+        self._swarm: collections.deque[tuple[str, float]] = collections.deque(maxlen=SWARM_WINDOW)
         self._lock = threading.Lock()
 
     def hard_count(self, peer: str) -> float:
@@ -76,23 +87,34 @@ class Suspicions:
                     record.hard = max(0.0, record.hard - DECAY)
                 if blame:
                     record.recent.append(excess)
-            verdict, why = self._verdict(record)
+            limit = self._median_limit(peer)
+            if blame:
+                self._swarm.append((peer, excess))
+            verdict, why = self._verdict(record, limit)
             if record.hard > 0 or record.recent:
                 self._records[peer] = record
                 while len(self._records) > MAX_TRACKED:
                     del self._records[min(self._records, key=lambda p: self._records[p].hard)]
         return verdict, why
 
-    def _verdict(self, record: _Record) -> tuple[Verdict, str]:
+    def _median_limit(self, peer: str) -> float:
+        """The median limit for ``peer``: :data:`MEDIAN_LIMIT`, raised when the other partners' recent
+        excesses are high too (module docstring)."""
+        others = [excess for who, excess in self._swarm if who != peer]
+        if len(others) < WINDOW:
+            return MEDIAN_LIMIT
+        return max(MEDIAN_LIMIT, RELATIVE_LIMIT * statistics.median(others))
+
+    def _verdict(self, record: _Record, limit: float) -> tuple[Verdict, str]:
         median = statistics.median(record.recent) if record.recent else 0.0
         if record.hard >= self._limit:
             why = f"{record.hard:.2f} hard clips' worth, the limit is {self._limit:g}"
             record.hard, record.recent = self._limit / 2, collections.deque(maxlen=WINDOW)
             return Verdict.BAN, why
-        if len(record.recent) == WINDOW and median > MEDIAN_LIMIT:
-            why = f"a median excess of {median:.2f} over its last {WINDOW}, the limit is {MEDIAN_LIMIT:g}"
+        if len(record.recent) == WINDOW and median > limit:
+            why = f"a median excess of {median:.2f} over its last {WINDOW}, the limit is {limit:.2g}"
             record.recent.clear()
             return Verdict.BAN, why
-        if record.hard == 0 and median <= MEDIAN_LIMIT:
+        if record.hard == 0 and median <= limit:
             return Verdict.FORGIVE, ""
         return Verdict.NONE, ""

@@ -12,19 +12,30 @@ no inner step is taken while any micro-batch is provisional (:attr:`StageWorker.
 applying requests that arrive once a step is due wait until it is taken. Each ``(client, micro-batch)``
 is committed at most once; later requests for it are refused.
 
+A data holder that reads its answers and never commits must not hold the stage: each holder's
+provisional samples are capped at half a batch (:attr:`StageWorker.holder_share`; its further
+applying requests wait, nobody else's), and a provisional micro-batch that has waited longer than
+``hold_s`` for its COMMIT while it holds the batch full (others' applying requests wait, or the step is
+due) is *parked*: its gradient is taken back at once (exact: no step was taken since) and it no longer
+counts toward the batch; if its COMMIT still comes, it is computed again at the weights of that moment
+and counts then, else it is forgotten when its stream ends. A parked micro-batch still counts toward
+its holder's share, so a holder that never commits has at most half a batch in play and holds the
+batch full for at most ``hold_s`` per stream it leaves open. COMMITs and rollbacks are handled before
+any queued request, so an answer's COMMIT is never late because of work queued behind it.
+
 An output gradient comes from a data holder (the stage server refuses applying requests from anyone
 else, :mod:`swarm.pipeline._server`), and even one of those is not trusted with its size:
 :class:`GradientClip` clips each sample's output gradient to a bound set by the norms of the committed
-micro-batches before it, so one sender moves the stage's parameters at most as much as a few honest
-samples would.
+micro-batches before it (:mod:`swarm.pipeline._clip`), so one sender moves the stage's parameters at
+most as much as a few honest samples would. Inputs cached for a BACKWARD are shared per peer
+(:mod:`swarm.pipeline._cache`).
 """
 
 from __future__ import annotations
 
 import collections
+import itertools
 import logging
-import queue
-import statistics
 import threading
 import time
 from collections.abc import Callable
@@ -32,59 +43,18 @@ from dataclasses import dataclass, field
 
 import torch
 
-from swarm.pipeline._estimate import MAX_CACHED
+from swarm.pipeline._cache import InputCache, Key
+from swarm.pipeline._clip import GradientClip
 from swarm.pipeline._protocol import Request
 
 logger = logging.getLogger(__name__)
 
-Key = tuple[str, str]
-"""(client peer id, micro-batch id): a client cannot touch another client's micro-batches."""
 APPLIED_MEMORY = 1 << 16
 """How many committed micro-batch keys a server remembers to refuse a second application."""
-CLIP_FACTOR = 4.0
-"""A sample's output gradient may be this many times the median norm of recent committed ones."""
-CLIP_WINDOW = 256
-"""Per-sample norms of the latest committed output gradients that set the bound."""
-CLIP_WARMUP = 16
-"""Until this many are known, the bound is :data:`INITIAL_CLIP_NORM`."""
-INITIAL_CLIP_NORM = 1.0
-"""Per sample. The tiny test model's honest output gradients are about 0.12; a bound that is too low
-only slows the first micro-batches, and the window's median takes over after :data:`CLIP_WARMUP`."""
-
-
-class GradientClip:
-    """Clips each sample's output gradient by norm (the compute thread's only; not thread-safe).
-
-    The bound is :data:`CLIP_FACTOR` times the median per-sample norm of the last :data:`CLIP_WINDOW`
-    committed samples (after clipping), or ``initial`` before :data:`CLIP_WARMUP` are known. A median
-    moves only when most recent senders move it, so a minority of data holders cannot raise it.
-    """
-
-    def __init__(self, initial: float = INITIAL_CLIP_NORM, factor: float = CLIP_FACTOR) -> None:
-        if not (initial > 0 and factor >= 1):
-            raise ValueError(f"GradientClip needs initial > 0 and factor >= 1, got {initial}, {factor}")
-        self.initial, self.factor = initial, factor
-        self._norms: collections.deque[float] = collections.deque(maxlen=CLIP_WINDOW)
-        self.clipped = 0
-        """Samples whose output gradient was clipped."""
-
-    @property
-    def bound(self) -> float:
-        if len(self._norms) < CLIP_WARMUP:
-            return self.initial
-        return self.factor * statistics.median(self._norms)
-
-    def clip(self, grad: torch.Tensor) -> tuple[torch.Tensor, list[float]]:
-        """``grad`` (samples first) with each sample's norm at most :attr:`bound`, and those norms."""
-        norms = grad.detach().float().flatten(1).norm(dim=1)
-        scale = (self.bound / norms.clamp_min(1e-30)).clamp(max=1.0)
-        self.clipped += int((scale < 1).sum())
-        shaped = scale.view(-1, *([1] * (grad.dim() - 1))).to(grad.dtype)
-        return grad * shaped, (norms * scale).tolist()
-
-    def accept(self, norms: list[float]) -> None:
-        """A micro-batch with these per-sample norms was committed: they join the window."""
-        self._norms.extend(norms)
+PROVISIONAL_HOLD_S = 2.0
+"""How long a provisional micro-batch may hold a full batch waiting for its COMMIT before it is parked.
+An honest COMMIT follows the answer by a round trip and the answer's transfer; a slower one is not lost,
+only computed again when it comes."""
 
 
 @dataclass
@@ -123,6 +93,8 @@ class _Provisional:
     samples: int
     loss: float | None = None
     norms: list[float] = field(default_factory=list)
+    since: float = 0.0
+    """When its answer was handed to the stream (it waits for the COMMIT from then on)."""
 
 
 @dataclass
@@ -131,6 +103,10 @@ class WorkerStats:
     committed: int = 0
     committed_samples: int = 0
     rolled_back: int = 0
+    parked: int = 0
+    """Provisional micro-batches taken back for holding a full batch past ``hold_s``."""
+    reapplied: int = 0
+    """Parked micro-batches whose COMMIT came after all: computed again and counted."""
     refused: int = 0
     busy: int = 0
     device_s: float = 0.0
@@ -173,18 +149,24 @@ class StageWorker:
         clock: DeviceClock,
         cache_timeout_s: float = 120.0,
         clip: GradientClip | None = None,
+        hold_s: float = PROVISIONAL_HOLD_S,
+        now: Callable[[], float] = time.monotonic,
     ) -> None:
         self.module, self.device, self.batch_size = module, device, batch_size
-        self._clock = clock
+        self._clock, self._now, self.hold_s = clock, now, hold_s
+        self.holder_share = max(1, batch_size // 2)
+        """Provisional (and parked) samples one data holder may have here; one request always fits."""
         self.clip = clip or GradientClip()
-        self._queue: queue.Queue[tuple[str, object]] = queue.Queue()
+        self._incoming: collections.deque[Work] = collections.deque()
+        self._resolutions: collections.deque[tuple[Key, bool]] = collections.deque()
+        self._wake = threading.Event()
         self._max_queue = max_queue
         self._pending = 0  # submitted requests not yet taken (thread-safe through _lock)
         self._lock = threading.Lock()
         self._deferred: collections.deque[Work] = collections.deque()
-        self._cache: collections.OrderedDict[Key, tuple[torch.Tensor, float]] = collections.OrderedDict()
-        self._cache_timeout = cache_timeout_s
+        self._cache = InputCache(cache_timeout_s, now=now)
         self._provisional: dict[Key, _Provisional] = {}
+        self._parked: dict[Key, _Provisional] = {}
         self._applied: collections.OrderedDict[Key, None] = collections.OrderedDict()
         self.committed_log: list[Key] = []
         """Every key this worker committed, in order (tests check that none is applied twice)."""
@@ -204,12 +186,14 @@ class StageWorker:
                 self.stats.busy += 1
                 return False
             self._pending += 1
-        self._queue.put(("work", work))
+        self._incoming.append(work)
+        self._wake.set()
         return True
 
     def resolve(self, key: Key, commit: bool) -> None:
-        """The client committed (or abandoned) the applying request ``key``; applied in queue order."""
-        self._queue.put(("commit" if commit else "rollback", key))
+        """The client committed (or abandoned) the applying request ``key``; handled before queued work."""
+        self._resolutions.append((key, commit))
+        self._wake.set()
 
     @property
     def queue_length(self) -> int:
@@ -226,8 +210,43 @@ class StageWorker:
 
     @property
     def step_ready(self) -> bool:
-        """A batch's worth of committed samples, and nothing provisional: the inner step may run."""
+        """A batch's worth of committed samples, and nothing provisional: the inner step may run (parked
+        micro-batches are out of the accumulator: they do not hold it)."""
         return self.samples_since_step >= self.batch_size and not self._provisional
+
+    def _held(self, peer: str) -> int:
+        """Samples of ``peer`` provisional or parked here."""
+        held = itertools.chain(self._provisional.items(), self._parked.items())
+        return sum(p.samples for key, p in held if key[0] == peer)
+
+    def _must_wait(self, work: Work) -> bool:
+        """An applying request waits while the batch is full or its holder has its share in play (one to
+        be refused is answered at once)."""
+        if not work.request.applies or self._refusal(work) is not None:
+            return False
+        held = self._held(work.peer)
+        return self._batch_full or (held > 0 and held + work.request.samples > self.holder_share)
+
+    def _next_deferred(self) -> Work | None:
+        """The first deferred request that may run now, or one that is only to be answered (expired)."""
+        now = self._now()
+        for work in self._deferred:
+            if self.closing or work.cancelled or now > work.deadline or not self._must_wait(work):
+                self._deferred.remove(work)
+                return work
+        return None
+
+    def _park_stale(self) -> None:
+        """Take back the provisional micro-batches that held a full batch past ``hold_s``."""
+        if not (self._batch_full and (self._deferred or self.samples_since_step >= self.batch_size)):
+            return
+        now = self._now()
+        for key in [k for k, p in self._provisional.items() if now - p.since > self.hold_s]:
+            pending = self._provisional.pop(key)
+            self._unapply(pending)
+            self._parked[key] = pending
+            self.stats.parked += 1
+            logger.info("micro-batch %s of %s held the batch without COMMIT: parked", key[1][:8], key[0])
 
     def stepped(self) -> None:
         """The inner step was taken: start the next batch, let deferred requests through."""
@@ -235,27 +254,37 @@ class StageWorker:
         self.loss_sum, self.loss_samples = 0.0, 0
 
     def process(self, timeout: float) -> bool:
-        """Handle one queued item (waiting up to ``timeout``); False if there was none."""
-        if self._deferred and not self._batch_full:
-            self._run(self._deferred.popleft())
+        """Handle one COMMIT, rollback or request (waiting up to ``timeout``); False if there was none."""
+        if self._resolutions:
+            return self._resolve_next()
+        self._park_stale()
+        deferred = self._next_deferred()
+        if deferred is not None:
+            self._run(deferred)
             return True
-        try:
-            kind, item = self._queue.get(timeout=timeout)
-        except queue.Empty:
-            return False
-        if kind == "work":
-            work = item
-            assert isinstance(work, Work)
-            with self._lock:
-                self._pending -= 1
-            if work.request.applies and self._batch_full:
-                self._deferred.append(work)  # the step comes first; it waits for commits, not for these
-            else:
-                self._run(work)
-        elif kind == "commit":
-            self._commit(item)  # type: ignore[arg-type]
+        if not self._incoming:
+            self._wake.clear()  # before looking: a submit or resolve from now on sets it again
+            if not (self._incoming or self._resolutions):
+                self._wake.wait(timeout)
+            if self._resolutions:
+                return self._resolve_next()
+            if not self._incoming:
+                return False
+        work = self._incoming.popleft()
+        with self._lock:
+            self._pending -= 1
+        if self._must_wait(work):
+            self._deferred.append(work)  # the step comes first; it waits for commits, not for these
         else:
-            self._rollback(item)  # type: ignore[arg-type]
+            self._run(work)
+        return True
+
+    def _resolve_next(self) -> bool:
+        key, commit = self._resolutions.popleft()
+        if commit:
+            self._commit(key)
+        else:
+            self._rollback(key)
         return True
 
     def _run(self, work: Work) -> None:
@@ -263,7 +292,7 @@ class StageWorker:
         if self.closing:
             work.done(Outcome(error="this peer is leaving the stage"))
             return
-        if work.cancelled or time.monotonic() > work.deadline:
+        if work.cancelled or self._now() > work.deadline:
             work.done(Outcome(error="expired before it was served"))
             return
         refusal = self._refusal(work)
@@ -292,7 +321,7 @@ class StageWorker:
 
     def _refusal(self, work: Work) -> str | None:
         key = work.key
-        if work.request.applies and (key in self._applied or key in self._provisional):
+        if work.request.applies and (key in self._applied or key in self._provisional or key in self._parked):
             return "micro-batch already applied here"
         if work.request.op == "backward" and key not in self._cache:
             return "unknown micro-batch (its input is not cached here)"
@@ -301,10 +330,7 @@ class StageWorker:
     def _compute(self, work: Work) -> Outcome:
         r, key = work.request, work.key
         self.module.train(r.train)
-        if r.op == "backward":
-            x, _ = self._cache.pop(key)
-        else:
-            x = work.tensors["x"].to(self.device)
+        x = self._cache.pop(key) if r.op == "backward" else work.tensors["x"].to(self.device)
         if not r.train:
             with torch.no_grad():
                 if work.targets is not None:
@@ -313,7 +339,7 @@ class StageWorker:
         if r.caches:
             with torch.no_grad():
                 y = self.module(x)
-            self._remember(key, x)
+            self._cache.put(key, x)
             return Outcome(tensors=[("y", y)])
         grad, norms = work.tensors.get("g"), list[float]()
         if grad is not None:
@@ -321,7 +347,7 @@ class StageWorker:
         targets = None if work.targets is None else work.targets.to(self.device)
         pending = _Provisional(x, grad, targets, r.samples, norms=norms)
         loss, dx = self._backprop(pending, sign=1.0)
-        pending.loss = loss
+        pending.loss, pending.since = loss, self._now()
         self._provisional[key] = pending
         return Outcome(loss=loss, tensors=[("dx", dx)])
 
@@ -338,18 +364,13 @@ class StageWorker:
         y.backward(p.grad * sign)
         return None, x.grad
 
-    def _remember(self, key: Key, x: torch.Tensor) -> None:
-        now = time.monotonic()
-        self._cache[key] = (x, now)
-        while self._cache and (
-            len(self._cache) > MAX_CACHED or now - next(iter(self._cache.values()))[1] > self._cache_timeout
-        ):
-            self._cache.popitem(last=False)
-
     def _commit(self, key: Key) -> None:
         pending = self._provisional.pop(key, None)
         if pending is None:
-            return
+            pending = self._parked.pop(key, None)
+            if pending is None:
+                return
+            self._reapply(pending)
         self._applied[key] = None
         while len(self._applied) > APPLIED_MEMORY:
             self._applied.popitem(last=False)
@@ -364,15 +385,28 @@ class StageWorker:
 
     def _rollback(self, key: Key) -> None:
         pending = self._provisional.pop(key, None)
-        if pending is None:
+        if pending is not None:
+            self._unapply(pending)
+        elif self._parked.pop(key, None) is None:
             return
+        self.stats.rolled_back += 1
+
+    def _unapply(self, pending: _Provisional) -> None:
+        """Subtract a provisional micro-batch's gradients (exact: no step was taken since it was added)."""
+        self._backprop_timed(pending, sign=-1.0)
+
+    def _reapply(self, pending: _Provisional) -> None:
+        """A parked micro-batch was committed after all: its gradients at the weights of now."""
+        self._backprop_timed(pending, sign=1.0)
+        self.stats.reapplied += 1
+
+    def _backprop_timed(self, pending: _Provisional, sign: float) -> None:
         self.module.train(True)
         started = time.perf_counter()
-        self._backprop(pending, sign=-1.0)
+        self._backprop(pending, sign=sign)
         self.stats.train_device_s += self._clock.pad(
             time.perf_counter() - started, self._clock.share(pending.samples)
         )
-        self.stats.rolled_back += 1
 
     def forget_inputs(self) -> None:
         """Drop cached inputs (the stage is being closed or moved)."""
@@ -380,4 +414,5 @@ class StageWorker:
 
     @property
     def provisional(self) -> int:
-        return len(self._provisional)
+        """Micro-batches waiting for their COMMIT (parked ones too: a COMMIT would still count them)."""
+        return len(self._provisional) + len(self._parked)

@@ -16,6 +16,12 @@ another peer of that stage (the server applied nothing, see :mod:`swarm.pipeline
 whose peer lost the cached input is redone there or elsewhere as FORWARD with the output gradient
 (forward and backward at once). A micro-batch that runs out of attempts is dropped: its stage 0
 gradient is never applied, and stages that already committed it keep it (at most once each).
+
+A stage server's answer is not trusted with its size either: a server that skips its compute (or lies)
+may answer any input gradient up to 65504 per value, which would go on to the stage below and into
+stage 0's backward. Each sample's input gradient from a stage is clipped by norm to 4 times the median
+of the last 256 that stage's peers answered (:class:`~swarm.pipeline._clip.GradientClip`, one per
+stage), as the stage servers clip the output gradients they are sent.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ import torch
 
 from swarm.learning import EvalSet
 from swarm.pipeline._client import CallFailed, Reply, StageClient
+from swarm.pipeline._clip import GradientClip
 from swarm.pipeline._compute import DeviceClock
 from swarm.pipeline._protocol import EVAL_SAMPLES, Request, StageError
 from swarm.pipeline._router import Router
@@ -85,6 +92,8 @@ class DataHolder:
         self._pending: collections.deque[tuple[torch.Tensor, torch.Tensor]] = collections.deque()
         self.dropped = 0
         self.retries = 0
+        self.clips = [GradientClip() for _ in range(self.num_stages)]
+        """Per stage: the bound on each sample's input gradient its peers answer (the chain's thread only)."""
 
     # ------------------------------------------------------------------ training (the training thread)
 
@@ -210,6 +219,7 @@ class DataHolder:
             raise ChainFailed(f"stage {last} answered no loss")
         if not train:
             return loss, None
+        grad = self._clipped(last, grad)
         for stage in range(last - 1, 0, -1):
             x = inputs[stage - 1]
             try:
@@ -219,8 +229,17 @@ class DataHolder:
             except ChainFailed:  # that peer lost our input (or left): forward and backward at once elsewhere
                 self.retries += 1
                 back, _ = await self._hop(stage, request("forward", grad=True), [("x", x), ("g", grad)], None)
-            grad = back.tensor
+            grad = self._clipped(stage, back.tensor)
         return loss, grad
+
+    def _clipped(self, stage: int, grad: torch.Tensor | None) -> torch.Tensor:
+        """The input gradient a peer of ``stage`` answered, each sample's norm clipped."""
+        if grad is None:  # the client checked a training answer carries it; for the type checker
+            raise ChainFailed(f"stage {stage} answered no gradient")
+        clip = self.clips[stage]
+        grad, norms = clip.clip(grad)
+        clip.accept(norms)
+        return grad
 
     async def _hop(
         self,

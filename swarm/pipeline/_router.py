@@ -3,10 +3,18 @@
 Each micro-batch goes to one peer per stage, drawn at random with weight ``rate / (1 + queue)``: ``rate``
 is the peer's throughput as we measured it (samples per second from our sending a request to our
 having its answer, timed here; the ``compute_s`` a server reports can only make it slower, never
-faster); before the first answer, the capacity its record announces, capped by the median measured
+faster); before the first answer, the capacity its record announces, capped by the low median measured
 rate of its stage. ``queue`` is our requests in flight to it plus the queue it reported last. A slow
 peer therefore gets proportionally fewer micro-batches and a busy one fewer still, with no
-coordination and no barrier. A peer that failed is
+coordination and no barrier.
+
+A measured rate is not proof of work: a server that skips its compute and answers at once (garbage
+we cannot check) would measure as the fastest peer by far and take nearly every micro-batch. So a
+measured rate counts for at most :data:`RATE_FACTOR` times the stage's low median measured rate: an
+honest peer up to that much faster than the typical one keeps its full share, and a peer that answers
+instantly gets what one that much faster would (with one other peer in the stage, at most
+``RATE_FACTOR / (1 + RATE_FACTOR)`` of the micro-batches; the gradient it answers is clipped by the
+data holder, :mod:`swarm.pipeline._driver`). A peer that failed is
 avoided for ``PENALTY_S`` (unless it is the only one). ``fixed`` routing (the benchmark's baseline)
 always takes the same peer per stage: the data holder's rank among data holders, modulo the stage's
 size, like a static pipeline.
@@ -26,6 +34,8 @@ from typing import Any
 
 EMA = 0.2
 PENALTY_S = 10.0
+RATE_FACTOR = 4.0
+"""A measured rate counts for at most this many times the stage's low median measured rate."""
 ACTIVE = ("idle", "training", "syncing")
 
 
@@ -99,17 +109,19 @@ class Router:
 
     def _weight(self, peer: str, stage: int) -> float:
         stat = self._stats[peer]
-        rate = stat.rate
-        if rate is None:
-            typical = self._typical_rate(stage)
+        typical = self._typical_rate(stage)
+        if stat.rate is None:
             announced = stat.hint if stat.hint > 0 else None
             rate = min(announced or typical or 1.0, typical or math.inf)
+        else:
+            rate = min(stat.rate, RATE_FACTOR * (typical or math.inf))
         return rate / (1.0 + stat.inflight + stat.queue)
 
     def _typical_rate(self, stage: int) -> float | None:
-        """The median measured rate of the stage's peers, or None before any answered."""
+        """The low median measured rate of the stage's peers (of two, the slower: one fast liar cannot
+        raise it), or None before any answered."""
         known = [rate for p in self._roster.get(stage, ()) if (rate := self._stats[p].rate)]
-        return statistics.median(known) if known else None
+        return statistics.median_low(known) if known else None
 
     def started(self, peer: str) -> None:
         with self._lock:

@@ -7,7 +7,8 @@ activation frames: shape, dtype, finiteness, magnitude); a bad one gets an ERROR
 The compute happens on the peer's training thread (:class:`~swarm.pipeline.StageWorker`); applying
 requests wait for the client's COMMIT (see :mod:`swarm.pipeline._protocol`). Only the run's data
 holders (``data_holders``: the roster's stage-0 trainers) may send a request that applies gradients;
-anyone else is refused before its tensors are read.
+anyone else is refused before its tensors are read, and its training forwards are served as evaluation
+forwards (answered, nothing cached: it could never send the BACKWARD).
 
 Why not ``hivemind.moe`` (SWARM's reference built on its Server / ModuleBackend / RemoteExpert): its
 RPCs carry pickled-free but unbounded protobuf tensors with no per-run size limits, no swarm key, no
@@ -23,7 +24,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from swarm.compression import FrameError
@@ -163,6 +164,8 @@ class StageServer(StreamService):
         # broken pipe instead of the reason
         if request.applies and not self._data_holders(peer):
             raise NotADataHolder("only this run's data holders may apply gradients here")
+        if request.caches and not self._data_holders(peer):
+            request = replace(request, train=False)  # it may not BACKWARD here: caching its input is waste
         return request, tensors, targets
 
     async def _compute(self, peer: str, request: Request, tensors: dict, targets: object) -> Outcome | None:

@@ -7,7 +7,15 @@ what it serves), fetched in disjoint parts from every donor that announces that 
 coordinate-wise median (:mod:`swarm.state._merge`) of at least ``min_donors`` distinct states, each
 fetched in full from one of its donors. Every frame is checked against the announced digest before
 it is used (:mod:`swarm.state._transfer_protocol`), and a donor that takes over a failed donor's
-share sends only the frames of it that did not arrive. See docs/state-sync.md.
+share sends only the frames of it that did not arrive.
+
+Time is bounded the way BitTorrent bounds it (:mod:`swarm.state._schedule`): a donor below the receive
+floor (bytes over time windows, whatever its chunk size) is snubbed and its share goes to another
+holder of the same digest; the last outstanding shares are asked of an idle holder too (endgame);
+each stage has a deadline derived from its state's size and the floor; a median stops once its
+``min_donors`` states are in and the others had their grace. Any peer may sign a record announcing
+the trusted digest and so be asked for a part, but every byte it sends is verified against that
+digest: what it can cost is time, bounded as above. See docs/state-sync.md.
 """
 
 from __future__ import annotations
@@ -16,17 +24,20 @@ import asyncio
 import dataclasses
 import logging
 import random
-from collections.abc import Callable, Collection, Coroutine, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Required, TypedDict, Unpack
+from typing import TYPE_CHECKING, Required, TypedDict, Unpack
 
 from swarm.compression import DecodeLimits
 from swarm.p2p import StreamKey, check_run_id, run_with_replica, swarm_key_of
 from swarm.state._merge import median_snapshot, progress_of
+from swarm.state._schedule import Budget, Scheduler
 from swarm.state._snapshot import StateSnapshot
 from swarm.state._transfer_protocol import (
     IO_TIMEOUT_S,
     Assembly,
+    FloorSpec,
+    Hooks,
     StateTransferError,
     fetch_part,
     handler_name,
@@ -56,6 +67,8 @@ class DownloadOptions(TypedDict, total=False):
     limits: DecodeLimits
     timeout_s: float
     parallel: int
+    min_rate: float
+    window_s: float
 
 
 def download_state(
@@ -76,14 +89,20 @@ def download_state(
     says so (wait for more donors, or take a partner's anchor); else ``max(min(parallel, distinct),
     min_donors)`` distinct states, chosen at random, are each fetched in full (a failed donor replaced
     by another holder of its state, which resumes it, else by another state) and their
-    coordinate-wise median is returned. A donor whose state does not decode or whose progress
+    coordinate-wise median is returned, once every chosen state is in or ``min_donors`` of them are
+    and the others had as long again. A donor whose state does not decode or whose progress
     counters are out of range is dropped like one that does not answer.
 
     ``run_id`` names the handler; ``limits`` (default ``DecodeLimits()``) bound the decoded tensors;
     ``timeout_s`` (default 60) ends a download that went that long without a verified frame;
-    ``parallel`` (default 4) bounds the streams at once. The result's ``sources`` name the donors it
-    came from, its ``received_bytes`` what they sent. In a private swarm (``swarm_key``, by default
-    the key a DHT ``source`` was started with) each stream starts with the swarm key handshake.
+    ``parallel`` (default 4) bounds the streams at once. The receive floor: after a grace of
+    ``window_s`` (default ``IO_TIMEOUT_S``, 20 s), each stream must bring ``min_rate`` bytes per
+    second (default ``MIN_RECV_BYTES_PER_S``, 32 KiB/s) over every window of ``window_s``, or its donor
+    is dropped; the trusted state, and the median, each fail (the median: stop, if it has
+    ``min_donors`` states) past ``3 x window_s`` plus twice their state's bytes at ``min_rate``.
+    The result's ``sources`` name the donors it came from, its ``received_bytes`` what they sent.
+    In a private swarm (``swarm_key``, by default the key a DHT ``source`` was started with) each
+    stream starts with the swarm key handshake.
     Raises StateTransferError.
     """
     plan = _Plan.of(donors, options)  # before opening anything
@@ -115,6 +134,8 @@ class _Plan:
     limits: DecodeLimits = field(default_factory=DecodeLimits)
     timeout_s: float = 60.0
     parallel: int = 4
+    min_rate: float | None = None
+    window_s: float | None = None
 
     @classmethod
     def of(cls, donors: Iterable[tuple[str, str]], options: DownloadOptions) -> _Plan:
@@ -124,6 +145,8 @@ class _Plan:
         check_run_id(plan.run_id)
         if plan.parallel < 1 or plan.timeout_s <= 0 or plan.min_donors < 1:
             raise ValueError("parallel and min_donors must be >= 1 and timeout_s > 0")
+        if any(value is not None and not value > 0 for value in (plan.min_rate, plan.window_s)):
+            raise ValueError("min_rate and window_s must be > 0")
         plan = dataclasses.replace(plan, donors=_valid_donors(donors))
         has_trusted = any(peer in plan.trusted for peer, _ in plan.donors)
         if not has_trusted and len({d for _, d in plan.donors}) < plan.min_donors:
@@ -131,7 +154,8 @@ class _Plan:
         return plan
 
     async def run(self, p2p: P2P, swarm_key: StreamKey | None) -> StateSnapshot:
-        return await _download(_Context(p2p, handler_name(self.run_id), self.limits, swarm_key), self)
+        floor = FloorSpec(self.min_rate, self.window_s)
+        return await _download(_Context(p2p, handler_name(self.run_id), self.limits, swarm_key, floor), self)
 
 
 def _valid_donors(donors: Iterable[tuple[str, str]]) -> list[tuple[str, str]]:
@@ -162,11 +186,18 @@ class _Context:
     handler: str
     limits: DecodeLimits
     swarm_key: StreamKey | None
+    floor: FloorSpec
     on_frame: Callable[[], None] | None = None  # a verified frame arrived: the deadline moves on
 
-    async def fetch(self, donor: str, assembly: Assembly, part: int = 0, parts: int = 1) -> None:
-        """What ``assembly`` lacks of part ``part`` of ``parts``, from ``donor``."""
-        await fetch_part(self.p2p, self.handler, donor, assembly, part, parts, self.swarm_key, self.on_frame)
+    async def fetch(
+        self, donor: str, assembly: Assembly, budget: Budget, part: int = 0, parts: int = 1
+    ) -> None:
+        """What ``assembly`` lacks of part ``part`` of ``parts``, from ``donor``; its verified header
+        sizes ``budget``."""
+        hooks = Hooks(on_header=budget.on_header, on_frame=self.on_frame)
+        await fetch_part(
+            self.p2p, self.handler, donor, assembly, part, parts, self.swarm_key, self.floor, hooks
+        )
 
 
 class _DonorFault(Exception):
@@ -197,122 +228,117 @@ async def _download(ctx: _Context, plan: _Plan) -> StateSnapshot:
         raise StateTransferError(f"state download made no progress for {timeout_s}s") from None
 
 
+def _first_idle(candidates: list[str], failed: set[str], busy: set[str], idle_only: bool) -> str | None:
+    """The first of ``candidates`` that has not failed, idle ones first (only idle ones with
+    ``idle_only``)."""
+    healthy = [peer for peer in candidates if peer not in failed]
+    idle = [peer for peer in healthy if peer not in busy]
+    pool = idle if idle_only else idle or healthy
+    return pool[0] if pool else None
+
+
+@dataclass
+class _Trusted:
+    """The trusted state in ``parts`` disjoint parts, from the donors whose signed records announce
+    its digest (``group``); a part a donor failed goes to another, which resumes it."""
+
+    ctx: _Context
+    group: list[str]
+    assembly: Assembly
+    budget: Budget
+    parts: int
+    delivered: list[str] = field(default_factory=list)
+
+    def replacement(self, part: int, failed: set[str], busy: set[str]) -> str | None:
+        return _first_idle(self.group, failed, busy, idle_only=False)
+
+    def spare(self, part: int, failed: set[str], busy: set[str]) -> str | None:
+        return _first_idle(self.group, failed, busy, idle_only=True)
+
+    def left(self, part: int) -> int:
+        return self.assembly.missing(part, self.parts)
+
+    async def attempt(self, part: int, donor: str) -> None:
+        await self.ctx.fetch(donor, self.assembly, self.budget, part, self.parts)
+        self.delivered.append(donor)
+
+
 async def _fetch_trusted(ctx: _Context, digest: str, group: list[str], parallel: int) -> StateSnapshot:
-    """One state in parts from the donors that announce it; a failed part goes to a donor that has not
-    failed, which resumes it."""
-    assembly = Assembly(digest, ctx.limits)
+    """One state in parts from the donors that announce it (:class:`_Trusted`), within its deadline."""
     parts = min(parallel, len(group))
-    delivered: list[str] = []
-
-    def replacement(part: int, failed: set[str], busy: set[str]) -> str | None:
-        healthy = [peer for peer in group if peer not in failed]
-        idle = [peer for peer in healthy if peer not in busy]
-        candidates = idle or healthy
-        return candidates[0] if candidates else None
-
-    async def attempt(part: int, donor: str) -> None:
-        await ctx.fetch(donor, assembly, part, parts)
-        delivered.append(donor)
-
-    await _assign([(part, group[part]) for part in range(parts)], replacement, attempt)
-    snapshot = await asyncio.to_thread(assembly.finish)
+    stage = _Trusted(ctx, group, Assembly(digest, ctx.limits), Budget(ctx.floor), parts)
+    await Scheduler(stage, stage.budget).run([(part, group[part]) for part in range(parts)])
+    snapshot = await asyncio.to_thread(stage.assembly.finish)
     progress_of(snapshot.meta)
-    sources = tuple(dict.fromkeys(delivered))
-    return dataclasses.replace(snapshot, sources=sources, received_bytes=assembly.received_bytes)
+    sources = tuple(dict.fromkeys(stage.delivered))
+    return dataclasses.replace(snapshot, sources=sources, received_bytes=stage.assembly.received_bytes)
+
+
+@dataclass
+class _Median:
+    """Full states of distinct digests, one per slot: a slot whose donor failed goes to another holder
+    of its digest (which resumes it), then to the next untried digest."""
+
+    ctx: _Context
+    groups: dict[str, list[str]]
+    slot_digest: dict[int, str]
+    untried: list[str]
+    budget: Budget
+    unusable: set[str] = field(default_factory=set)
+    assemblies: dict[str, Assembly] = field(default_factory=dict)
+    results: dict[str, tuple[str, StateSnapshot]] = field(default_factory=dict)
+    locks: dict[str, asyncio.Lock] = field(default_factory=dict)
+
+    def replacement(self, slot: int, failed: set[str], busy: set[str]) -> str | None:
+        while True:
+            digest = self.slot_digest[slot]
+            usable = digest not in self.unusable
+            donor = _first_idle(self.groups[digest], failed, busy, False) if usable else None
+            if donor is not None or not self.untried:
+                return donor
+            self.slot_digest[slot] = self.untried.pop(0)
+
+    def spare(self, slot: int, failed: set[str], busy: set[str]) -> str | None:
+        digest = self.slot_digest[slot]
+        return None if digest in self.unusable else _first_idle(self.groups[digest], failed, busy, True)
+
+    def left(self, slot: int) -> int:
+        assembly = self.assemblies.get(self.slot_digest[slot])
+        return 0 if assembly is None else assembly.missing(0, 1)
+
+    async def attempt(self, slot: int, donor: str) -> None:
+        digest = self.slot_digest[slot]
+        assembly = self.assemblies.setdefault(digest, Assembly(digest, self.ctx.limits))
+        await self.ctx.fetch(donor, assembly, self.budget)
+        async with self.locks.setdefault(digest, asyncio.Lock()):  # endgame: one sibling finishes it
+            if digest in self.results:
+                return
+            if digest in self.unusable:
+                raise _DonorFault(f"state {digest[:12]} is unusable")
+            try:
+                snapshot = await asyncio.to_thread(assembly.finish)
+                progress_of(snapshot.meta)
+            except StateTransferError as exc:
+                self.unusable.add(digest)
+                raise _DonorFault(str(exc)) from exc
+            self.results[digest] = (donor, snapshot)
 
 
 async def _fetch_median(
     ctx: _Context, groups: dict[str, list[str]], parallel: int, min_donors: int
 ) -> StateSnapshot:
-    """Full states of distinct digests (chosen at random), each verified against its digest, merged by
-    the coordinate-wise median; a failed donor is replaced by another holder of its digest (which
-    resumes where it stopped), then by the next digest."""
+    """Full states of distinct digests (chosen at random, :class:`_Median`), each verified against its
+    digest, merged by the coordinate-wise median; the stage ends once ``min_donors`` states are
+    complete and the others had their grace, or at its deadline."""
     order = random.sample(list(groups), len(groups))
-    untried = order[max(min(parallel, len(order)), min_donors) :]
-    slot_digest = dict(enumerate(order[: len(order) - len(untried)]))
-    unusable: set[str] = set()
-    assemblies: dict[str, Assembly] = {}
-    results: dict[str, tuple[str, StateSnapshot]] = {}
-    announced = {peer: digest for digest, peers in groups.items() for peer in peers}
-
-    def replacement(slot: int, failed: set[str], busy: set[str]) -> str | None:
-        digest = slot_digest[slot]
-        while True:
-            spare = [p for p in groups[digest] if p not in failed] if digest not in unusable else []
-            if spare:
-                return spare[0]
-            if not untried:
-                return None
-            digest = slot_digest[slot] = untried.pop(0)
-
-    async def attempt(slot: int, donor: str) -> None:
-        digest = announced[donor]
-        assembly = assemblies.get(digest) or assemblies.setdefault(digest, Assembly(digest, ctx.limits))
-        try:
-            await ctx.fetch(donor, assembly)
-            snapshot = await asyncio.to_thread(assembly.finish)
-            progress_of(snapshot.meta)
-        except StateTransferError as exc:
-            unusable.add(digest)
-            raise _DonorFault(str(exc)) from exc
-        results[digest] = (donor, snapshot)
-
-    first = [(slot, groups[digest][0]) for slot, digest in slot_digest.items()]
-    await _assign(first, replacement, attempt, need_all=False)
-    merged = await asyncio.to_thread(median_snapshot, [s for _, s in results.values()], min_donors)
-    sources = tuple(donor for donor, _ in results.values())
-    received = sum(a.received_bytes for a in assemblies.values())
+    chosen = max(min(parallel, len(order)), min_donors)
+    slot_digest = dict(enumerate(order[:chosen]))
+    stage = _Median(ctx, groups, slot_digest, order[chosen:], Budget(ctx.floor, min_donors))
+    await Scheduler(stage, stage.budget, quorum=min_donors).run(
+        [(slot, groups[digest][0]) for slot, digest in slot_digest.items()]
+    )
+    states = [s for _, s in stage.results.values()]
+    merged = await asyncio.to_thread(median_snapshot, states, min_donors)
+    sources = tuple(donor for donor, _ in stage.results.values())
+    received = sum(a.received_bytes for a in stage.assemblies.values())
     return dataclasses.replace(merged, sources=sources, received_bytes=received)
-
-
-async def _assign(
-    initial: list[tuple[int, str]],
-    replacement: Callable[[int, set[str], set[str]], str | None],
-    attempt: Callable[[int, str], Coroutine[Any, Any, None]],
-    need_all: bool = True,
-) -> None:
-    """Run ``attempt(key, donor)`` for each assignment; on a donor's failure hand its key to
-    ``replacement(key, failed, busy)``. Without a replacement: raise if ``need_all``, else drop the key
-    (and raise only if nothing succeeded). StateTransferError from an attempt is fatal."""
-    failures: dict[str, str] = {}
-    running: dict[asyncio.Task[None], tuple[int, str]] = {}
-    succeeded = 0
-    for key, donor in initial:
-        running[asyncio.create_task(attempt(key, donor))] = (key, donor)
-    try:
-        while running:
-            done, _ = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
-            for task in done:
-                key, donor = running.pop(task)
-                reason = _failure(task, donor)
-                if reason is None:
-                    succeeded += 1
-                    continue
-                failures[donor] = reason
-                spare = replacement(key, set(failures), {d for _, d in running.values()})
-                if spare is not None:
-                    running[asyncio.create_task(attempt(key, spare))] = (key, spare)
-                elif need_all:
-                    raise StateTransferError(f"no donor left for part {key}: {_describe(failures)}")
-    finally:
-        for task in running:
-            task.cancel()
-        await asyncio.gather(*running, return_exceptions=True)
-    if not succeeded:
-        raise StateTransferError(f"every donor failed: {_describe(failures)}")
-
-
-def _failure(task: asyncio.Task[None], donor: str) -> str | None:
-    """None if the attempt succeeded, else why; re-raises fatal errors (StateTransferError)."""
-    exc = task.exception()
-    if exc is None:
-        return None
-    if isinstance(exc, StateTransferError):
-        raise exc
-    reason = "timed out" if isinstance(exc, TimeoutError) else f"{type(exc).__name__}: {exc}"
-    logger.warning("state download from %s failed: %s", donor, reason)
-    return reason
-
-
-def _describe(failures: Mapping[str, str]) -> str:
-    return "; ".join(f"donor {peer}: {reason}" for peer, reason in failures.items())

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Collection, Iterable
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Collection, Iterable, Mapping
+from typing import TYPE_CHECKING, Any
 
 from swarm._periodic import PeriodicTask
 from swarm.state._download import MIN_DONORS, download_state
@@ -78,7 +78,10 @@ class StateMirror:
     on ``node``'s DHT) and, with ``state_dir``, writes it there atomically; a restarted bootstrap serves
     the newest valid file at once. A state with less progress than the kept one is refused up to
     :data:`MAX_REFUSED` refreshes in a row. ``download`` is :func:`download_state` or one with its
-    signature. Call :meth:`start`, then :meth:`close`.
+    signature; ``download_options`` go to it as they are (e.g. the receive floor's ``min_rate`` and
+    ``window_s``): a refresh is bounded like a joiner's download (a slow or silent trainer is dropped,
+    the median taken without it), so a trainer cannot freeze the copy. Call :meth:`start`, then
+    :meth:`close`.
     """
 
     def __init__(
@@ -92,8 +95,10 @@ class StateMirror:
         min_donors: int = MIN_DONORS,
         server: StateServer | None = None,
         download: Callable[..., StateSnapshot] = download_state,
+        download_options: Mapping[str, Any] | None = None,
     ) -> None:
         self._node, self._state_dir, self._config_hash = node, state_dir, config_hash
+        self._options = dict(download_options or {})
         self._on_update, self._min_donors, self._download = on_update, min_donors, download
         self._lock = threading.Lock()
         self._snapshot: StateSnapshot | None = None
@@ -129,9 +134,11 @@ class StateMirror:
         if len(digests) < self._min_donors or digests <= self._behind:
             logger.debug("%d new distinct trainer state(s): keeping the copy", len(digests))
             return False
-        snapshot = self._download(
-            self._node.dht, donors, run_id=self._node.info.run_id, min_donors=self._min_donors
-        )
+        if not self._server.can_publish():  # the state it replaced is still named by our record
+            logger.debug("the replaced state is still served: keeping the copy for now")
+            return False
+        options = {**self._options, "run_id": self._node.info.run_id, "min_donors": self._min_donors}
+        snapshot = self._download(self._node.dht, donors, **options)
         samples = progress_of(snapshot.meta)["samples_total"]
         kept = self.snapshot
         if kept is not None and samples < progress_of(kept.meta)["samples_total"]:

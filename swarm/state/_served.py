@@ -5,7 +5,8 @@ by tensor into an unnamed temporary file, hashing each frame as it is written. S
 frame back by its offset (``os.pread``). Memory: one tensor's bf16 encoding while publishing, one
 frame per stream while serving, and about 100 bytes per frame (its hash and offset) while published;
 never a copy of the model. Disk: the frames, 2 bytes per value (anchor and momentum: 4 bytes per
-parameter of the model).
+parameter of the model), in :func:`default_spool_dir` unless told where: not ``/tmp``, which is
+often a tmpfs (memory).
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ from swarm.state._snapshot import (
     state_digest,
 )
 from swarm.state._transfer_protocol import MAX_FRAMES
+
+_DISK_TMP = "/var/tmp"
 
 
 @dataclass(frozen=True, eq=False)
@@ -100,6 +103,19 @@ class ServedState:
         self.close()
 
 
+def default_spool_dir() -> str:
+    """Where a state is spooled when no directory is given: ``$TMPDIR`` when set (the user's choice),
+    else ``/var/tmp`` (kept on disk across reboots, so not a tmpfs in practice) when it is writable,
+    else the system's temporary directory. ``/tmp`` is a tmpfs on many distributions, where each
+    spooled state would take its size in memory."""
+    chosen = os.environ.get("TMPDIR")
+    if chosen and os.path.isdir(chosen):
+        return chosen
+    if os.path.isdir(_DISK_TMP) and os.access(_DISK_TMP, os.W_OK | os.X_OK):
+        return _DISK_TMP
+    return tempfile.gettempdir()
+
+
 def spool_state(
     tensors: Mapping[str, torch.Tensor],
     meta: Mapping[str, Any],
@@ -107,8 +123,8 @@ def spool_state(
     spool_dir: str | None = None,
 ) -> ServedState:
     """Encode ``tensors`` (on any device; read one at a time, never copied whole) into their canonical
-    frames in a new spool file in ``spool_dir`` (default: the system's temporary directory; it should
-    be on a disk, not in memory), hashing each frame as it is written.
+    frames in a new spool file in ``spool_dir`` (default: :func:`default_spool_dir`; it should be on a
+    disk, not in memory), hashing each frame as it is written.
 
     The file has no name: it is created unlinked (``O_TMPFILE``) or unlinked at once, so nothing is
     left behind, even after SIGKILL. Raises ValueError (NaN/Inf or a value beyond bf16's range, meta
@@ -117,7 +133,7 @@ def spool_state(
     """
     meta_json = canonical_meta(meta)
     check_chunk_bytes(chunk_bytes)
-    spool = tempfile.TemporaryFile(dir=spool_dir)  # noqa: SIM115 (the ServedState owns it)
+    spool = tempfile.TemporaryFile(dir=spool_dir or default_spool_dir())  # noqa: SIM115 (the ServedState owns it)
     try:
         hashes: list[bytes] = []
         offsets = [0]

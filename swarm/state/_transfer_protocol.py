@@ -16,6 +16,10 @@ sha256 of every frame, in order. The client checks the header against the digest
 every frame against its hash, so a bad frame is pinned on the donor that sent it and no frame is used
 before it is verified. A part that fails is asked of another donor with ``skip``: the frames of it
 that arrived are not sent again.
+
+A donor chooses its state's ``chunk_bytes``, so nothing the client waits for is counted in frames: the
+receive floor (:class:`RecvFloor`) counts the bytes that arrive, header included, over time windows,
+and a joiner takes frames of at most :data:`MAX_RECV_CHUNK_BYTES`.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from swarm._errors import SwarmError
 from swarm._protocol import protocol_id
 from swarm.compression import DecodeLimits, FrameError, TensorStreamDecoder
 from swarm.p2p import ProtocolError, StreamKey, dial, dump_json, parse_json, read_message, write_message
-from swarm.state._snapshot import MAX_CHUNK_BYTES, StateSnapshot, build_snapshot, canonical_meta, state_digest
+from swarm.state._snapshot import StateSnapshot, build_snapshot, canonical_meta, state_digest
 
 if TYPE_CHECKING:
     from hivemind.p2p import P2P
@@ -48,9 +52,13 @@ MAX_FRAMES = (HEADER_MAX_BYTES - (1 << 20)) // 67  # one hex hash and its JSON p
 IO_TIMEOUT_S = 20.0
 """Bound on dialling, on each message read and on each write drain, both sides."""
 MIN_RECV_BYTES_PER_S = 32 << 10
-"""Progress floor of a part being received: after ``IO_TIMEOUT_S`` of grace the frames must keep up
-with this rate (counted at ``chunk_bytes`` each), or the donor is dropped and its part reassigned. An
-honest donor drops us first below its own floor (``_server.MIN_SEND_BYTES_PER_S``, 4 times this)."""
+"""Receive floor of a stream (:class:`RecvFloor`): after ``IO_TIMEOUT_S`` of grace, every window of
+``IO_TIMEOUT_S`` must bring this rate's worth of bytes, or the donor is dropped (snubbed) and its part
+reassigned. An honest donor drops us first below its own floor (``_server.MIN_SEND_BYTES_PER_S``, 4
+times this)."""
+MAX_RECV_CHUNK_BYTES = 4 << 20
+"""Largest ``chunk_bytes`` a joiner accepts in a header (four times the 1 MiB every peer spools with):
+bounds one frame message, and what one read may hold, whatever a donor's state declares."""
 
 
 class Kind(enum.IntEnum):
@@ -76,9 +84,15 @@ async def send_json(writer: asyncio.StreamWriter, kind: Kind, obj: dict[str, Any
     await write_message(writer, kind, dump_json(obj), timeout)
 
 
-async def recv(reader: asyncio.StreamReader, max_bytes: int, timeout: float) -> tuple[Kind, bytes]:
-    """One message of at most ``max_bytes`` payload bytes; ProtocolError otherwise."""
-    return await read_message(reader, Kind, lambda kind: max_bytes, timeout)
+async def recv(
+    reader: asyncio.StreamReader,
+    max_bytes: int,
+    timeout: float,
+    progress: Callable[[int], None] = lambda size: None,
+) -> tuple[Kind, bytes]:
+    """One message of at most ``max_bytes`` payload bytes; ProtocolError otherwise. ``progress`` hears
+    of each piece's bytes as it arrives."""
+    return await read_message(reader, Kind, lambda kind: max_bytes, timeout, progress)
 
 
 def _field(obj: dict[str, Any], key: str, kind: type) -> Any:
@@ -154,8 +168,8 @@ class Header:
             hashes=tuple(bytes.fromhex(h) for h in hashes_hex),
             sending=_field(obj, "sending", int),
         )
-        if not 0 < header.chunk_bytes <= MAX_CHUNK_BYTES:
-            raise ProtocolError(f"chunk_bytes {header.chunk_bytes} is out of range")
+        if not 0 < header.chunk_bytes <= MAX_RECV_CHUNK_BYTES:
+            raise ProtocolError(f"chunk_bytes {header.chunk_bytes} is not in [1, {MAX_RECV_CHUNK_BYTES}]")
         actual = state_digest(canonical_meta(header.meta), header.chunk_bytes, header.hashes)
         if header.digest != expected_digest or actual != expected_digest:
             raise ProtocolError(
@@ -169,7 +183,7 @@ class StateTransferError(SwarmError):
 
 
 class SlowPeerError(ProtocolError):
-    """The other side of a stream fell below its :class:`ProgressFloor`."""
+    """The other side of a stream fell below its :class:`ProgressFloor` or :class:`RecvFloor`."""
 
 
 class ProgressFloor:
@@ -196,6 +210,67 @@ class ProgressFloor:
             raise SlowPeerError(f"{self._who} below the progress floor of {self._rate:.0f} B/s") from None
 
 
+@dataclass(frozen=True)
+class FloorSpec:
+    """A receive floor: ``rate`` bytes per second, measured over windows of ``window_s`` seconds after
+    ``window_s`` of grace (defaults: :data:`MIN_RECV_BYTES_PER_S`, :data:`IO_TIMEOUT_S`, read when a
+    stream starts)."""
+
+    rate: float | None = None
+    window_s: float | None = None
+
+    def resolved(self) -> tuple[float, float]:
+        rate = MIN_RECV_BYTES_PER_S if self.rate is None else self.rate
+        return rate, IO_TIMEOUT_S if self.window_s is None else self.window_s
+
+
+class RecvFloor:
+    """The receive floor of one stream, on bytes over time, not on messages: the first
+    ``rate x window_s`` bytes must arrive within grace plus a window (``2 x window_s``), and each
+    further ``rate x window_s`` bytes within a window of the deadline they renew (a burst banks at most
+    one window ahead). A donor's ``chunk_bytes`` changes nothing: a byte counts when it arrives
+    (:func:`~swarm.p2p.read_message` reports each piece). Use as ``async with floor:`` around the
+    stream, feeding :meth:`count`; below the floor the block raises :class:`SlowPeerError`."""
+
+    def __init__(self, spec: FloorSpec, who: str) -> None:
+        rate, self._window = spec.resolved()
+        self._need, self._who, self._got = max(1.0, rate * self._window), who, 0.0
+        self._rate = rate
+        self._loop = asyncio.get_running_loop()
+        self._deadline = self._loop.time() + 2 * self._window
+        self._timeout = asyncio.timeout_at(self._deadline)
+
+    def count(self, size: int) -> None:
+        """``size`` bytes arrived: each full ``rate x window_s`` of them moves the deadline a window on."""
+        self._got += size
+        windows = int(self._got // self._need)
+        if windows and not self._timeout.expired():
+            self._got -= windows * self._need
+            now = self._loop.time()
+            self._deadline = min(max(self._deadline, now) + windows * self._window, now + 2 * self._window)
+            self._timeout.reschedule(self._deadline)
+
+    async def __aenter__(self) -> RecvFloor:
+        await self._timeout.__aenter__()
+        return self
+
+    async def __aexit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: Any) -> None:
+        try:
+            await self._timeout.__aexit__(kind, exc, tb)
+        except TimeoutError:
+            if not self._timeout.expired():
+                raise  # a read's own stall timeout
+            raise SlowPeerError(f"{self._who} below the receive floor of {self._rate:.0f} B/s") from None
+
+
+@dataclass(frozen=True)
+class Hooks:
+    """What a stream reports to its download: a verified header, each verified frame."""
+
+    on_header: Callable[[Header], None] | None = None
+    on_frame: Callable[[], None] | None = None
+
+
 async def fetch_part(
     p2p: P2P,
     handler: str,
@@ -204,42 +279,48 @@ async def fetch_part(
     part: int,
     parts: int,
     swarm_key: StreamKey | None = None,
-    on_frame: Callable[[], None] | None = None,
+    floor: FloorSpec = FloorSpec(),
+    hooks: Hooks = Hooks(),
 ) -> None:
     """One stream: request what ``assembly`` lacks of part ``part`` of ``parts`` (``skip``: the frames
     of it that arrived, from an earlier donor), verify the header, verify and decode each frame.
 
     With ``swarm_key`` the stream starts with the swarm key handshake; a donor that fails it raises
-    :class:`~swarm.p2p.AuthError`. The frames must keep up with :data:`MIN_RECV_BYTES_PER_S` (else
-    :class:`SlowPeerError`); ``on_frame()`` is called after each verified frame."""
+    :class:`~swarm.p2p.AuthError`. From the request on, the bytes must keep above ``floor``
+    (:class:`RecvFloor`, else :class:`SlowPeerError`); ``hooks`` hear of the verified header and of
+    each verified frame."""
     request = Request(assembly.digest, part, parts, assembly.delivered(part, parts))
     reader, writer = await dial(p2p, donor, handler, swarm_key, IO_TIMEOUT_S)
     try:
-        await send(writer, Kind.REQUEST, request.encode(), IO_TIMEOUT_S)
-        kind, payload = await recv(reader, HEADER_MAX_BYTES, IO_TIMEOUT_S)
-        if kind is Kind.ERROR:
-            raise ProtocolError(f"donor refused: {str(parse_json(payload).get('error'))[:200]}")
-        if kind is not Kind.HEADER:
-            raise ProtocolError(f"expected HEADER, got {kind.name}")
-        header = await asyncio.to_thread(Header.parse, payload, assembly.digest)
-        assembly.accept(header)
-        indices = request.indices(len(header.hashes))
-        if header.sending != len(indices):
-            raise ProtocolError(
-                f"header announces {header.sending} frames, part {part}/{parts} has {len(indices)} to send"
-            )
-        floor = ProgressFloor(MIN_RECV_BYTES_PER_S, IO_TIMEOUT_S, f"donor {donor}")
-        for index in indices:
-            kind, data = await floor.within(
-                recv(reader, header.chunk_bytes, IO_TIMEOUT_S), header.chunk_bytes
-            )
-            if kind is not Kind.FRAME:
-                raise ProtocolError(f"expected FRAME, got {kind.name}")
-            await asyncio.to_thread(assembly.add, index, data, donor)
-            if on_frame is not None:
-                on_frame()
+        async with RecvFloor(floor, f"donor {donor}") as watch:
+            await send(writer, Kind.REQUEST, request.encode(), IO_TIMEOUT_S)
+            header = await _read_header(reader, assembly, watch)
+            if hooks.on_header is not None:
+                hooks.on_header(header)
+            indices = request.indices(len(header.hashes))
+            if header.sending != len(indices):
+                what = f"part {part}/{parts} has {len(indices)} to send"
+                raise ProtocolError(f"header announces {header.sending} frames, {what}")
+            for index in indices:
+                kind, data = await recv(reader, header.chunk_bytes, IO_TIMEOUT_S, watch.count)
+                if kind is not Kind.FRAME:
+                    raise ProtocolError(f"expected FRAME, got {kind.name}")
+                await asyncio.to_thread(assembly.add, index, data, donor)
+                if hooks.on_frame is not None:
+                    hooks.on_frame()
     finally:
         writer.close()
+
+
+async def _read_header(reader: asyncio.StreamReader, assembly: Assembly, watch: RecvFloor) -> Header:
+    kind, payload = await recv(reader, HEADER_MAX_BYTES, IO_TIMEOUT_S, watch.count)
+    if kind is Kind.ERROR:
+        raise ProtocolError(f"donor refused: {str(parse_json(payload).get('error'))[:200]}")
+    if kind is not Kind.HEADER:
+        raise ProtocolError(f"expected HEADER, got {kind.name}")
+    header = await asyncio.to_thread(Header.parse, payload, assembly.digest)
+    assembly.accept(header)
+    return header
 
 
 class Assembly:
@@ -267,6 +348,13 @@ class Assembly:
                     break
                 count += 1
             return count
+
+    def missing(self, part: int, parts: int) -> int:
+        """Frames of part ``part`` of ``parts`` not received yet (:data:`MAX_FRAMES` before a header)."""
+        with self._lock:
+            if self.header is None:
+                return MAX_FRAMES
+            return sum(i not in self._received for i in range(part, len(self.header.hashes), parts))
 
     def accept(self, header: Header) -> None:
         if self.header is None:  # all headers verified against the same digest are identical

@@ -51,14 +51,17 @@ from swarm.trainer._backend import (
     RoundRole,
     outer_state_device,
 )
-from swarm.trainer._joining import adopt_a_partner, download_swarm_state, publish_state
+from swarm.trainer._joining import JOIN_WEIGHT, adopt_a_partner, download_swarm_state, publish_state
 from swarm.trainer._joining import other_trainers as others
 from swarm.trainer._live import LiveModel, Update
-from swarm.trainer._offers import AnchorOffers, DeltaOffers, ModelOffers
+from swarm.trainer._offers import ANCHOR_WEIGHT, AnchorOffers, DeltaOffers, ModelOffers
 from swarm.trainer._sync import SyncWorker, make_averager
 
 logger = logging.getLogger(__name__)
 
+SERVE_SHARE = 0.5
+"""A partner is served at most once per this share of our last round's duration: once a round, with
+room for rounds that vary."""
 SCHEDULE_GRACE = 0.5
 """Of a scheduled pair, the member that waits to be dialled waits at most this share of the last
 round's duration (and a quarter of ``exchange_timeout_s``) before it dials a partner itself."""
@@ -89,6 +92,7 @@ class GossipBackend:
         self._round_seconds = 0.0
         self._scheduled: str | None = None
         self._own_rounds = 0
+        self._adopted = True  # False: a fresh peer that could not take over a state yet
         self._rounds = dict.fromkeys(("initiator", "responder", "local"), 0)
         self.stalled_seconds = 0.0
         self._state_hash = ""
@@ -100,7 +104,9 @@ class GossipBackend:
         self._worker: SyncWorker | None = None
         try:
             self._make_averagers(client_mode=None)
-            self.state_server = StateServer(self._node.dht, self._run_id)
+            # a replaced state is served while the record naming it may still be read
+            keep_s = self._config.network.record_ttl_s + 5.0
+            self.state_server = StateServer(self._node.dht, self._run_id, keep_replaced_s=keep_s)
             self._worker = SyncWorker(self._own_round)
         except BaseException:
             self.close()
@@ -161,6 +167,7 @@ class GossipBackend:
                 leaving=m.record.state == "leaving",
                 joining=m.record.state == "joining",
                 relayed=m.record.reachability == "relay",
+                expires_at=m.expires_at,
             )
             for m in self._members()
             if m.record.role == "trainer"
@@ -190,9 +197,10 @@ class GossipBackend:
             joined = download_swarm_state(self._node, self._members, model, self.live, run_id)
             if joined is None:
                 me = self._node.peer_id
-                adopt_a_partner(
+                adopted = adopt_a_partner(
                     self._averagers()[1], self._anchor_offers, self.live, lambda: others(self._members(), me)
                 )
+                self._set_adopted(adopted)
         self._joined_meta = joined.meta if joined is not None else {}
         self._publish_state()
         return joined or JoinResult()
@@ -259,13 +267,43 @@ class GossipBackend:
 
     # ------------------------------------------------------------------ our own round (sync worker)
 
+    def _set_adopted(self, adopted: bool) -> None:
+        """Whether we hold the swarm's state. Until we do, partners get nothing from us (they would
+        judge our seed an attacker's push, and we theirs), and each round tries the adoption again."""
+        self._adopted = adopted
+        self._model_offers.accepting = self._delta_offers.accepting = adopted
+
+    def _adopt_again(self) -> None:
+        """One more try to take over a partner's state, as joining does; the anchor update it queues is
+        applied by the training thread."""
+        me = self._node.peer_id
+        if not others(self._members(), me):
+            logger.info("no other trainers left to adopt from: our state is the swarm's")
+            self._set_adopted(True)
+            return
+        self._anchor_offers.weight = JOIN_WEIGHT
+        try:
+            result = self._averagers()[1].sync()
+        finally:
+            self._anchor_offers.weight = ANCHOR_WEIGHT
+        if result.outcome is SyncOutcome.OK:
+            logger.info("adopted the parameters of %s", result.partner)
+            self._set_adopted(True)
+        else:
+            logger.info("adopting a live peer's state: %s; trying again next round", result.reason)
+
     def _own_round(self) -> None:
         """One exchange as initiator; an outer step on our own when nobody took part."""
         self._own_rounds += 1
         now = time.monotonic()
         if self._last_own_round is not None:
             self._round_seconds = now - self._last_own_round
+            for averager in self._averagers():  # a partner gets one exchange of ours per round
+                averager.serve_interval_s = SERVE_SHARE * self._round_seconds
         self._last_own_round = now
+        if not self._adopted:
+            self._adopt_again()
+            return
         if self._config.averaging.partners == "hypercube" and self._schedule_says_wait():
             grace = min(SCHEDULE_GRACE * self._round_seconds, self._config.averaging.exchange_timeout_s / 4)
             self.live.wait_queued(grace)  # then sync() finds nothing to offer: the partner's exchange did it

@@ -1,12 +1,13 @@
 """A trainer's state as donors serve it, and how a joiner takes it over: a download
 (:func:`download_swarm_state`), or else a live partner's anchor (:func:`adopt_a_partner`).
 
-Every trainer publishes, after each outer step, what a newcomer needs: the anchor parameters, the
+Every trainer publishes, after an outer step, what a newcomer needs: the anchor parameters, the
 outer momentum and its progress counters, spooled to disk in bf16 (:func:`snapshot_of`); the state's
-digest goes into its membership record (``state_hash``). A joiner takes the state a trusted initial
-peer announces, or the coordinate-wise median of at least three distinct donors' states, and verifies
-every frame against the announced digests (:func:`swarm.state.download_state`; see
-docs/state-sync.md).
+digest goes into its membership record (``state_hash``). It publishes a new one only once its server
+has let the one before go (:func:`publish_state`), so a digest its records name stays served. A
+joiner takes the state a trusted initial peer announces, or the coordinate-wise median of at least
+three distinct donors' states, and verifies every frame against the announced digests
+(:func:`swarm.state.download_state`; see docs/state-sync.md).
 
 Which members to download from (:func:`~swarm.state.choose_donors`) and the check of a donor's
 progress counters (:func:`~swarm.state.progress_of`) live in :mod:`swarm.state` with the bootstrap's
@@ -75,7 +76,7 @@ def snapshot_of(
 ) -> ServedState:
     """The state a joiner needs, ready to publish: anchor, outer momentum (once it exists) and progress
     counters, encoded in bf16 into a spool file in ``spool_dir`` (:func:`swarm.state.spool_state`;
-    default: the system's temporary directory). Call it where the outer state does not change (the
+    default: :func:`swarm.state.default_spool_dir`). Call it where the outer state does not change (the
     training thread); hand the result to ``StateServer.publish``, which closes it when done.
 
     The tensors are read where they are (GPU or host) one at a time, never copied whole: the host
@@ -105,9 +106,19 @@ def publish_state(
     joined: dict[str, int] | None,
     checkpoint_dir: str | None,
 ) -> str | None:
-    """Spool our state (:func:`snapshot_of`) and serve it; its digest, or None when it could not be
-    spooled (then the previous state stays served, and the warning says why). The spool goes next to
-    the checkpoints (a disk the user chose), else to the system's temporary directory."""
+    """Spool our state (:func:`snapshot_of`) and serve it; its digest, or None when nothing new was
+    published: then the previous state stays served and announced.
+
+    Nothing is spooled while the server still keeps the state it replaced last
+    (``StateServer.can_publish``): a record of ours may still name that one, or a joiner still reads
+    it. So a joiner that asks for a digest read in a record that has not expired is served, the
+    donor holds at most two copies on disk, and it publishes at most once per record lifetime (plus
+    how long a stream reads a replaced state), not every round. A state that cannot be spooled is
+    not published either (the warning says why). The spool goes next to the checkpoints (a disk the
+    user chose), else to :func:`swarm.state.default_spool_dir` (not a tmpfs ``/tmp``)."""
+    if not server.can_publish():
+        logger.debug("keeping the published state: the one it replaced is still announced or read")
+        return None
     if not all_finite(outer.anchor.values()):
         logger.warning("not publishing our state: its anchor is not finite (a rollback follows)")
         return None
@@ -200,15 +211,16 @@ def adopt_a_partner(
     live: LiveModel,
     partners: Callable[[], Sequence[Member]],
     attempts: int = 3,
-) -> None:
+) -> bool:
     """Take a live partner's anchor (and model) through an anchor exchange of ``averager`` at a
     negligible weight. A partner that refuses or fails is tried again (another, or the same once it
     is free): a joiner that starts from the seed in a trained swarm is far from every partner it
-    meets. ``partners()``: the trainers it may adopt from (:func:`other_trainers`)."""
+    meets. ``partners()``: the trainers it may adopt from (:func:`other_trainers`). True if it adopted
+    a state, or there was nobody to adopt from (then the seed is the swarm's state)."""
     for attempt in range(1, attempts + 1):
         if not partners():
             logger.info("no other trainers and no kept state: starting from the config seed")
-            return
+            return True
         offers.weight = JOIN_WEIGHT
         try:
             result = averager.sync()
@@ -216,11 +228,12 @@ def adopt_a_partner(
             offers.weight = ANCHOR_WEIGHT
         if live.apply_pending():
             logger.info("adopted the parameters of %s", result.partner)
-            return
+            return True
         logger.warning("adopting a live peer's state, attempt %d/%d: %s", attempt, attempts, result.reason)
         if result.outcome is SyncOutcome.CANCELLED:  # a shutdown: no more attempts
             break
-    logger.warning("could not fetch state from a live peer; starting from the config seed")
+    logger.warning("could not fetch state from a live peer yet; trying again each round meanwhile")
+    return False
 
 
 def other_trainers(members: Sequence[Member], me: str) -> list[Member]:

@@ -53,8 +53,12 @@ class DeltaOffers:
     def __init__(self, live: LiveModel, with_anchor: bool = False) -> None:
         self._live = live
         self._with_anchor = with_anchor
+        self.accepting = True
+        """False while we hold no swarm state (a joiner whose adoption failed): nothing is offered."""
 
     def offer(self) -> Offer | None:
+        if not self.accepting:
+            return None
         snapshot = self._live.delta_snapshot(with_anchor=self._with_anchor)
         if snapshot is None:
             return None
@@ -130,8 +134,12 @@ class ModelOffers(_Held):
         self._shared: ModelSnapshot | None = None
         """The snapshot the exchanges in flight hold (a served exchange and our own may overlap: they
         share it)."""
+        self.accepting = True
+        """False while we hold no swarm state (a joiner whose adoption failed): nothing is offered."""
 
     def offer(self) -> Offer | None:
+        if not self.accepting:
+            return None
         with self._lock:
             snapshot = self._live.model_snapshot(reuse=self._shared)
             if snapshot is None:
@@ -236,10 +244,24 @@ ANCHOR_WEIGHT = 1.0
 def anchor_pull(ours: Part, mixed: MixedPart) -> tuple[Tensors, float]:
     """How far an anchor exchange moved our anchor snapshot (``mixed - ours``, reusing the mixed
     tensors), and the distance to the partner's anchor before it, relative to ours: with partner share
-    ``s = v / (w + v)`` and clip factor ``c`` that distance is ``|shift| / (s c)``."""
-    shift = {name: mixed.mixed[name].sub_(before) for name, before in ours.tensors.items()}
-    share = mixed.partner_weight / (ours.weight + mixed.partner_weight)
+    ``s = v / (w + v)`` and clip factor ``c`` that distance is ``|shift| / (s c)``.
+
+    The partner's stated weight counts at most :data:`ANCHOR_WEIGHT` (an honest anchor's): the mix was
+    made at its claim, so the shift is scaled back to the capped share. A claim of 1e29 pulls us to
+    the pair's mean, never past it to the partner's anchor."""
+    capped = min(mixed.partner_weight, ANCHOR_WEIGHT)
+    rescale = equal_share_scale_to(ours.weight, mixed.partner_weight, capped)
+    shift = {name: mixed.mixed[name].sub_(before).mul_(rescale) for name, before in ours.tensors.items()}
+    share = capped / (ours.weight + capped)
     return shift, relative_norm(shift, ours.tensors) / max(share * mixed.clip_scale, 1e-12)
+
+
+def equal_share_scale_to(own_weight: float, partner_weight: float, capped: float) -> float:
+    """The factor from the share a mix gave the partner's stated weight, ``v / (w + v)``, to the share
+    of ``capped``, ``c / (w + c)`` (1 when nothing was capped)."""
+    if capped >= partner_weight:
+        return 1.0
+    return (capped / (own_weight + capped)) / (partner_weight / (own_weight + partner_weight))
 
 
 def _info(exchange: Committed, **extra: object) -> dict[str, object]:
