@@ -33,6 +33,7 @@ from starlette.routing import Route
 
 from peers._monitor_guard import HostRule, HttpLimits, RequestGuard, guarded_protocol
 from peers._monitor_prometheus import SnapshotCollector
+from peers._monitor_render import fill_page
 from swarm.metrics import SwarmSnapshot
 
 PAGE_FILE = "_monitor_page.html"
@@ -135,6 +136,7 @@ class StatusServer:
         self.host = host
         self._lock = threading.Lock()
         self._snapshot_json: bytes | None = None
+        self._snapshot: dict[str, Any] | None = None
         self._history = PlotHistory()
         for snapshot in seed:
             self._history.add(snapshot)
@@ -172,7 +174,7 @@ class StatusServer:
         document = snapshot.to_dict()
         encoded = json.dumps(document, separators=(",", ":"), allow_nan=False).encode()
         with self._lock:
-            self._snapshot_json = encoded
+            self._snapshot_json, self._snapshot = encoded, document
             self._history.add(document)
         self._collector.update(snapshot)
 
@@ -192,8 +194,12 @@ class StatusServer:
         return Starlette(routes=routes)
 
     async def _page_route(self, request: Request) -> Response:
+        """The page with the latest numbers in it: it reads without its script (which then keeps it fresh)."""
         headers = {"Content-Security-Policy": self._csp, "Cache-Control": "no-store"}
-        return Response(self._page, media_type="text/html; charset=utf-8", headers={**headers, **_SAFE})
+        with self._lock:
+            snapshot = self._snapshot
+        body = fill_page(self._page, snapshot).encode()
+        return Response(body, media_type="text/html; charset=utf-8", headers={**headers, **_SAFE})
 
     async def _snapshot_route(self, request: Request) -> Response:
         with self._lock:
@@ -220,18 +226,22 @@ _NO_STORE = {"Cache-Control": "no-store"}
 _SAFE = {"X-Content-Type-Options": "nosniff", "Referrer-Policy": "no-referrer"}
 
 
-def render_page(refresh_s: float) -> tuple[bytes, str]:
-    """The page with its refresh period filled in, and a Content-Security-Policy that allows its one
-    inline script (by hash), its inline style, and requests to its own origin only."""
+def render_page(refresh_s: float) -> tuple[str, str]:
+    """The page template with its refresh period filled in (the snapshot goes in per request:
+    :func:`peers._monitor_render.fill_page`), and a Content-Security-Policy that allows its one inline
+    script (by hash), its inline style, and requests to its own origin only."""
     template = resources.files("peers").joinpath(PAGE_FILE).read_text(encoding="utf-8")
-    page = template.replace("__REFRESH_MS__", str(max(250, round(refresh_s * 1000))))
+    refresh_ms = max(250, round(refresh_s * 1000))
+    page = template.replace("__REFRESH_MS__", str(refresh_ms)).replace(
+        "__REFRESH_S__", str(max(1, refresh_ms // 1000))
+    )
     scripts = re.findall(r"<script>(.*?)</script>", page, flags=re.S)
     hashes = " ".join(f"'sha256-{_digest(script)}'" for script in scripts)
     csp = (
         f"default-src 'none'; script-src {hashes}; style-src 'unsafe-inline'; connect-src 'self'; "
         "img-src data:; base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
     )
-    return page.encode(), csp
+    return page, csp
 
 
 def _digest(script: str) -> str:

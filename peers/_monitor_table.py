@@ -136,8 +136,8 @@ def header_lines(snapshot: SwarmSnapshot) -> list[Text]:
     t = snapshot.totals
     lines = [
         Text(
-            shown(f"run {snapshot.run_id or '?'}: ")
-            + f"{t.peers} peers, {t.trainers} active trainers, "
+            shown(f"run {snapshot.run_id or '?'} ")
+            + f"{run_state_text(t)}: {t.peers} peers, {t.trainers} active trainers, "
             + f"{t.stale} stale, {t.incompatible} incompatible",
             style="bold",
         ),
@@ -156,6 +156,13 @@ def header_lines(snapshot: SwarmSnapshot) -> list[Text]:
         )
     lines.extend(_stage_line(stage) for stage in snapshot.stages)
     return lines
+
+
+def run_state_text(t: SwarmTotals) -> str:
+    """The run's state in words: a finished run says so, instead of reading as an empty swarm."""
+    if t.run_state == "finished":
+        return "finished (no trainer live)" if t.trainers == 0 else "finished (target reached)"
+    return t.run_state
 
 
 def _losses(t: SwarmTotals) -> str:

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import shlex
 import sys
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -15,6 +17,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
 from peers._common import fail
+from peers._signals import mark_started
 from swarm.config import RunConfig
 
 if TYPE_CHECKING:
@@ -175,6 +178,93 @@ def since_stop(peer: Any) -> str:
     return f", {time.monotonic() - peer.stop_seen_at:.1f} s after the stop"
 
 
+def checkpoint_line(config: RunConfig) -> str:
+    """Where this peer's checkpoints go (said at start), or that it keeps none."""
+    directory = config.train.checkpoint_dir
+    if directory is None:
+        return (
+            "join: keeping no checkpoints (train.checkpoint_dir is null): this peer can neither --resume "
+            "nor be exported from a checkpoint"
+        )
+    return (
+        f"join: checkpoints go to {directory} (every {config.train.checkpoint_every_s:g} s and on the way "
+        "out; --resume continues from them)"
+    )
+
+
+def export_command(directory: str) -> str:
+    """The command that exports the model of the checkpoints in ``directory``."""
+    return f"swarm export --checkpoint {shlex.quote(directory)} --out model"
+
+
+@dataclass
+class ExitSummary:
+    """What a peer did, for the lines it prints as it exits: read before the peer closes."""
+
+    samples: int
+    swarm_samples: int
+    exchanges_ok: int
+    exchanges_failed: int
+    bytes_sent: int
+    bytes_received: int
+    seconds: float
+    checkpoint: Path | None
+    checkpoint_dir: str | None
+    whole_model: bool
+
+    @classmethod
+    def of(cls, peer: Any, started: float, checkpoint: Path | None) -> ExitSummary:
+        metrics = peer.exchange_metrics()
+        progress = peer.progress
+        return cls(
+            samples=progress.samples_total,
+            swarm_samples=max(progress.swarm_samples, progress.samples_total),
+            exchanges_ok=metrics.exchanges_ok,
+            exchanges_failed=metrics.exchanges_failed + metrics.exchanges_rejected,
+            bytes_sent=metrics.bytes_sent,
+            bytes_received=metrics.bytes_received,
+            seconds=time.monotonic() - started,
+            checkpoint=checkpoint,
+            checkpoint_dir=peer.config.train.checkpoint_dir,
+            whole_model=getattr(peer, "num_stages", 1) == 1,
+        )
+
+    def lines(self) -> list[str]:
+        share = f" ({100 * self.samples / self.swarm_samples:.1f}%)" if self.swarm_samples else ""
+        lines = [
+            f"summary: trained {self.samples:,} samples of the swarm's {self.swarm_samples:,}{share} in "
+            f"{_duration(self.seconds)}; exchanges {self.exchanges_ok} ok, {self.exchanges_failed} failed; "
+            f"sent {_size(self.bytes_sent)}, received {_size(self.bytes_received)}"
+        ]
+        if self.checkpoint_dir is None:
+            lines.append("summary: no checkpoint kept (train.checkpoint_dir is null)")
+            return lines
+        if self.checkpoint is None:
+            lines.append(f"summary: no checkpoint written yet in {self.checkpoint_dir}")
+            return lines
+        lines.append(f"summary: checkpoint {self.checkpoint}")
+        if self.whole_model:
+            lines.append(f"summary: export the model with: {export_command(self.checkpoint_dir)}")
+        else:
+            lines.append("summary: a pipeline stage's checkpoint (swarm export takes whole-model ones)")
+        return lines
+
+
+def _duration(seconds: float) -> str:
+    minutes, secs = divmod(int(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    if hours:
+        return f"{hours}h{minutes:02d}m{secs:02d}s"
+    return f"{minutes}m{secs:02d}s" if minutes else f"{seconds:.1f} s"
+
+
+def _size(count: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if count >= scale:
+            return f"{count / scale:.1f} {unit}"
+    return f"{count} B"
+
+
 def run_and_leave(
     peer: Any,
     output: TrainerOutput,
@@ -192,18 +282,23 @@ def run_and_leave(
     ``--summary``. ``peer`` is closed whatever happens.
     """
     summary = None
+    started = time.monotonic()
     try:
+        mark_started(stop)  # the peer is open: a first Ctrl+C now stops it cleanly, joining included
         join()
         with output:
             peer.run(stop)
         typer.echo(f"join: shutting down: {where_it_stopped(peer)}")
-        with peer.phases.stop.part("checkpoint"):
-            saved = peer.save_checkpoint()
+        saved = None
+        if peer.progress.step > 0:  # a peer stopped before its first step has nothing of its own to keep
+            with peer.phases.stop.part("checkpoint"):
+                saved = peer.save_checkpoint()
         if saved is not None:
             typer.echo(
                 f"join: checkpoint saved in {peer.config.train.checkpoint_dir} "
                 f"(step {peer.progress.step}, {peer.phases.stop.seconds['checkpoint']:.1f} s)"
             )
+        at_exit = ExitSummary.of(peer, started, saved)
         if summary_path is not None and peer.evaluates_alone:
             summary = peer.summary()  # the final evaluation waits until the swarm is left
         elif summary_path is not None:
@@ -215,3 +310,5 @@ def run_and_leave(
     typer.echo(f"join: left the swarm in {peer.phases.stop.seconds['leave']:.1f} s{since_stop(peer)}")
     if summary is not None and summary_path is not None:
         write_summary(peer, summary_path, summary)
+    for line in at_exit.lines():
+        typer.echo(f"join: {line}")

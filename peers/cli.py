@@ -2,6 +2,14 @@
 
 from __future__ import annotations
 
+from peers import _signals  # first: a Ctrl+C during the imports below ends start-up in one line
+
+if _signals.launched_as_program(__name__):
+    _signals.install_startup_handler()
+    from swarm.network import start_shm_manager_first
+
+    start_shm_manager_first()  # a program's DHT starts torch's shm manager first, out of Ctrl+C's way
+
 from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
@@ -12,8 +20,11 @@ from peers import _common as common
 from peers._signals import shutdown_on_signals
 from peers.config_cmd import config_app, load_peer_config
 from peers.data_cmd import data_app
+from peers.doctor import doctor
 from peers.export_cmd import export, generate
 from peers.monitor import monitor_app
+
+JOIN_STOPPING = "join: stopping: the step in progress ends first (Ctrl+C again to quit at once)"
 
 app = typer.Typer(
     help="Decentralized training with quantized gossip. Start with `swarm local` or see README.md.",
@@ -45,15 +56,29 @@ def bootstrap(
     state_interval: float = typer.Option(
         60.0, "--state-interval", min=1.0, help="With --serve-state: seconds between state refreshes."
     ),
+    state_min_donors: int | None = typer.Option(
+        None,
+        "--state-min-donors",
+        min=1,
+        help="With --serve-state: keep the median of at least N distinct trainer states (default 3). "
+        "Fewer trusts those trainers: one broken or hostile trainer's state may be served to every "
+        "joiner (docs/state-sync.md).",
+    ),
+    status_interval: float = typer.Option(
+        60.0, "--status-interval", min=1.0, help="Seconds between the lines saying where the run stands."
+    ),
 ) -> None:
-    """Start a stable entry peer and print the line others paste to join."""
+    """Start a stable entry peer and print the line others paste to join; then say who joins and
+    leaves, where the run stands each minute, and a summary at exit."""
     from peers.bootstrap import run_bootstrap
 
     if state_dir is not None and not serve_state:  # how the flags go together, before any file is read
         common.fail("--state-dir needs --serve-state")
+    if state_min_donors is not None and not serve_state:
+        common.fail("--state-min-donors needs --serve-state")
     cfg = common.load_run_config(config, set_)
     network = common.resolve_network(cfg, network_flags)
-    with shutdown_on_signals() as stop:
+    with shutdown_on_signals(acknowledge="bootstrap: shutting down", starting=True) as stop:
         run_bootstrap(
             cfg,
             network,
@@ -63,6 +88,8 @@ def bootstrap(
             serve_state=serve_state,
             state_dir=_str(state_dir),
             state_interval_s=state_interval,
+            state_min_donors=state_min_donors,
+            status_interval_s=status_interval,
         )
 
 
@@ -86,7 +113,7 @@ def join(
     cfg, network = load_peer_config(config, set_ or (), network_flags, check=True)  # no --config: the swarm's
     if not network.initial_peers:
         common.fail("swarm join needs --initial-peers (the line `swarm bootstrap` printed)")
-    with shutdown_on_signals() as stop:
+    with shutdown_on_signals(acknowledge=JOIN_STOPPING, starting=True) as stop:
         run_join(
             cfg,
             network,
@@ -141,6 +168,7 @@ def local(
 
 app.command("export")(export)
 app.command("generate")(generate)
+app.command("doctor")(doctor)
 
 
 def _str(path: Path | None) -> str | None:
@@ -154,12 +182,15 @@ def main() -> None:
     without the interpreter's teardown: its garbage collections over every object of torch, hivemind
     and the model took 5 to 7 s on a busy 2-core machine, most of a peer's shutdown grace period
     (docs/training.md, "Shutdown"). Exit handlers still run first (:func:`common.exit_now`)."""
+    _signals.enter_command()
     common.setup_logging()
     common.enable_stack_dumps()
     try:
         app()
     except SystemExit as done:
         common.exit_now(done.code)
+    except KeyboardInterrupt:  # a second Ctrl+C outside a command's body (typer exits 130 inside it)
+        common.exit_now(_signals.EXIT_INTERRUPTED)
     common.exit_now(0)
 
 

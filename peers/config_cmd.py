@@ -36,7 +36,7 @@ FILE_ARGUMENT = typer.Argument(
 SET_OPTION = typer.Option(
     None,
     "--set",
-    help="Override one key, e.g. --set train.lr=1e-3 or --set network.initial_peers=[/ip4/...]. Repeatable.",
+    help="Override one key, e.g. --set train.lr=1e-3 or --set network.initial_peers=/ip4/.... Repeatable.",
     show_default=False,
 )
 
@@ -226,8 +226,8 @@ def load_peer_config(
     asked = config.run.run_id if config.run.run_id != RunConfig().run.run_id else None  # --run-id, --set
     view = published_view(network, config, asked, PUBLISHED_CONFIG_WAIT_S)
     if view.published_yaml is None:
-        common.fail(_nothing_published(view, network, PUBLISHED_CONFIG_WAIT_S))
-    published, config = _load_published(view.published_yaml, overrides)
+        common.fail(nothing_published(view, network, PUBLISHED_CONFIG_WAIT_S))
+    published, config = load_published(view.published_yaml, overrides)
     for line in describe_published(published, config):
         typer.echo(line, err=True)
     if check:
@@ -262,7 +262,7 @@ def published_view(
     return view
 
 
-def _nothing_published(view: SwarmView, network: NetworkOptions, wait_s: float) -> str:
+def nothing_published(view: SwarmView, network: NetworkOptions, wait_s: float) -> str:
     where = ", ".join(network.initial_peers)
     if view.run_id:
         found = f"no valid run config is published for run {view.run_id!r} through {where}"
@@ -278,7 +278,7 @@ def _nothing_published(view: SwarmView, network: NetworkOptions, wait_s: float) 
     )
 
 
-def _load_published(text: str, overrides: Sequence[str]) -> tuple[RunConfig, RunConfig]:
+def load_published(text: str, overrides: Sequence[str]) -> tuple[RunConfig, RunConfig]:
     """The published config as published, and under this user's environment and overrides."""
     from swarm.config import load_config
 

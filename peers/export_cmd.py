@@ -24,12 +24,19 @@ CHECKPOINT_OPTION = typer.Option(
     help="A trainer checkpoint file, or a checkpoint directory (its newest valid checkpoint).",
     show_default=False,
 )
+CONFIG_OPTION = typer.Option(
+    None,
+    "--config",
+    "-c",
+    help="Run config YAML file. Omitted: the one a checkpoint carries (--checkpoint; its config hash must "
+    "match when given), the defaults with --initial-peers.",
+)
 
 
 def export(
     checkpoint: Path | None = CHECKPOINT_OPTION,
     out: Path = typer.Option(..., "--out", "-o", help="Directory to write the model to.", show_default=False),
-    config: Path | None = common.CONFIG_OPTION,
+    config: Path | None = CONFIG_OPTION,
     set_: list[str] | None = common.SET_OPTION,
     initial_peers: list[str] | None = common.INITIAL_PEERS_OPTION,
     wait: float = typer.Option(
@@ -39,21 +46,21 @@ def export(
 ) -> None:
     """Write the trained model to a directory as a transformers model, with its tokenizer.
 
-    The model comes from a checkpoint (--checkpoint) or from the live swarm's state (--initial-peers);
-    the run's config (--config, --set) rebuilds it, and a checkpoint of another config hash is refused.
+    The model comes from a checkpoint (--checkpoint), which carries the run's config, or from the live
+    swarm's state (--initial-peers) with the run's config (--config, --set). A --config whose hash is
+    not the checkpoint's is refused; --set alone applies to the checkpoint's config.
     The built-in GPT is written as the GPT-2 it is, hf models (model.kind hf) with save_pretrained:
     AutoModelForCausalLM.from_pretrained(DIR) loads either.
     """
     if (checkpoint is None) == (not initial_peers):
         common.fail("give exactly one of --checkpoint PATH and --initial-peers MADDR")
-    cfg = common.load_run_config(config, set_)
-    from swarm.export import ExportError, export_model, model_from_checkpoint
+    from swarm.export import ExportError, export_model
 
     try:
         if checkpoint is not None:
-            exported = model_from_checkpoint(checkpoint, cfg)
+            exported = _from_checkpoint(checkpoint, config, set_)
         else:
-            exported = _download(cfg, initial_peers or [], wait)
+            exported = _download(common.load_run_config(config, set_), initial_peers or [], wait)
         path = export_model(exported, out, overwrite=overwrite)
     except (ExportError, ImportError) as exc:
         common.fail(str(exc))
@@ -62,6 +69,17 @@ def export(
         f"wrote {path}: run {exported.run_id!r}, config hash {exported.config_hash}, "
         f"round {p['round']}, step {p['step']}, {p['samples']} samples"
     )
+
+
+def _from_checkpoint(checkpoint: Path, config: Path | None, set_: list[str] | None) -> ExportedModel:
+    """The checkpoint's model, rebuilt with its own config (``--set`` applied), or with ``--config``."""
+    from swarm.export import model_from_checkpoint
+
+    if config is None:
+        return model_from_checkpoint(checkpoint, overrides=set_ or ())
+    with_sets = "".join(f" --set {o}" for o in set_ or ())
+    given = common.load_run_config(config, set_)
+    return model_from_checkpoint(checkpoint, given, origin=f"--config {config}{with_sets}")
 
 
 def _download(config: RunConfig, initial_peers: list[str], wait_s: float) -> ExportedModel:
@@ -82,7 +100,7 @@ def generate(
     model_dir: Path | None = typer.Option(
         None, "--model", help="An exported model directory (`swarm export --out`).", show_default=False
     ),
-    config: Path | None = common.CONFIG_OPTION,
+    config: Path | None = CONFIG_OPTION,
     set_: list[str] | None = common.SET_OPTION,
     prompt: str = typer.Option(..., "--prompt", "-p", help="Text to continue.", show_default=False),
     max_new_bytes: int = typer.Option(200, "--max-new-bytes", "-n", help="Bytes to generate."),
@@ -101,15 +119,12 @@ def generate(
         common.fail(f"--temperature must be >= 0, got {temperature}")
     if top_k < 0:
         common.fail(f"--top-k must be >= 0, got {top_k}")
-    from swarm.export import ExportError, load_exported, model_from_checkpoint
+    from swarm.export import ExportError, load_exported
     from swarm.export import generate as sample
 
     try:
         if checkpoint is not None:
-            cfg = common.load_run_config(config, set_)
-            if cfg.model.kind != "gpt":
-                common.fail(f"generation supports model.kind gpt only, not {cfg.model.kind!r}")
-            exported = model_from_checkpoint(checkpoint, cfg)
+            exported = _from_checkpoint(checkpoint, config, set_)
         else:
             exported = load_exported(model_dir or Path())
     except (ExportError, ImportError) as exc:

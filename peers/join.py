@@ -9,12 +9,13 @@ from typing import TYPE_CHECKING
 import typer
 
 from peers._common import close_relay, fail, reachability_lines, start_relay
-from peers._trainer_output import open_with_output, run_and_leave
+from peers._trainer_output import checkpoint_line, open_with_output, run_and_leave
 from swarm.config import RunConfig
 from swarm.network import NetworkOptions
 
 if TYPE_CHECKING:
     from swarm.p2p import RelayForwarder
+    from swarm.state.checkpoint import DirectoryLock
 
 
 def run_join(
@@ -37,6 +38,68 @@ def run_join(
     index; peers/stage.py)."""
     if resume and config.train.checkpoint_dir is None:
         fail("--resume needs train.checkpoint_dir (where the checkpoints to resume from are)")
+    config, lock = _claim_checkpoints(config, network, public_name)
+    typer.echo(checkpoint_line(config))
+    try:
+        _run_join(
+            config,
+            network,
+            public_name=public_name,
+            resume=resume,
+            summary_path=summary_path,
+            history_path=history_path,
+            stop=stop,
+            stage=stage,
+            check_swarm=check_swarm,
+        )
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _claim_checkpoints(
+    config: RunConfig, network: NetworkOptions, public_name: str
+) -> tuple[RunConfig, DirectoryLock | None]:
+    """``config`` with its checkpoint directory resolved and locked for this process (exit 2 when a
+    live peer holds an explicitly given one); ``auto`` is named after this peer (:func:`peer_name`)."""
+    from swarm.state.checkpoint import DirectoryLockedError
+    from swarm.trainer import claim_checkpoint_dir
+
+    try:
+        return claim_checkpoint_dir(config, peer_name(network, public_name))
+    except DirectoryLockedError as exc:
+        fail(str(exc))
+    except OSError as exc:
+        fail(f"cannot use the checkpoint directory: {exc}")
+
+
+def peer_name(network: NetworkOptions, public_name: str) -> str:
+    """What names this peer's ``auto`` checkpoint directory, stable across restarts where it can be:
+    its public name, else the peer id of its identity file, else ``peer``."""
+    if public_name:
+        return public_name
+    if network.identity_path is not None:
+        from swarm.network import IdentityError, peer_id_of_identity
+
+        try:
+            return peer_id_of_identity(network.resolved_identity_path())
+        except IdentityError:
+            pass  # opening the node names the problem with the identity file
+    return "peer"
+
+
+def _run_join(
+    config: RunConfig,
+    network: NetworkOptions,
+    *,
+    public_name: str,
+    resume: bool,
+    summary_path: Path | None,
+    history_path: Path | None,
+    stop: threading.Event,
+    stage: str,
+    check_swarm: bool,
+) -> None:
     stages = _stages(config)
     if stages > 1:
         from peers.stage import parse_stage, run_stage_peer

@@ -207,7 +207,7 @@ def _trainer_args(common: list[str], maddr: str, index: int, log_dir: Path) -> l
         "--initial-peers",
         maddr,
         "--public-name",
-        f"local-{index}",
+        name,
         "--summary",
         str(log_dir / f"{name}.summary.json"),
         "--history",

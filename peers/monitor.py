@@ -7,15 +7,17 @@ imports (hivemind, the network stack) happen inside functions so that ``swarm --
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 import typer
 
 from peers import _common as common
-from peers._signals import shutdown_on_signals
+from peers._signals import end_if_stopped, mark_started, shutdown_on_signals
 from swarm.config import RunConfig
 from swarm.metrics import DEFAULT_MAX_DRIFT
 
@@ -72,26 +74,77 @@ def monitor(
         common.fail(f"--format {output_format!r} is not one of {', '.join(FORMATS)}")
     http_address = _http_address(http, once) if http is not None else None
     overrides = [*(set_ or []), *([f"run.run_id={run_id}"] if run_id else [])]
-    from peers.config_cmd import load_peer_config  # no --config: watch the run the swarm publishes
-
     flags = common.NetworkFlags(initial_peers=initial_peers, client_mode=True)
-    cfg, network = load_peer_config(config, overrides, flags)
-    if not network.initial_peers:
-        common.fail("swarm monitor needs --initial-peers")
-    port = prometheus_port if prometheus_port is not None else cfg.monitor.prometheus_port
-    history_path = history or (Path(cfg.monitor.history_path) if cfg.monitor.history_path else None)
-    with shutdown_on_signals() as stop:
+    with (
+        shutdown_on_signals(acknowledge="monitor: stopping", starting=True) as stop,
+        contextlib.ExitStack() as closing,
+    ):
+        cfg, network, node = _watched_run(config, overrides, flags, closing, stop)
+        if not network.initial_peers:
+            common.fail("swarm monitor needs --initial-peers")
+        port = prometheus_port if prometheus_port is not None else cfg.monitor.prometheus_port
+        history_path = history or (Path(cfg.monitor.history_path) if cfg.monitor.history_path else None)
         sinks = _open_sinks(output_format, once, prometheus_host, port, history_path)
         try:
             tensorboard = tensorboard_dir or cfg.monitor.tensorboard_dir
             sinks.extras = _open_extra_sinks(
                 http_address, tensorboard, cfg.monitor.refresh_s, history_path, http_allow_host or []
             )
-            run_monitor(
-                cfg, network, sinks, policy=snapshot_policy(cfg, max_drift), once=once, wait_s=wait, stop=stop
-            )
+            policy = snapshot_policy(cfg, max_drift, trusted=_initial_peer_ids(network))
+            run_monitor(cfg, network, sinks, policy=policy, once=once, wait_s=wait, stop=stop, node=node)
         finally:
             sinks.close()
+
+
+def _watched_run(
+    path: Path | None,
+    overrides: list[str],
+    flags: common.NetworkFlags,
+    closing: contextlib.ExitStack,
+    stop: threading.Event,
+) -> tuple[RunConfig, NetworkOptions, SwarmNode | None]:
+    """The run config to watch with, its network options, and the node to watch through (None: open one).
+
+    With ``--config`` (or no initial peers) the file (or the defaults) as always. Otherwise the config
+    the swarm publishes, fetched through one client-mode node that then watches the run: one DHT start,
+    not two. One line says which config it is; a second only when ``--set`` changed its hash (a peer
+    would then show as incompatible). `swarm config pull` writes the whole config.
+    """
+    from peers import _compat_check, config_cmd
+
+    config = common.load_run_config(path, overrides)
+    network = common.resolve_network(config, flags)
+    if path is not None or not network.initial_peers:
+        return config, network, None
+    asked = config.run.run_id if config.run.run_id != RunConfig().run.run_id else None  # --run-id, --set
+    node = closing.enter_context(_compat_check.open_probe(network, config))
+    end_if_stopped(stop)
+    wait_s = config_cmd.PUBLISHED_CONFIG_WAIT_S
+    deadline = time.monotonic() + wait_s
+    view = _compat_check.look_at_swarm(node, network, asked)
+    while view.published_yaml is None and time.monotonic() + config_cmd.LOOK_AGAIN_S < deadline:
+        stop.wait(config_cmd.LOOK_AGAIN_S)  # nothing to wait on: the record appears in another node
+        end_if_stopped(stop)
+        view = _compat_check.look_at_swarm(node, network, asked)
+    if view.published_yaml is None:
+        common.fail(config_cmd.nothing_published(view, network, wait_s))
+    published, config = config_cmd.load_published(view.published_yaml, overrides)
+    typer.echo(
+        f"monitor: run {published.run.run_id!r}, with the config the swarm publishes (config hash "
+        f"{published.config_hash()}, signature and hash checked; swarm config pull writes it)",
+        err=True,
+    )
+    if config.config_hash() != published.config_hash():
+        typer.echo(f"run config: with your overrides its config hash is {config.config_hash()}", err=True)
+    if node is not None:
+        node.observe_run(config.run.run_id, config.config_hash())
+    return config, common.resolve_network(config, flags), node
+
+
+def _initial_peer_ids(network: NetworkOptions) -> list[str]:
+    from peers._compat_check import initial_peer_ids
+
+    return initial_peer_ids(network)
 
 
 @monitor_app.command("plot")
@@ -119,8 +172,11 @@ def observer_info(config: RunConfig) -> NodeInfo:
     return NodeInfo(run_id=config.run.run_id, config_hash=config.config_hash(), role="trainer")
 
 
-def snapshot_policy(config: RunConfig, max_drift: float = DEFAULT_MAX_DRIFT) -> SnapshotPolicy:
-    """What this monitor compares peers against: its protocol, its config, its thresholds."""
+def snapshot_policy(
+    config: RunConfig, max_drift: float = DEFAULT_MAX_DRIFT, *, trusted: Iterable[str] = ()
+) -> SnapshotPolicy:
+    """What this monitor compares peers against: its protocol, its config, its thresholds; ``trusted``:
+    the initial peers, whose bootstrap records carry the run's totals (trainers that left included)."""
     from swarm import PROTOCOL_VERSION
     from swarm.metrics import SnapshotPolicy
 
@@ -132,6 +188,7 @@ def snapshot_policy(config: RunConfig, max_drift: float = DEFAULT_MAX_DRIFT) -> 
         record_ttl_s=config.network.record_ttl_s,
         max_drift=max_drift,
         target_samples=config.run.target_samples,
+        trusted_peers=frozenset(trusted),
     )
 
 
@@ -144,14 +201,22 @@ def run_monitor(
     once: bool,
     wait_s: float,
     stop: threading.Event,
+    node: SwarmNode | None = None,
 ) -> SwarmSnapshot | None:
-    """Refresh every ``monitor.refresh_s`` until ``stop`` (or once); return the last snapshot."""
+    """Refresh every ``monitor.refresh_s`` until ``stop`` (or once); return the last snapshot. ``node``:
+    an open, non-announcing node of the run to watch through (None: one is opened, and closed)."""
     from hivemind.utils.timed_storage import get_dht_time
 
     from swarm.metrics import build_snapshot
 
     snapshot = None
-    with common.open_node(network, observer_info(config), config, announce=False) as node:
+    with contextlib.ExitStack() as closing:
+        if node is None:
+            node = closing.enter_context(
+                common.open_node(network, observer_info(config), config, announce=False)
+            )
+        mark_started(stop)  # from here a Ctrl+C ends the loop (and the sinks close) instead
+        end_if_stopped(stop)
         members = wait_for_members(node, wait_s, stop)
         while True:
             snapshot = build_snapshot(members, snapshot, get_dht_time(), policy)

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # One command for a volunteer: scripts/join.sh <INITIAL_PEER> [swarm join options]
 #
-# Sets up .venv (scripts/setup.sh; a no-op when it is ready), keeps this machine's identity in
-# $SWARM_HOME/identity.key (default ~/.swarm) so the peer id survives restarts, detects the device,
-# fetches the swarm's run config (unless you pass --config), and trains with checkpoints in
+# Sets up .venv (scripts/setup.sh --volunteer: no dev tools; a no-op when it is ready), keeps this
+# machine's identity in $SWARM_HOME/identity.key (default ~/.swarm) so the peer id survives restarts,
+# detects the device, fetches the swarm's run config (unless you pass --config), and trains with checkpoints in
 # $SWARM_HOME/checkpoints, resuming from them when you run it again. Ctrl+C stops cleanly (a checkpoint
 # is saved). The micro-batch is sized to the GPU's memory by the trainer itself.
 set -euo pipefail
@@ -24,7 +24,7 @@ home="${SWARM_HOME:-$HOME/.swarm}"
 mkdir -p "$home/checkpoints" "$home/logs"
 chmod 700 "$home"
 
-"$root/scripts/setup.sh"
+"$root/scripts/setup.sh" --volunteer   # no dev tools: the project and what a run may need (hf)
 swarm="$root/.venv/bin/swarm"
 
 given() {  # given OPTION ARGS...: whether the user passed OPTION (as "OPTION" or "OPTION=...")

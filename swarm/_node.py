@@ -237,6 +237,16 @@ class SwarmNode:
                 return list(member.record.addresses) or None
         return None
 
+    def observe_run(self, run_id: str, config_hash: str) -> None:
+        """Read run ``run_id`` from now on (a node that does not announce, opened before it knew the run,
+        e.g. a monitor that found the run through its initial peers): that run's record validators are
+        added to the DHT, and :meth:`members` reads its members. Saves starting a second DHT."""
+        if self._announcer is not None:
+            raise RuntimeError("an announcing node cannot change its run")
+        if run_id != self.info.run_id:
+            self.dht.add_validators(membership_validators(run_id, self._signer))
+        self.info = dataclasses.replace(self.info, run_id=run_id, config_hash=config_hash)
+
     def members(self) -> list[Member]:
         """The live members of this run, this peer included once its record is stored.
 

@@ -4,7 +4,7 @@ Peers announce it in their records; a peer with another version is never chosen 
 monitor flags it. Bump it on any incompatible change to what crosses the network.
 """
 
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 """2: both sides of a gossip exchange use it (offer mode); HELLO may carry an anchor probe.
 3: records carry losses in bits (``loss_unit``), ``eval_bits_per_byte`` and ``rollbacks``; a peer
 going away says ``leaving`` (its record, and BUSY "leaving").
@@ -13,7 +13,10 @@ model offer's probe carries its schedule round; a version-3 peer would read thos
 pseudo-gradient, so the two never exchange.
 5: a state is served as bf16 frames and a request names the frames of its part to skip; a gossip
 exchange whose offer changed under it ends mid-stream with NACK "not committed", which blames
-nobody."""
+nobody.
+6: a round's exchange sends each model relative to a base the pair shares (HELLO ``base``), pushed
+by the dialling member at the round's start (HELLO ``push``); a version-5 peer would read those
+frames as whole models."""
 
 
 def protocol_id(service: str, run_id: str) -> str:

@@ -9,6 +9,7 @@ import logging
 import signal
 import subprocess
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import psutil
 import pytest
@@ -70,6 +71,16 @@ def spawn() -> Iterator[Callable[..., PeerProcess]]:
         with contextlib.suppress(subprocess.TimeoutExpired):
             process.proc.wait(timeout=10)
     assert not described, f"processes outlived a graceful stop (then killed): {described}"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def swarm_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """``SWARM_HOME`` in a temporary directory for the whole session (and every peer process it
+    starts): checkpoints default to ``$SWARM_HOME/runs/...``, and tests never write into the real home."""
+    home = tmp_path_factory.mktemp("swarm-home")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("SWARM_HOME", str(home))
+        yield home
 
 
 @pytest.fixture(autouse=True)

@@ -47,6 +47,19 @@ def test_malformed_address_exits_2_and_quotes_it(args: list[str], quoted: str) -
 
 
 @pytest.mark.parametrize(
+    ("address", "meant"),
+    [
+        ("203.0.113.7:31337", "/ip4/203.0.113.7/tcp/31337/p2p/<peer id>"),
+        ("example.org:31337/p2p/QmPeer", "/dns/example.org/tcp/31337/p2p/QmPeer"),
+        ("[2001:db8::1]:31337", "/ip6/2001:db8::1/tcp/31337/p2p/<peer id>"),
+    ],
+)
+def test_a_host_port_address_is_shown_as_the_multiaddr_it_means(address: str, meant: str) -> None:
+    output = refused_output(["join", "--initial-peers", address])
+    assert f"write it as {meant}" in output
+
+
+@pytest.mark.parametrize(
     ("args", "named"),
     [
         (["join", "--set", "train.lrr=0.1"], "train.lrr"),

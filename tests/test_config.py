@@ -139,9 +139,18 @@ def test_set_reaches_deeper_keys_and_empty_value_is_null():
     assert config.train.max_steps is None
 
 
-def test_empty_file_and_empty_section_mean_defaults(tmp_path):
-    assert load_config(write(tmp_path, "# nothing here\n"), env={}) == RunConfig()
+def test_an_empty_section_means_defaults(tmp_path):
     assert load_config(write(tmp_path, "monitor:\n  # refresh_s: 1\n", "b.yaml"), env={}) == RunConfig()
+
+
+@pytest.mark.parametrize("text", ["", "# nothing here\n", "{}\n", "---\n"])
+def test_a_file_without_any_section_is_an_error_naming_it(tmp_path, text):
+    """An empty file is the wrong file or one not saved yet; it used to check as OK (issue 38)."""
+    path = write(tmp_path, text)
+    (error,) = errors_of(path)
+    assert error.startswith(f"{path}: the file holds no config")
+    result = CliRunner().invoke(config_app, ["check", str(path), "--no-estimate"])
+    assert result.exit_code == 2 and "OK" not in result.output
 
 
 # ---------------------------------------------------------------- errors name key and source
@@ -188,7 +197,24 @@ def test_unknown_keys_at_every_level_name_their_line(tmp_path):
     section = only_error_about(errors, "trian")
     assert "unknown section" in section and "'train'" in section and section.endswith(f"[{path}:3]")
     key = only_error_about(errors, "train.learning_rate")
-    assert "unknown key" in key and key.endswith(f"[{path}:7]")
+    assert "unknown key (did you mean 'lr'?)" in key and key.endswith(f"[{path}:7]")
+
+
+@pytest.mark.parametrize(
+    ("typed", "meant"),
+    [
+        ("train.learning_rate", "'lr'"),  # the long name of an abbreviated key
+        ("train.LR", "'lr'"),  # another case
+        ("train.batchsize", "'batch_size'"),  # a close spelling
+        ("monitor.port", "'prometheus_port'"),  # a part of the name
+        ("model.lr", "'train.lr'"),  # a key of another section
+        ("averaging.micro_batch_size", "'train.micro_batch_size'"),
+        ("lr", "'train.lr'"),  # a key without its section
+    ],
+)
+def test_a_mistyped_key_gets_a_did_you_mean(typed, meant):
+    error = only_error_about(errors_of(overrides=[f"{typed}=1"]), typed)
+    assert f"(did you mean {meant}?)" in error
 
 
 def test_list_item_error_names_the_item_line(tmp_path):

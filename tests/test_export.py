@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import shlex
+import stat
 from pathlib import Path
 
 import pytest
@@ -15,7 +18,9 @@ from swarm.export import MODEL_FILE, SWARM_FILE, generate, load_exported
 from swarm.learning import InnerTrainer, TrainBatches, build_model, evaluate, make_eval_set, open_source
 from swarm.state import save_checkpoint
 from swarm.trainer import Progress
-from tests.workers.tiny import TINY, cli_sets
+from swarm.trainer._checkpoints import Checkpoints
+from tests._processes import join_address, swarm_cli, terminate_and_wait
+from tests.workers.tiny import ONE_THREAD, TINY, cli_sets, tiny
 
 LOCAL_TINY = str(Path(__file__).resolve().parent.parent / "configs" / "local-tiny.yaml")
 HF = [
@@ -30,7 +35,8 @@ def config_of(overrides: list[str]) -> RunConfig:
 
 
 def write_checkpoint(directory: Path, config: RunConfig, model: torch.nn.Module, steps: int) -> Path:
-    """A checkpoint in the trainer's layout (swarm/trainer/_peer.py: _checkpoint_state)."""
+    """A checkpoint in the trainer's layout (swarm/trainer/_peer.py: _checkpoint_state), as written
+    before checkpoints carried their run config."""
     trainer = InnerTrainer(model, config.train, torch.device("cpu"), block_size=config.model.block_size)
     batches = TrainBatches(open_source(config.data), config.model.block_size, 8, peer_key="p", seed=0)
     progress = Progress()
@@ -69,7 +75,8 @@ def test_export_loads_back_with_the_same_tensors_and_eval_loss(trained, tmp_path
     assert result.exit_code == 0, result.output
     assert f"wrote {out}" in result.output and "step 3" in result.output
     written = sorted(p.name for p in out.iterdir())
-    assert written == ["config.json", MODEL_FILE, SWARM_FILE, "tokenizer.json", "tokenizer_config.json"]
+    expected = ["config.json", "generation_config.json", MODEL_FILE, SWARM_FILE, "tokenizer.json"]
+    assert written == [*expected, "tokenizer_config.json"]
     assert not list(tmp_path.glob(".*"))  # no temporary directory left behind
     assert json.loads((out / "config.json").read_text())["model_type"] == "gpt2"
     meta = json.loads((out / SWARM_FILE).read_text())
@@ -168,8 +175,15 @@ def test_generate_cli_checks_its_arguments(trained) -> None:
         assert result.exit_code == 2 and message in result.output, result.output
     cropped = runner.invoke(app, [*base, "--prompt", "y" * 100, "--max-new-bytes", "3"])
     assert cropped.exit_code == 0 and "sees its last 32" in cropped.output
-    hf = runner.invoke(app, ["generate", "--checkpoint", str(directory), *cli_sets(HF), "--prompt", "a"])
-    assert hf.exit_code == 2 and "model.kind gpt only" in hf.output
+    no_config = runner.invoke(app, ["generate", "--checkpoint", str(directory), "--prompt", "a"])
+    assert no_config.exit_code == 2 and "carries no run config" in no_config.output, no_config.output
+
+
+def test_generate_refuses_an_hf_model(tmp_path) -> None:
+    config = config_of([*TINY, *HF])
+    saved = trainer_checkpoint(tmp_path / "ckpt", config, build_model(config.model, config.run.seed))
+    hf = runner.invoke(app, ["generate", "--checkpoint", str(saved), "--prompt", "a"])
+    assert hf.exit_code == 2 and "model.kind gpt only" in hf.output, hf.output
 
 
 def test_hf_model_exports_for_transformers(tmp_path) -> None:
@@ -187,3 +201,110 @@ def test_hf_model_exports_for_transformers(tmp_path) -> None:
     with torch.no_grad():
         assert torch.equal(reloaded(input_ids=idx).logits, model.eval()(idx))
         assert torch.equal(load_exported(out).model(idx), model(idx))
+
+
+def trainer_checkpoint(directory: Path, config: RunConfig, model: torch.nn.Module) -> Path:
+    """A checkpoint written the way a trainer writes it (swarm/trainer/_checkpoints.py)."""
+    progress = Progress()
+    progress.record_step(8, 5.0, 0.01, 0.01)
+    checkpoints = Checkpoints(
+        config.model_copy(
+            update={"train": config.train.model_copy(update={"checkpoint_dir": str(directory)})}
+        ),
+        progress,
+    )
+    saved = checkpoints.save(lambda: {"model": model.state_dict(), "backend": {}}, model.parameters)
+    assert saved is not None
+    return saved
+
+
+@pytest.fixture(scope="module")
+def carried(tmp_path_factory: pytest.TempPathFactory) -> tuple[RunConfig, torch.nn.Module, Path]:
+    """A checkpoint of a run of configs/local-tiny.yaml with overrides, as a trainer writes it."""
+    config = config_of([*TINY, "model.n_layer=2", "train.lr=0.002"])
+    model = build_model(config.model, config.run.seed).eval()
+    directory = tmp_path_factory.mktemp("carried")
+    trainer_checkpoint(directory, config, model)
+    return config, model, directory
+
+
+def test_the_checkpoint_alone_exports_and_generates(carried, tmp_path) -> None:
+    config, model, directory = carried
+    out = tmp_path / "exported"
+    result = runner.invoke(app, ["export", "--checkpoint", str(directory), "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert config.config_hash() in result.output
+    loaded = load_exported(out)
+    assert loaded.model_config == config.model and loaded.config_hash == config.config_hash()
+    for name, tensor in loaded.model.state_dict().items():
+        assert torch.equal(tensor, model.state_dict()[name]), name
+    sampled = runner.invoke(app, ["generate", "--checkpoint", str(directory), "-p", "def ", "-n", "20"])
+    assert sampled.exit_code == 0, sampled.output
+    assert sampled.output == (b"def " + generate(model, b"def ", 20)).decode("utf-8", errors="replace") + "\n"
+    same = runner.invoke(
+        app,
+        export_args(directory, tmp_path / "same", *cli_sets([*TINY, "model.n_layer=2", "train.lr=0.002"])),
+    )
+    assert same.exit_code == 0, same.output  # an explicit config of the same hash is fine
+
+
+def test_a_config_other_than_the_checkpoints_is_refused_naming_both(carried, tmp_path) -> None:
+    config, _, directory = carried
+    out = tmp_path / "exported"
+    other = runner.invoke(app, export_args(directory, out, *cli_sets(TINY)))
+    assert other.exit_code == 2
+    given = config_of(TINY).config_hash()
+    assert f"config hash {config.config_hash()!r} (recorded in the checkpoint)" in other.output
+    assert f"--config {LOCAL_TINY}" in other.output and repr(given) in other.output
+    overridden = runner.invoke(
+        app, ["export", "--checkpoint", str(directory), "--out", str(out), "--set", "train.lr=0.5"]
+    )
+    assert overridden.exit_code == 2
+    assert "the config stored in the checkpoint with --set train.lr=0.5" in overridden.output
+    assert not out.exists()
+    harmless = runner.invoke(
+        app, ["export", "--checkpoint", str(directory), "--out", str(out), "--set", "train.device=cpu"]
+    )
+    assert harmless.exit_code == 0, harmless.output  # a per-peer key leaves the hash as it is
+
+
+def test_exported_files_are_readable_by_others(carried, tmp_path) -> None:
+    _, _, directory = carried
+    old = os.umask(0o022)
+    try:
+        result = runner.invoke(app, ["export", "--checkpoint", str(directory), "--out", str(tmp_path / "x")])
+    finally:
+        os.umask(old)
+    assert result.exit_code == 0, result.output
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in (tmp_path / "x").iterdir()}
+    assert modes[MODEL_FILE] == 0o644 and set(modes.values()) == {0o644}, modes
+
+
+@pytest.mark.multipeer
+def test_a_volunteers_default_checkpoints_export_with_the_printed_command(
+    spawn, swarm_home, tmp_path
+) -> None:
+    """A volunteer joins with the swarm's published config (no --config) and the default checkpoint
+    directory: it says where its checkpoints go, and the export command its exit summary prints works
+    with no other flag."""
+    boot = spawn(swarm_cli("bootstrap", "--public-name", "entry", *cli_sets(tiny("train.max_steps=6"))))
+    maddr = join_address(boot)
+    joiner = spawn(
+        swarm_cli(
+            "join", "--initial-peers", maddr, "--public-name", "vol", "--set", "network.startup_timeout_s=120"
+        ),
+        env=ONE_THREAD,
+    )
+    assert joiner.wait(timeout=240) == 0, joiner.output()
+    output = joiner.output()
+    directory = swarm_home / "runs" / "swarm-local" / "vol" / "checkpoints"
+    assert f"join: checkpoints go to {directory} (" in output, output
+    assert "join: summary: trained 48 samples of the swarm's" in output, output
+    (line,) = [x for x in output.splitlines() if x.startswith("join: summary: export the model with: ")]
+    command = shlex.split(line.split(": ", 3)[-1])
+    assert command[:4] == ["swarm", "export", "--checkpoint", str(directory)]
+    out = tmp_path / "model"
+    result = runner.invoke(app, [*command[1:-1], str(out)])
+    assert result.exit_code == 0, result.output
+    assert load_exported(out).progress["step"] == 6
+    assert terminate_and_wait(boot) == 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -105,3 +106,18 @@ def test_a_bad_weights_file_is_named(tmp_path: Path) -> None:
 
     with pytest.raises(ExportError, match=MODEL_FILE):
         load_exported(out)
+
+
+def test_the_docs_transformers_example_runs_on_the_demo_model(tmp_path: Path, monkeypatch, capsys) -> None:
+    """docs/export.md's example, verbatim, on an export of configs/local-tiny.yaml's model (64
+    positions): the text it generates fills the context and stops there."""
+    text = (Path(__file__).resolve().parents[1] / "docs" / "export.md").read_text()
+    (example,) = [b for b in re.findall(r"```python\n(.*?)```", text, re.S) if "pipeline(" in b]
+    demo = load_config(Path(__file__).resolve().parents[1] / "configs" / "local-tiny.yaml", env={})
+    assert demo.model.block_size == 64
+    export_model(exported(random_gpt(demo.model), demo.model), tmp_path / "exported")
+    monkeypatch.chdir(tmp_path)
+    exec(compile(example, "docs/export.md", "exec"), {})
+    printed = capsys.readouterr().out
+    assert printed.startswith("def main():\n    ")
+    assert len(printed.removesuffix("\n").encode("utf-8", errors="surrogateescape")) >= 32

@@ -13,8 +13,19 @@ from peers._compat_check import look_at_swarm
 from swarm import NetworkOptions, NodeInfo, SwarmNode
 from swarm._tokenizer import TokenizerError, load_tokenizer
 from swarm.config import ConfigError, RunConfig, load_config
-from swarm.membership import list_members, parse_config_text, publish_run_config, run_config_key
-from swarm.membership._run_config import RunConfigRecord, shareable_yaml
+from swarm.membership import (
+    compatibility_problems,
+    list_members,
+    parse_config_text,
+    publish_run_config,
+    run_config_key,
+)
+from swarm.membership._run_config import (
+    RunConfigRecord,
+    read_run_config_record,
+    run_config_record,
+    shareable_yaml,
+)
 from tests._processes import wait_until
 
 
@@ -107,6 +118,21 @@ def test_per_peer_keys_are_never_published() -> None:
     assert "exchange_timeout_s" not in text and "ban_max_s" not in text and "device" not in text
     assert "network" not in yaml.safe_load(text) and "monitor" not in yaml.safe_load(text)
     assert parse_config_text(text).config_hash() == config.config_hash()
+
+
+def test_an_auto_pipeline_config_is_published_as_written_and_a_joiner_takes_it() -> None:
+    """``pipeline.num_stages: auto`` is hashed as ``auto``: a record resolving it to a count had a hash
+    that did not match its YAML, and every joiner dropped it (issue 38, finding 11)."""
+    config = _config("pipeline.num_stages=auto", "pipeline.memory_budget_gb=8")
+    record = run_config_record(config)
+    assert yaml.safe_load(record.yaml)["pipeline"]["num_stages"] == "auto"
+    taken = read_run_config_record(RUN, "the-bootstrap", record.dict())
+    assert taken is not None, "a joiner dropped the published auto config"
+    assert taken.config_hash == config.config_hash() == taken.config.config_hash()
+    assert taken.config.pipeline.num_stages == "auto"
+    joiner = load_config("configs/local-tiny.yaml", overrides=[f"run.run_id={RUN}"], env={})
+    joiner.pipeline.num_stages, joiner.pipeline.memory_budget_gb = "auto", 8.0
+    assert compatibility_problems(joiner, taken.yaml, []) == []
 
 
 def test_per_peer_keys_a_trusted_peer_still_publishes_are_dropped_on_the_way_in() -> None:

@@ -195,3 +195,51 @@ def test_plot_of_empty_history_fails_cleanly(tmp_path) -> None:
     empty.write_text("garbage\n")
     output = refused_output(["monitor", "plot", "--history", str(empty), "--output", str(tmp_path / "o.png")])
     assert "no snapshots" in output
+
+
+def test_the_monitor_watches_through_the_node_that_fetched_the_config_and_says_so_in_one_line(
+    monkeypatch,
+) -> None:
+    """One DHT node (not a probe, closed, then a second node) and one line about the config, not the
+    list of every key that differs from the defaults; the hash with overrides only when they change it."""
+    from contextlib import contextmanager
+
+    import peers._compat_check
+    import peers.monitor
+    from swarm.config import load_config
+    from swarm.membership._run_config import shareable_config
+
+    config = load_config("configs/local-tiny.yaml", env={})
+    published = peers._compat_check.SwarmView(
+        config.run.run_id, shareable_config(config).to_yaml(), config.config_hash(), []
+    )
+
+    class Probe:
+        watched: tuple[str, str] | None = None
+        closed = False
+
+        def observe_run(self, run_id: str, config_hash: str) -> None:
+            Probe.watched = (run_id, config_hash)
+
+    @contextmanager
+    def probe(network, cfg):
+        yield Probe()
+        Probe.closed = True
+
+    ran: dict = {}
+    monkeypatch.setattr(peers._compat_check, "open_probe", probe)
+    monkeypatch.setattr(peers._compat_check, "look_at_swarm", lambda node, network, run_id: published)
+    monkeypatch.setattr(peers.monitor, "run_monitor", lambda cfg, net, sinks, **kw: ran.update(kw, cfg=cfg))
+    peer = "/ip4/127.0.0.1/tcp/4000/p2p/QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N"
+    result = runner.invoke(app, ["monitor", "--initial-peers", peer, "--once"])
+    assert result.exit_code == 0, result.output
+    assert isinstance(ran["node"], Probe) and Probe.closed  # the same node watched, closed at the end
+    assert Probe.watched == (config.run.run_id, config.config_hash())
+    assert ran["policy"].trusted_peers == {peer.rsplit("/", 1)[-1]}  # its bootstrap's totals count
+    (line,) = result.output.splitlines()
+    digest = config.config_hash()
+    assert line.startswith("monitor: run 'local-tiny', with the config the swarm publishes")
+    assert f"(config hash {digest}, signature and hash checked" in line
+    changed = runner.invoke(app, ["monitor", "--initial-peers", peer, "--once", "--set", "train.lr=0.5"])
+    assert changed.exit_code == 0 and len(changed.output.splitlines()) == 2
+    assert f"with your overrides its config hash is {ran['cfg'].config_hash()}" in changed.output

@@ -307,3 +307,40 @@ def test_status_page_of_a_local_swarm_in_chromium(spawn, tmp_path) -> None:
     events.Reload()
     assert events.Scalars("swarm/trainers")[-1].value == 2.0
     assert events.Scalars("swarm/eval_loss"), "no eval loss written to TensorBoard"
+
+
+def test_the_page_reads_without_its_script() -> None:
+    """The numbers are in the HTML the server sends: a page whose script never runs (blocked, a text
+    browser, a slow machine) shows the run, its totals, its peers and its warnings, not "connecting"."""
+    last = snapshots()[-1]
+    server = StatusServer("127.0.0.1", 0, refresh_s=1.0)
+    try:
+        status, _, before = get(f"http://127.0.0.1:{server.port}/")
+        assert status == 200 and "no snapshot yet" in before.decode()
+        server.update(last)
+        page = get(f"http://127.0.0.1:{server.port}/")[2].decode()
+    finally:
+        server.close()
+    static = re.sub(r"<script>.*?</script>", "", page, flags=re.S)  # what a page without script shows
+    assert "connecting" not in static and "__" not in static  # every placeholder filled
+    assert '<span id="run-id">web</span>' in static and "training · updated" in static
+    cards = dict(re.findall(r'<div class="label">(.*?)</div><div class="value">(.*?)</div>', static))
+    totals = last.totals
+    assert cards["samples trained"] == f"{totals.samples_total / 1e3:.1f}k"  # 24000 -> 24.0k
+    assert cards["trainers"] == str(totals.trainers) == "3" and cards["run"] == "training"
+    assert cards["train loss (best)"] == f"{totals.loss_best:.4f}"
+    assert len(re.findall(r"<tr><td class=\"text id\">", static)) == len(last.peers) == 4
+    assert "drift: entry" in static  # the bootstrap's drift warning
+    assert '<meta http-equiv="refresh" content="1">' in page  # inside <noscript>: reloads itself
+
+
+def test_the_page_escapes_what_peers_wrote_and_keeps_placeholders_as_text() -> None:
+    from peers._monitor_http import render_page
+    from peers._monitor_render import fill_page, total_cards
+
+    last = snapshots(names=(HOSTILE_NAME, "__TOTALS__", "p3"))[-1]
+    template, _ = render_page(1.0)
+    page = fill_page(template, last.to_dict())
+    assert "<img src=x" not in page and "&lt;img src=x" in page
+    assert ">__TOTALS__<" in page  # a name that reads like a placeholder stays a name
+    assert page.count('<div class="card">') == len(total_cards(last.to_dict()["totals"]))

@@ -25,7 +25,7 @@ PEER_FIELDS = {
 TOTAL_FIELDS = {
     "peers", "trainers", "stale", "incompatible", "samples_per_s", "samples_total", "loss_mean", "loss_best",
     "upload_bps", "download_bps", "syncs_per_min", "target_samples", "progress", "eta_s", "eval_loss_mean",
-    "eval_bits_per_byte_mean", "loss_unit",
+    "eval_bits_per_byte_mean", "loss_unit", "run_state",
 }  # fmt: skip
 
 
@@ -83,13 +83,38 @@ def test_monitor_against_a_local_swarm_of_three(spawn, tmp_path) -> None:
     live.signal(signal.SIGINT)
     assert live.wait(timeout=20) == 0, live.output()
     assert len(history.read_text().splitlines()) >= 2
+    trained = _snapshot_lines(live)[-1]["totals"]["samples_total"]
 
     png = tmp_path / "run.png"
     plot = spawn(swarm_cli("monitor", "plot", "--history", str(history), "--output", str(png)))
     assert plot.wait(timeout=60) == 0, plot.output()
     assert png.read_bytes()[:4] == b"\x89PNG"
 
-    for process in [*joiners, boot]:
+    for process in joiners:
         process.signal(signal.SIGTERM)
-    for process in [*joiners, boot]:
+    for process in joiners:
         assert process.wait(timeout=20) == 0, process.output()
+    _assert_the_run_outlives_its_trainers(spawn, boot, maddr, trained)
+
+
+def _assert_the_run_outlives_its_trainers(spawn, boot, maddr: str, trained: int) -> None:
+    """The trainers left: a monitor started now still shows what the run trained, as a finished run
+    (the bootstrap kept the count and announces it), and the bootstrap named who came and went."""
+    late = spawn_live_monitor(spawn, maddr)
+    wait_until(
+        lambda: any(s["totals"]["run_state"] == "finished" for s in _snapshot_lines(late)),
+        120,
+        "the late monitor to show a finished run",
+    )
+    finished = next(s for s in _snapshot_lines(late) if s["totals"]["run_state"] == "finished")
+    assert finished["totals"]["trainers"] == 0 and finished["totals"]["samples_total"] >= trained > 0
+    late.signal(signal.SIGINT)
+    assert late.wait(timeout=20) == 0, late.output()
+    boot.signal(signal.SIGTERM)
+    assert boot.wait(timeout=20) == 0, boot.output()
+    output = boot.output()
+    for name in ("local-1", "local-2", "local-3"):
+        assert re.search(rf"bootstrap: {name} \(\w+\) joined: \d trainer\(s\) live", output), output
+        assert re.search(rf"bootstrap: {name} \(\w+\) left: \d trainer\(s\) live", output), output
+    summary = boot.lines[-1]
+    assert summary.startswith("bootstrap: summary: up ") and "3 trainer(s) joined" in summary, output

@@ -174,3 +174,22 @@ def test_a_swarm_node_rejoins_by_itself(monkeypatch) -> None:
             peer.close()
     finally:
         entry.close()
+
+
+def test_a_failed_join_says_whether_something_listens_at_the_address() -> None:
+    """A wrong peer id at a live address is not a dead address: the error points at the /p2p/ part."""
+    import socket
+
+    from swarm.network._dht import _explain_start_failure
+
+    peer_id = "QmcEPrat8ShnCph8WjkREzt5CPXF2FW3ncoTx7uKNGgg7M"
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        address = f"/ip4/127.0.0.1/tcp/{port}/p2p/{peer_id}"
+        options = NetworkOptions.from_user_input(initial_peers=[address], host_maddrs=[], announce_maddrs=[])
+        live = _explain_start_failure(options, TimeoutError("no answer"))
+    assert "something listens at" in live and "/p2p/<peer id>" in live and "no answer" in live
+    dead = _explain_start_failure(options, TimeoutError("no answer"))  # the listener is closed now
+    assert "is that peer running and reachable?" in dead and "something listens" not in dead

@@ -392,7 +392,8 @@ def test_join_refuses_a_stage_the_run_does_not_have_before_touching_the_network(
     assert "the run has stages 0..1" in beyond
     unpipelined = refused_output([*args, "--stage", "1"])
     assert "has no pipeline" in unpipelined
-    resumed = refused_output([*args, "--set", "pipeline.num_stages=2", "--resume"])
+    no_checkpoints = ["--set", "train.checkpoint_dir=null"]  # (kept by default, under SWARM_HOME)
+    resumed = refused_output([*args, "--set", "pipeline.num_stages=2", *no_checkpoints, "--resume"])
     assert "--resume needs train.checkpoint_dir" in resumed
 
 

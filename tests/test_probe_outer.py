@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from scripts import probe_outer
+from scripts import _probe_run, probe_outer
 from swarm.learning import OuterOptimizer
 
 
@@ -42,7 +42,7 @@ def test_allreduce_moves_every_anchor_by_the_mean_pseudo_gradient() -> None:
     outers = _peers(3)
     models = _models(outers)
     anchors = [{name: t.clone() for name, t in outer.anchor.items()} for outer in outers]
-    probe_outer._sync(outers, probe_outer.Probe(mode="allreduce"), 1, random.Random(0))
+    _probe_run._sync(outers, probe_outer.Probe(mode="allreduce"), 1, random.Random(0))
     step = _mean([{n: a[n] - m[n] for n in a} for a, m in zip(anchors, models, strict=True)])
     for outer, anchor, model in zip(outers, anchors, models, strict=True):
         assert _close(outer.anchor, {n: anchor[n] - step[n] for n in anchor})
@@ -55,7 +55,7 @@ def test_a_gossip_pair_applies_its_mean_step_and_pulls_its_anchors_together(pull
     models = _models(outers)
     anchors = [{name: t.clone() for name, t in outer.anchor.items()} for outer in outers]
     probe = probe_outer.Probe(mode="gossip", anchor_pull=pull)
-    probe_outer._sync(outers, probe, 1, random.Random(0))
+    _probe_run._sync(outers, probe, 1, random.Random(0))
     step = _mean([{n: a[n] - m[n] for n in a} for a, m in zip(anchors, models, strict=True)])
     for outer, anchor in zip(outers, anchors, strict=True):
         pulled = {n: anchor[n] + (_mean(anchors)[n] - anchor[n]) * pull for n in anchor}
@@ -86,7 +86,7 @@ def test_a_model_exchange_is_the_pair_s_model_average_and_a_late_one_keeps_local
     models = _models(outers)
     probe = probe_outer.Probe(mode="gossip", exchange="model", lag=1)
     pending: dict = {}
-    probe_outer._sync(outers, probe, 1, random.Random(0), pending)
+    _probe_run._sync(outers, probe, 1, random.Random(0), pending)
     assert set(pending) == {0, 1} and _close(outers[0].anchor, _models(outers)[0]) is False  # not yet
     later = []
     for outer in outers:  # the next round's local progress, made while the exchange runs
@@ -95,7 +95,7 @@ def test_a_model_exchange_is_the_pair_s_model_average_and_a_late_one_keeps_local
             for n, p in outer._params.items():
                 p.add_(step[n])
         later.append(step)
-    probe_outer._sync(outers, probe, 2, random.Random(0), pending)  # lands, then the next exchange starts
+    _probe_run._sync(outers, probe, 2, random.Random(0), pending)  # lands, then the next exchange starts
     for outer, step in zip(outers, later, strict=True):
         assert _close(outer.anchor, _mean(models))  # outer lr 1: the pair's mean model
         assert _close(dict(outer._params), {n: _mean(models)[n] + step[n] for n in step})
@@ -106,14 +106,14 @@ def test_the_hypercube_schedule_averages_four_models_exactly_in_two_rounds() -> 
     models = _models(outers)
     probe = probe_outer.Probe(mode="gossip", exchange="model", schedule="hypercube")
     for round_ in range(2):
-        probe_outer._sync(outers, probe, round_, random.Random(0))
+        _probe_run._sync(outers, probe, round_, random.Random(0))
     assert all(_close(outer.anchor, _mean(models)) for outer in outers)
     random_pairs = _peers(4)
     for round_ in range(2):  # random matchings: some pair meets twice, and the four stay apart
-        probe_outer._sync(
+        _probe_run._sync(
             random_pairs, probe_outer.Probe(mode="gossip", exchange="model"), round_, random.Random(3)
         )
-    assert probe_outer.spread(random_pairs) > 1e-3
+    assert _probe_run.spread(random_pairs) > 1e-3
 
 
 def test_scaling_rows_give_the_share_of_data_parallel_and_the_gap_to_all_reduce() -> None:

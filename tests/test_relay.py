@@ -88,7 +88,8 @@ def test_two_trainers_behind_home_routers_train_through_the_bootstrap_relay(spaw
             assert {partner for partner, _ in syncs} == {other[-8:]}, syncs  # the boot trains nothing
             exchange_kib = n_params * 4 / 1024  # one fp32 pseudo-gradient, without frames
             assert exchange_kib > CIRCUIT_LIMIT_KIB
-            assert all(kib > exchange_kib for _, kib in syncs), syncs  # the other's whole pseudo-gradient
+            # the other's whole model crossed (later exchanges may go relative to a base, and be small)
+            assert any(kib > exchange_kib for _, kib in syncs), syncs
         for trainer in trainers:
             assert terminate_and_wait(trainer, timeout=60) == 0
         assert terminate_and_wait(boot, timeout=60) == 0

@@ -10,11 +10,18 @@ against the old handler they hang, and hit the deadline.
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 
+import psutil
 import pytest
+
+from peers.bootstrap import JOIN_LINE_PREFIX
+from tests._processes import _catches, join_address, session_processes, swarm_cli, wait_until
 
 HANG_S = 60.0  # a deadline for a hang, not synchronisation: each case takes well under a second
 
@@ -94,3 +101,91 @@ def test_a_forked_child_ignores_the_handler_it_inherits() -> None:
         print("child", os.waitstatus_to_exitcode(status), "owner", stop.is_set())
     """)
     assert printed == ["child", "7", "owner", "False"]
+
+
+# ---------------------------------------------------------------- Ctrl+C of the programs themselves
+# A terminal's Ctrl+C signals the whole foreground process group: the program, its DHT worker, p2pd.
+# Each case sends SIGINT to the group of a real `swarm` process at one moment of its life and checks
+# what a person sees: one line, no traceback, no daemon noise, the exit status. The time each took is
+# printed (run with -s), not asserted.
+
+NOISE = ("Traceback", "[ERROR]", "[WARN]", "KeyboardInterrupt")
+
+
+def _ctrl_c(process) -> float:
+    """SIGINT to ``process``'s group (a terminal's Ctrl+C); return the seconds until it exited."""
+    started = time.monotonic()
+    os.killpg(process.proc.pid, signal.SIGINT)
+    try:
+        process.proc.wait(timeout=HANG_S)
+    finally:  # the time is the program's, not that of torch's shm manager, which holds its output a while
+        took = time.monotonic() - started
+        process.wait(timeout=HANG_S)
+    return took
+
+
+def _quiet(output: str) -> None:
+    noisy = [line for line in output.splitlines() if any(word in line for word in NOISE)]
+    assert not noisy, output
+
+
+def test_ctrl_c_during_the_imports_ends_start_up_in_one_line(spawn) -> None:
+    boot = spawn(swarm_cli("bootstrap"))
+    # the start-up handler is the first thing peers/cli.py installs (SIGTERM has no handler before)
+    wait_until(lambda: _catches(boot.proc.pid, signal.SIGTERM), timeout=HANG_S, what="the start-up handler")
+    took = _ctrl_c(boot)
+    print(f"ctrl+c during start-up: exited in {took:.2f}s")
+    assert boot.proc.returncode == 130
+    assert boot.output() == "swarm: interrupted, exiting"
+
+
+def test_ctrl_c_while_the_dht_starts_leaves_no_traceback_and_no_join_line(spawn) -> None:
+    boot = spawn(swarm_cli("bootstrap"))
+    wait_until(lambda: psutil.Process(boot.proc.pid).children(), timeout=HANG_S, what="the DHT worker")
+    took = _ctrl_c(boot)
+    output = boot.output()
+    print(f"ctrl+c while the DHT starts: exited in {took:.2f}s with {boot.proc.returncode}")
+    _quiet(output)
+    if JOIN_LINE_PREFIX in output:  # the machine was quicker than us: it had started, and stopped cleanly
+        assert boot.proc.returncode == 0
+    else:
+        assert boot.proc.returncode == 130 and output.splitlines()[-1] == "bootstrap: shutting down"
+    wait_until(lambda: not session_processes({boot.sid}), timeout=HANG_S, what="its DHT worker and p2pd")
+
+
+def test_ctrl_c_of_a_running_bootstrap_and_monitor_is_quiet(spawn) -> None:
+    """Before: the daemon, signalled too, died first ("[ERROR] ... use of closed network connection"),
+    and hivemind waited its 3 s grace period for the DHT worker ("[WARN] DHT did not shut down")."""
+    boot = spawn(swarm_cli("bootstrap"))
+    maddr = join_address(boot)
+    monitor = spawn(swarm_cli("monitor", "--initial-peers", maddr, "--format", "jsonl"))
+    monitor.wait_for_line(lambda line: line.startswith('{"schema_version"'), timeout=HANG_S)
+    took = _ctrl_c(monitor)
+    print(f"ctrl+c of a running monitor: exited in {took:.2f}s")
+    assert monitor.proc.returncode == 0 and monitor.lines[-1] == "monitor: stopping"
+    _quiet(monitor.output())
+    took = _ctrl_c(boot)
+    print(f"ctrl+c of a running bootstrap: exited in {took:.2f}s")
+    assert boot.proc.returncode == 0
+    _quiet(boot.output())
+    assert boot.lines[-2:] == ["bootstrap: shutting down", boot.lines[-1]]
+    assert boot.lines[-1].startswith("bootstrap: summary: up ")
+
+
+def test_ctrl_c_while_a_join_starts_ends_it_without_training_or_a_checkpoint(spawn, tmp_path) -> None:
+    """Before: a Ctrl+C during a join's start-up was only noted; the peer joined, trained, stopped a
+    round later and saved a checkpoint of a model it had hardly touched."""
+    boot = spawn(swarm_cli("bootstrap"))
+    maddr = join_address(boot)
+    checkpoints = tmp_path / "checkpoints"
+    sets = ["--set", f"train.checkpoint_dir={checkpoints}"]
+    join = spawn(swarm_cli("join", "--initial-peers", maddr, "--config", "configs/local-tiny.yaml", *sets))
+    # its DHT worker is up: start-up is under way (fetching the swarm's config, joining, downloading)
+    wait_until(lambda: psutil.Process(join.proc.pid).children(), timeout=HANG_S, what="the join's DHT worker")
+    took = _ctrl_c(join)
+    print(f"ctrl+c while a join starts: exited in {took:.2f}s with {join.proc.returncode}")
+    _quiet(join.output())
+    assert join.proc.returncode == 130, join.output()
+    assert not list(checkpoints.glob("ckpt-*.pt")), "a start-up that was interrupted saved a checkpoint"
+    wait_until(lambda: not session_processes({join.sid}), timeout=HANG_S, what="its DHT worker and p2pd")
+    assert _ctrl_c(boot) < HANG_S and boot.proc.returncode == 0

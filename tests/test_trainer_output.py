@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import time
+from pathlib import Path
 
 from rich.console import Console
 
@@ -86,3 +88,68 @@ def test_plain_lines_and_history_when_not_a_terminal(tmp_path, capsys) -> None:
     snapshots = read_history(history)
     assert [s["peers"][0]["step"] for s in snapshots] == [0, 10, 20]
     assert [s["totals"]["samples_total"] for s in snapshots] == [0, 160, 320]
+
+
+class _Stub:
+    """The parts of a trainer the exit summary reads."""
+
+    def __init__(self, checkpoint_dir: str | None, num_stages: int = 1) -> None:
+        from swarm.gossip import ExchangeMetrics
+        from swarm.trainer import Progress
+
+        self.config = load_config(
+            None, overrides=[f"train.checkpoint_dir={checkpoint_dir or 'null'}"], env={}
+        )
+        self.progress = Progress()
+        self.progress.samples_total, self.progress.swarm_samples = 1_500, 6_000
+        self.num_stages = num_stages
+        self._metrics = ExchangeMetrics(
+            exchanges_ok=12,
+            exchanges_failed=2,
+            exchanges_rejected=1,
+            bytes_sent=3 * 2**20,
+            bytes_received=512,
+        )
+
+    def exchange_metrics(self):
+        return self._metrics
+
+
+def test_the_exit_summary_says_what_the_peer_did_and_how_to_export_it(tmp_path) -> None:
+    import shlex
+
+    from peers._trainer_output import ExitSummary
+
+    directory = str(tmp_path / "my ckpts")
+    saved = tmp_path / "my ckpts" / "ckpt-000000000042.pt"
+    lines = ExitSummary.of(_Stub(directory), time.monotonic() - 75, saved).lines()
+    assert lines[0].startswith("summary: trained 1,500 samples of the swarm's 6,000 (25.0%) in 1m1")
+    assert "exchanges 12 ok, 3 failed; sent 3.0 MiB, received 512 B" in lines[0]
+    assert lines[1] == f"summary: checkpoint {saved}"
+    command = lines[2].removeprefix("summary: export the model with: ")
+    assert shlex.split(command) == ["swarm", "export", "--checkpoint", directory, "--out", "model"]
+    none = ExitSummary.of(_Stub(None), time.monotonic(), None).lines()
+    assert none[1] == "summary: no checkpoint kept (train.checkpoint_dir is null)" and len(none) == 2
+    stage = ExitSummary.of(_Stub(directory, num_stages=2), time.monotonic(), saved).lines()
+    assert "export the model" not in "\n".join(stage) and "pipeline stage" in stage[-1]
+
+
+def test_every_peer_says_where_its_checkpoints_go() -> None:
+    from peers._trainer_output import checkpoint_line
+
+    given = load_config(None, overrides=["train.checkpoint_dir=/data/ckpt"], env={})
+    assert checkpoint_line(given).startswith("join: checkpoints go to /data/ckpt (every 300 s")
+    none = load_config(None, overrides=["train.checkpoint_dir=null"], env={})
+    assert "keeping no checkpoints (train.checkpoint_dir is null)" in checkpoint_line(none)
+
+
+def test_the_local_demo_names_each_trainer_once(tmp_path) -> None:
+    """The live table shows public names, the summary table the summary files' names: the same."""
+    from peers._local_summary import collect
+    from peers.local import _trainer_args
+
+    args = _trainer_args([], "/ip4/127.0.0.1/tcp/1/p2p/x", 2, tmp_path)
+    name = args[args.index("--public-name") + 1]
+    summary = Path(args[args.index("--summary") + 1])
+    summary.write_text("{}")
+    assert [row["name"] for row in collect([summary])] == [name] == ["peer-2"]

@@ -81,6 +81,14 @@ class ErrorFeedback:
         view._residuals = self._residuals
         return view
 
+    def with_codec(self, codec: Codec) -> ErrorFeedback:
+        """A view that encodes in ``codec`` and shares this object's residuals: what was left out of an
+        exchange in one codec is sent again in the next, whichever codec that one uses."""
+        view = ErrorFeedback(codec)
+        view._residuals = self._residuals
+        view._pending = self._pending
+        return view
+
     def commit(self, name: str) -> None:
         """Make the pending residual of `name` current; KeyError if nothing is pending."""
         try:

@@ -71,8 +71,34 @@ def bnb_supports(block: int) -> bool:
     return block in BNB_BLOCK_SIZES and bnb_functional() is not None
 
 
+_PROBE_ELEMENTS = 4096
+
+
+@functools.cache
+def bnb_works(device: torch.device, block: int) -> bool:
+    """Whether bitsandbytes' kernels run on ``device`` and agree with the torch kernels: an int8 and an
+    int4 round trip of one probe tensor, each decoded by both backends, asked once per device and block
+    size. A bitsandbytes whose native library fails (the case ``learning/_optimizer.py`` probes for
+    too) would otherwise fail every exchange."""
+    try:
+        x = torch.linspace(-1.0, 1.0, _PROBE_ELEMENTS, device=device)
+        q, absmax = int8_encode(x, block, "bnb")
+        packed, scales = int4_encode(x, block, "bnb")
+        ours = [int8_decode(q, absmax, block, b) for b in ("bnb", "torch")]
+        ours += [int4_decode(packed, scales, x.numel(), block, b) for b in ("bnb", "torch")]
+        ok = all(bool(torch.allclose(t, x, atol=0.2)) for t in ours)  # int4's step at the block's edge
+        ok = ok and bool(torch.allclose(ours[0], ours[1])) and bool(torch.allclose(ours[2], ours[3]))
+    except Exception as error:  # any failure of the native library: do not use it
+        logger.warning("bitsandbytes' quantization fails on %s (%s): using the torch codec", device, error)
+        return False
+    if not ok:
+        logger.warning("bitsandbytes' quantization disagrees with torch's on %s: using torch's", device)
+    return ok
+
+
 def resolve_backend(backend: str, block: int, device: torch.device) -> Backend:
-    """Pick the kernel: "auto" uses bitsandbytes on CUDA and torch on CPU (faster there, measured)."""
+    """Pick the kernel: "auto" uses bitsandbytes on CUDA where its kernels work (:func:`bnb_works`) and
+    torch elsewhere (faster on the CPU, measured)."""
     if backend == "torch":
         return "torch"
     if backend == "bnb":
@@ -81,7 +107,7 @@ def resolve_backend(backend: str, block: int, device: torch.device) -> Backend:
         return "bnb"
     if backend != "auto":
         raise ValueError(f"unknown backend {backend!r}; expected 'auto', 'bnb' or 'torch'")
-    return "bnb" if device.type == "cuda" and bnb_supports(block) else "torch"
+    return "bnb" if device.type == "cuda" and bnb_supports(block) and bnb_works(device, block) else "torch"
 
 
 def _row_chunks(rows: int, block: int, device: torch.device) -> int:

@@ -21,7 +21,7 @@ from swarm.config._schema import (
     RunSection,
     TrainSection,
 )
-from swarm.config._sources import ENV_ALLOWLIST
+from swarm.config._sources import ENV_ALLOWLIST, swarm_home
 from swarm.config._view import HASH_VERSION, diff_configs, per_peer_keys, swarm_view
 
 __all__ = [
@@ -45,5 +45,6 @@ __all__ = [
     "diff_configs",
     "load_config",
     "per_peer_keys",
+    "swarm_home",
     "swarm_view",
 ]

@@ -161,7 +161,15 @@ class CompressionSection(Section):
     """How updates are encoded on the wire."""
 
     codec: Literal["fp32", "fp16", "bf16", "int8", "int4"] = Field(
-        "int8", description="Codec for pseudo-gradients; int8/int4 are blockwise quantized."
+        "int8",
+        description="Codec of whole tensors on the wire: a model exchange without a shared base, the base "
+        "itself, pseudo-gradients; int8/int4 are blockwise quantized.",
+    )
+    delta_codec: Literal["fp32", "fp16", "bf16", "int8", "int4"] = Field(
+        "int4",
+        description="Codec of what waits at a round's end: a model exchange between two peers that share "
+        "a base (the pushing member sent its anchor in `codec` while the round trained) sends each "
+        "model relative to it, with error feedback (docs/gossip.md, 'Nothing waits on the full model').",
     )
     block_size: int = Field(
         64, ge=16, le=4096, description="Elements per quantization block (a power of two)."

@@ -34,7 +34,7 @@ def load_config(
     if path is not None:
         tree, file_source = read_yaml_file(path)
         origins.update(file_source.origins)
-        errors += file_source.errors
+        errors += file_source.errors or _empty_file_errors(path, tree)
     for source in (read_env(os.environ if env is None else env), read_overrides(overrides)):
         errors += source.errors
         _apply(tree, origins, source)
@@ -45,6 +45,17 @@ def load_config(
     if errors:
         raise ConfigError(errors)
     return config
+
+
+def _empty_file_errors(path: str | os.PathLike[str], tree: dict[str, Any]) -> list[str]:
+    """A config file without a single section is a mistake (the wrong file, or one not saved yet), not
+    a request for the defaults: name it. A section left empty still means its defaults."""
+    if tree:
+        return []
+    return [
+        f"{os.fspath(path)}: the file holds no config (it is empty or all comments); a run config has at "
+        "least one section, e.g. 'run:' with 'run_id: my-run' under it"
+    ]
 
 
 def _apply(tree: dict[str, Any], origins: dict[Loc, str], source: Source) -> None:
@@ -100,9 +111,46 @@ def _unknown_key_message(loc: Loc) -> str:
         model = field.annotation if field is not None else RunConfig  # type: ignore[assignment]
     what = "section" if len(loc) == 1 else "key"
     valid = list(model.model_fields)
-    close = difflib.get_close_matches(str(loc[-1]), valid, n=1)
-    hint = f"did you mean {close[0]!r}?" if close else "valid: " + ", ".join(valid)
+    close = _close_name(str(loc[-1]), valid) or _close_name(str(loc[-1]), list(_all_keys()), dotted=True)
+    hint = f"did you mean {close!r}?" if close else "valid: " + ", ".join(valid)
     return f"unknown {what} ({hint})"
+
+
+def _all_keys() -> dict[str, str]:
+    """Every key of every section, dotted, by its bare name (the first section's, if two share one)."""
+    keys: dict[str, str] = {}
+    for section, field in RunConfig.model_fields.items():
+        inner = field.annotation
+        if isinstance(inner, type) and issubclass(inner, BaseModel):
+            for key in inner.model_fields:
+                keys.setdefault(key, f"{section}.{key}")
+    return keys
+
+
+def _close_name(typed: str, valid: list[str], *, dotted: bool = False) -> str | None:
+    """The valid name ``typed`` was most likely meant to be: the same name in another case, a close
+    spelling (difflib), a name it abbreviates or is abbreviated by (``learning_rate``: ``lr``), or one
+    it is part of (``port``: ``prometheus_port``). With ``dotted``, ``valid`` are bare key names of
+    other sections and the answer is the dotted key (a key put in the wrong section or at the top)."""
+    lowered = {name.lower(): name for name in valid}
+    key = typed.lower().replace("-", "_")
+    found = lowered.get(key)
+    if found is None:
+        close = difflib.get_close_matches(key, list(lowered), n=1)
+        found = lowered[close[0]] if close else None
+    if found is None:
+        initials = {_initials(name): name for name in reversed(valid)}
+        found = initials.get(key) or next((n for n in valid if n == _initials(key)), None)
+    if found is None and len(key) >= 4:
+        found = next((name for name in valid if key in name.lower()), None)
+    if found is None or not dotted:
+        return found
+    return _all_keys()[found]
+
+
+def _initials(name: str) -> str:
+    """``learning_rate`` -> ``lr``: the first letter of each underscore-separated word."""
+    return "".join(word[0] for word in name.lower().split("_") if word)
 
 
 def _short(value: Any, limit: int = 60) -> str:

@@ -219,7 +219,10 @@ class TrainSection(Section):
     )
     grad_clip: float = Field(1.0, gt=0, description="Clip the gradient norm to this value.")
     checkpoint_dir: str | None = per_peer_field(
-        None, description="Directory for local checkpoints; None disables them."
+        "auto",
+        description="Directory for local checkpoints (a lock file keeps it to one live peer); 'auto': "
+        "$SWARM_HOME/runs/<run_id>/<peer>/checkpoints (SWARM_HOME defaults to ~/.swarm; <peer> is the "
+        "peer's public name, else its identity's peer id, else 'peer'); null keeps none.",
     )
     checkpoint_every_s: float = per_peer_field(300.0, gt=0, description="Seconds between local checkpoints.")
     activation_checkpointing: bool = per_peer_field(

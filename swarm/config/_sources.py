@@ -35,6 +35,15 @@ ENV_ALLOWLIST: frozenset[str] = frozenset(
 )
 """``SWARM_*`` environment variables that are not config keys and so are not errors."""
 
+DEFAULT_SWARM_HOME = "~/.swarm"
+
+
+def swarm_home(env: Mapping[str, str] | None = None) -> Path:
+    """Where peers keep what they write by default (checkpoints, identities): ``$SWARM_HOME``, else
+    ``~/.swarm``; ``~`` expanded. ``env=None`` reads ``os.environ``."""
+    value = (os.environ if env is None else env).get("SWARM_HOME") or DEFAULT_SWARM_HOME
+    return Path(value).expanduser()
+
 
 MAX_YAML_NODES = 20_000
 """Most YAML nodes (scalars, mappings, sequences) one config may hold; a resolved config has about 300."""

@@ -1,7 +1,7 @@
 """Getting the model out of a run: export it as a ``transformers`` model, load it back, sample text.
 
-* :func:`model_from_checkpoint` rebuilds a trainer's model from one of its verified checkpoints
-  (refusing a checkpoint of another config hash);
+* :func:`model_from_checkpoint` rebuilds a trainer's model from one of its verified checkpoints, with
+  the run config the checkpoint carries (or a given one, refused unless it has the checkpoint's hash);
 * :func:`download_model` takes the live swarm's state over the verified state download, as a joiner;
 * :func:`export_model` writes a ``transformers`` model directory, atomically: the built-in GPT as the
   GPT-2 it is (same architecture, exact weights), an hf model with ``save_pretrained``, each with its

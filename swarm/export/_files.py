@@ -6,6 +6,9 @@ loads it and ``pipeline("text-generation", model=DIR)`` samples from it::
     DIR/config.json          the transformers config: GPT-2 for the built-in GPT (swarm/export/_gpt2.py),
                              the model's own for model.kind hf
     DIR/model.safetensors    the weights, under the transformers names (a tied head stored once)
+    DIR/generation_config.json
+                             for the built-in GPT: ``max_length`` = ``n_positions``, so that generation
+                             stops when the context is full instead of failing past it
     DIR/tokenizer.json, tokenizer_config.json
                              the run's data.tokenizer; for byte-level runs (vocab_size 256) a byte
                              tokenizer (swarm/export/_byte_tokenizer.py); none otherwise
@@ -23,7 +26,9 @@ import json
 import logging
 import os
 import shutil
-from collections.abc import Mapping
+import stat
+import tempfile
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,16 +39,18 @@ from torch import nn
 from swarm._atomic import replace_directory, write_json_synced
 from swarm._errors import SwarmError
 from swarm._tokenizer import load_tokenizer
-from swarm.config import ModelSection, RunConfig
+from swarm.config import ConfigError, ModelSection, RunConfig, load_config
 from swarm.export._byte_tokenizer import BYTE_VOCAB, byte_tokenizer
-from swarm.export._gpt2 import from_gpt2, gpt2_config, to_gpt2
+from swarm.export._gpt2 import from_gpt2, generation_config, gpt2_config, to_gpt2
 from swarm.learning import build_model
 from swarm.state import CheckpointError, load_latest_checkpoint, read_checkpoint
+from swarm.state.checkpoint import CONFIG_KEY
 
 logger = logging.getLogger(__name__)
 
 MODEL_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
+GENERATION_FILE = "generation_config.json"
 SWARM_FILE = "swarm.json"
 FORMAT = "swarm-export/2"
 OLD_FORMAT = "swarm-export/1"
@@ -92,34 +99,118 @@ def run_tokenizer(config: RunConfig) -> Any:
     return load_tokenizer(config.data.tokenizer).hf if config.data.tokenizer is not None else None
 
 
-def model_from_checkpoint(path: str | os.PathLike[str], config: RunConfig) -> ExportedModel:
-    """Rebuild the model of a trainer checkpoint: a file, or a directory's newest valid checkpoint.
+@dataclass
+class CheckpointConfig:
+    """The run config a model is rebuilt with, and where it came from (for the error that refuses a
+    config of another hash)."""
 
-    The checkpoint is verified (:func:`swarm.state.read_checkpoint`) and must belong to ``config``
-    (same config hash): the config is what rebuilds the model. Raises :class:`ExportError`.
-    """
-    source = Path(path)
+    config: RunConfig
+    origin: str
+    hint: str = "leave out --config to use the checkpoint's own config, or pass the run's config file"
+
+
+def read_trainer_checkpoint(path: str | os.PathLike[str]) -> tuple[dict[str, Any], Path]:
+    """A verified trainer checkpoint: a file, or a directory's newest valid one; ``(state, file)``."""
+    source = Path(path).expanduser()
     if source.is_dir():
         found = load_latest_checkpoint(source)
         if found is None:
             raise ExportError(f"no valid checkpoint in {source}")
-        state, source = found
-    elif source.is_file():
+        return found
+    if source.is_file():
         try:
-            state = read_checkpoint(source)
+            return read_checkpoint(source), source
         except (CheckpointError, OSError) as error:
             raise ExportError(f"{source}: {error}") from error
-    else:
-        raise ExportError(f"{source}: no such checkpoint file or directory")
-    expected = config.config_hash()
-    if state.get("config_hash") != expected:
+    raise ExportError(f"{source}: no such checkpoint file or directory")
+
+
+def stored_config(
+    state: Mapping[str, Any], source: Path, overrides: Sequence[str] = ()
+) -> CheckpointConfig | None:
+    """The run config the checkpoint carries (with ``overrides`` applied), None when it carries none
+    (a checkpoint written before checkpoints carried it). The environment is not read: the stored
+    config is the run's, whatever this shell sets."""
+    text = state.get(CONFIG_KEY)
+    if text is None:
+        return None
+    if not isinstance(text, str):
+        raise ExportError(f"checkpoint {source}: its stored config is not text")
+    with tempfile.TemporaryDirectory(prefix="swarm-config-") as directory:
+        path = Path(directory) / "checkpoint.yaml"
+        path.write_text(text, encoding="utf-8")
+        try:
+            config = load_config(path, overrides=tuple(overrides), env={})
+        except ConfigError as error:
+            details = "; ".join(line.replace(str(path), "stored config") for line in error.errors)
+            raise ExportError(f"checkpoint {source}: its stored config does not load: {details}") from None
+    with_sets = f" with {' '.join(f'--set {o}' for o in overrides)}" if overrides else ""
+    return CheckpointConfig(
+        config,
+        f"the config stored in the checkpoint{with_sets}",
+        "leave out the --set overrides that change the run",
+    )
+
+
+def model_from_checkpoint(
+    path: str | os.PathLike[str],
+    config: RunConfig | None = None,
+    *,
+    origin: str = "the given config",
+    overrides: Sequence[str] = (),
+) -> ExportedModel:
+    """Rebuild the model of a trainer checkpoint: a file, or a directory's newest valid checkpoint.
+
+    The checkpoint is verified (:func:`swarm.state.read_checkpoint`). The model is rebuilt with
+    ``config`` when given (``origin`` says where it came from, for the error), which must have the
+    checkpoint's config hash; else with the run config the checkpoint carries, ``overrides``
+    (``section.key=value``) applied. A checkpoint written before checkpoints carried their config
+    needs ``config``, unless its run used the defaults. Raises :class:`ExportError`.
+    """
+    state, source = read_trainer_checkpoint(path)
+    given = None if config is None else CheckpointConfig(config, origin)
+    chosen = resolve_config(state, source, given, overrides)
+    return _rebuild(state, source, chosen.config)
+
+
+def resolve_config(
+    state: Mapping[str, Any], source: Path, given: CheckpointConfig | None, overrides: Sequence[str] = ()
+) -> CheckpointConfig:
+    """The config to rebuild the checkpoint's model with: ``given`` when there is one, else the one
+    the checkpoint carries (``overrides`` applied), else the defaults (``overrides`` applied); refused
+    unless it has the config hash the checkpoint records."""
+    recorded = state.get("config_hash")
+    if given is None:
+        given = stored_config(state, source, overrides)
+        if given is None:
+            given = _default_config(overrides)
+            if given.config.config_hash() != recorded:
+                raise ExportError(
+                    f"checkpoint {source} carries no run config (it was written before checkpoints did) "
+                    f"and its config hash {recorded!r} is not the default config's: pass the run's config "
+                    "file with --config (and the same --set overrides)"
+                )
+    expected = given.config.config_hash()
+    if recorded != expected:
         raise ExportError(
-            f"checkpoint {source} belongs to config hash {state.get('config_hash')!r}, the given config "
-            f"has {expected!r}: pass the run's config file (and the same --set overrides)"
+            f"checkpoint {source} belongs to config hash {recorded!r} (recorded in the checkpoint), but "
+            f"{given.origin} has {expected!r}: {given.hint}"
         )
+    return given
+
+
+def _default_config(overrides: Sequence[str]) -> CheckpointConfig:
+    try:
+        config = load_config(None, overrides=tuple(overrides), env={})
+    except ConfigError as error:
+        raise ExportError("; ".join(error.errors)) from None
+    return CheckpointConfig(config, "the default config")
+
+
+def _rebuild(state: Mapping[str, Any], source: Path, config: RunConfig) -> ExportedModel:
     weights = state.get("model")
     if not isinstance(weights, dict):
-        raise ExportError(f"checkpoint {source} holds no model state")
+        raise ExportError(f"checkpoint {source} holds no model state (a pipeline stage's checkpoint?)")
     model = build_model(config.model, config.run.seed)
     try:
         model.load_state_dict(weights)
@@ -130,7 +221,7 @@ def model_from_checkpoint(path: str | os.PathLike[str], config: RunConfig) -> Ex
         model.eval(),
         config.model,
         config.run.run_id,
-        expected,
+        config.config_hash(),
         progress_counters(progress if isinstance(progress, Mapping) else {}),
         run_tokenizer(config),
     )
@@ -160,13 +251,24 @@ def export_model(exported: ExportedModel, out: str | os.PathLike[str], *, overwr
 
             save_file(to_gpt2(exported.model.state_dict()), str(temporary / MODEL_FILE), {"format": "pt"})
             write_json_synced(temporary / CONFIG_FILE, gpt2_config(exported.model_config))
+            write_json_synced(temporary / GENERATION_FILE, generation_config(exported.model_config))
         _save_tokenizer(exported, temporary)
         write_json_synced(temporary / SWARM_FILE, exported.metadata())
+        _normal_modes(temporary, like=temporary / SWARM_FILE)
         replace_directory(temporary, target)
     except BaseException:
         shutil.rmtree(temporary, ignore_errors=True)
         raise
     return target
+
+
+def _normal_modes(directory: Path, like: Path) -> None:
+    """Give every file in ``directory`` the mode of ``like`` (a file opened the usual way: 0644 under
+    the usual umask). safetensors writes its files 0600, and an exported model is meant to be shared."""
+    mode = stat.S_IMODE(like.stat().st_mode)
+    for path in directory.rglob("*"):
+        if path.is_file() and not path.is_symlink():
+            path.chmod(mode)
 
 
 def _save_tokenizer(exported: ExportedModel, directory: Path) -> None:

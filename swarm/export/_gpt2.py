@@ -74,6 +74,12 @@ def gpt2_config(section: ModelSection) -> dict[str, Any]:
     }
 
 
+def generation_config(section: ModelSection) -> dict[str, Any]:
+    """``generation_config.json``: generation stops when the context is full (``max_length`` is
+    ``n_positions``), since transformers does not crop the context and fails on positions past it."""
+    return {"max_length": section.block_size}
+
+
 def to_gpt2(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The built-in GPT's ``state_dict`` under GPT-2's names (the tied head stored once, as ``wte``)."""
     out: dict[str, torch.Tensor] = {}

@@ -49,7 +49,9 @@ def download_model(
     if not donors:
         raise ExportError(
             f"no peer of run {config.run.run_id!r} with config hash {config.config_hash()} announces a "
-            "state (live trainers, or a bootstrap started with --serve-state)"
+            "state: no trainer is live, and no bootstrap holds one (a --serve-state bootstrap keeps one "
+            "once it has the median of 3 trainers' states; its 'state mirror' status lines say why it "
+            "has none, and --state-min-donors lowers that)"
         )
     model = build_model(config.model, config.run.seed)
     params = dict(model.named_parameters())

@@ -21,10 +21,19 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from swarm.compression import ErrorFeedback, schema_of
+from swarm.compression import ErrorFeedback, Schema, schema_of
 from swarm.gossip._backoff import Backoff
+from swarm.gossip._base_push import BaseRoles
+from swarm.gossip._bases import Base, BaseStore
 from swarm.gossip._deadlines import Deadlines, payload_nbytes
-from swarm.gossip._exchange import NEGLIGIBLE_SHARE, as_named, commit, in_thread, run_exchange, settle
+from swarm.gossip._exchange import (
+    NEGLIGIBLE_SHARE,
+    as_named,
+    commit,
+    in_thread,
+    run_exchange,
+    settle,
+)
 from swarm.gossip._gate import ExchangeGate, Turn
 from swarm.gossip._handshake import Handshake
 from swarm.gossip._local import Local, committed_of, companion_of, with_companion
@@ -57,7 +66,7 @@ def is_donation(own_weight: float, partner_weight: float) -> bool:
     return partner_weight <= NEGLIGIBLE_SHARE * (own_weight + partner_weight)
 
 
-class GossipAverager(ExchangeRoles, StreamService):
+class GossipAverager(ExchangeRoles, BaseRoles, StreamService):
     """Averages the registered tensors with random partners; serves partners while alive.
 
     Exactly one of ``dht`` (a running ``hivemind.DHT``; we open our own client to its daemon) or
@@ -127,12 +136,21 @@ class GossipAverager(ExchangeRoles, StreamService):
         self._preferred_partner = preferred_partner
         self._offerer = offerer
         self._schema_hash = ""  # of the last tensors we exchanged: error feedback restarts when it changes
+        self._schema: Schema | None = None  # theirs: what a base pushed to us must match
         self._spec = opts.exchange_spec()
+        self._delta_spec = opts.delta_spec()
+        self._bases = BaseStore()
+        self._pushed_at: dict[str, float] = {}  # partner: when it last pushed us a base (bounded)
+        self._incoming_bases: dict[str, asyncio.Event] = {}  # partner: its push to us in flight
+        self.base_wait_s = 0.0
+        """An exchange with a partner that is pushing us a base waits at most this long for it to land
+        (0: not at all); a trainer sets it to a share of its round."""
         self._wrap_channel = wrap_channel
         self._companion_spec = opts.companion_spec()
         self._handshake = Handshake(run_id, config_hash, handler, self._swarm_key, opts)
         self._use_ef = opts.error_feedback and not self._spec.codec.lossless
         self._ef: ErrorFeedback | None = None
+        self._delta_ef: ErrorFeedback | None = None  # the same residuals, encoded in the delta codec
         self._metrics = MetricsRecorder()
         also = respect_bans_of._reputation.bans if respect_bans_of is not None else None
         self._reputation: Reputation = Reputation(opts, self._metrics, also)
@@ -332,19 +350,36 @@ class GossipAverager(ExchangeRoles, StreamService):
 
     def _local_of(self, tensors: Tensors, weight: float) -> Local:
         named = as_named(tensors)
-        digest = schema_hash(schema_of(named))
+        self.expect_schema(schema_of(named))
+        return Local(named, weight, self._schema_hash, payload_nbytes(named, self._spec.codec))
+
+    def expect_schema(self, schema: Schema) -> None:
+        """The tensors we exchange (and take bases of) from now on; error feedback restarts when they
+        change. Offer mode learns it from each offer; a caller that takes bases before its first offer
+        states it first."""
+        digest = schema_hash(schema)
         if self._schema_hash != digest:
-            self._schema_hash = digest
+            self._schema_hash, self._schema = digest, dict(schema)
             self._ef = ErrorFeedback(self._spec.codec) if self._use_ef else None
-        return Local(named, weight, digest, payload_nbytes(named, self._spec.codec))
+            delta = self._delta_spec
+            self._delta_ef = self._ef.with_codec(delta.codec) if self._ef and delta else None
 
     # ------------------------------------------------------------------ both roles
 
     async def _exchange(
-        self, partner: str, channel: Channel, local: Local, theirs: Hello, turn: Turn, *, initiator: bool
+        self,
+        partner: str,
+        channel: Channel,
+        local: Local,
+        theirs: Hello,
+        turn: Turn,
+        *,
+        initiator: bool,
+        base: Base | None = None,
     ) -> SyncResult:
         """Run the data phase under the exchange deadline, without the exchange lock; commit (under
-        it) if ``turn`` got the reservation and both sides ACKed, or leave everything untouched."""
+        it) if ``turn`` got the reservation and both sides ACKed, or leave everything untouched.
+        ``base``: the base both HELLOs named, which the tensors are sent relative to."""
         started, before = time.monotonic(), (channel.bytes_sent, channel.bytes_received)
         own = local.offer.blame_norm if local.offer is not None else None
         blame = Blame(self._reputation.norm_reference(partner), own)
@@ -354,7 +389,10 @@ class GossipAverager(ExchangeRoles, StreamService):
             turn = turn.as_donation()
         companion = companion_of(local, theirs, self._companion_spec)
         data = self._wrap_channel(channel)
-        exchange = run_exchange(data, local.tensors, weights, self._spec, self._ef, blame, companion, turn)
+        spec, feedback = (self._spec, self._ef) if base is None else (self._delta_spec, self._delta_ef)
+        assert spec is not None  # a base is only agreed with a delta codec
+        shared = base.tensors if base is not None else None
+        exchange = run_exchange(data, local.tensors, weights, spec, feedback, blame, companion, turn, shared)
         try:
             deadline = self._deadlines.exchange_s(partner, local.total_nbytes)
             ended = await settle(exchange, deadline, partner)
@@ -366,10 +404,14 @@ class GossipAverager(ExchangeRoles, StreamService):
             if ended.mixed is not None:
                 result = self._result(ended.outcome, partner, channel, latency, ended.reason)
                 done = None if local.offer is None else committed_of(ended.mixed, theirs, initiator, result)
+                if base is not None:  # counted first: the offerer hears of the commit inside it
+                    self._metrics.count("relative")
                 await in_thread(self._commit, partner, local, ended.mixed, latency, turn, done)
                 return dataclasses.replace(result, weight=self._weight)  # registered mode: the new one
         finally:  # cancelled (abort() or shutdown), failed, or committed above: nothing more commits
             turn.release(committed=False)
+        if (ended.bad_data or ended.bad_base) and base is not None:
+            self._bases.drop(partner)  # whoever pushed it, a base that failed is not tried again
         if ended.bad_data:
             self._reputation.misbehaved(partner, ended.reason)
         elif ended.blame_partner:

@@ -36,6 +36,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import math
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -53,6 +54,7 @@ from swarm.compression import (
     encode_tensors,
     schema_of,
 )
+from swarm.gossip._bases import MAX_BASE_ERROR, absolute, relative
 from swarm.gossip._deadlines import Sending, SlowPartner, rate_floor
 from swarm.gossip._gate import NOT_COMMITTED_REASON, Turn
 from swarm.gossip._metrics import SyncOutcome
@@ -73,6 +75,12 @@ class PartnerRejected(SwarmError):
 class NotCommitted(SwarmError):
     """The exchange went through, but one side's gate refused to commit it (another exchange committed
     first, :mod:`swarm.gossip._gate`): neither side commits, and neither is to blame."""
+
+
+class BaseTooFar(NotCommitted):
+    """Our values did not come through the shared base faithfully (:data:`MAX_BASE_ERROR`): the base is
+    far from our model. Nobody is blamed (an honest partner's anchor can be far from a peer that just
+    healed a partition); the base is dropped, and the next exchange sends whole tensors."""
 
 
 @dataclass(frozen=True)
@@ -101,26 +109,62 @@ class Companion:
 
 @dataclass(frozen=True)
 class _Part:
-    """One part of an exchange in its data phase: what we send, how, and what our frames decode to."""
+    """One part of an exchange in its data phase: what we send, how, and what our frames decode to.
+
+    ``base``: the shared base of the pair (:mod:`swarm.gossip._bases`): our frames carry ``local -
+    base`` (``wire``), the partner's are read with the base added back, and ``sent`` is what the
+    partner then holds of ours, base included."""
 
     local: Mapping[str, torch.Tensor]
     spec: ExchangeSpec
     error_feedback: ErrorFeedback | None
     schema: Schema
     sent: Mapping[str, torch.Tensor]
+    wire: Mapping[str, torch.Tensor]
+    base: Mapping[str, torch.Tensor] | None = None
 
     @classmethod
     def of(
-        cls, local: Mapping[str, torch.Tensor], spec: ExchangeSpec, error_feedback: ErrorFeedback | None
+        cls,
+        local: Mapping[str, torch.Tensor],
+        spec: ExchangeSpec,
+        error_feedback: ErrorFeedback | None,
+        base: Mapping[str, torch.Tensor] | None = None,
     ) -> _Part:
-        sent = sent_values(local, spec.codec, error_feedback)
-        return cls(local, spec, error_feedback, schema_of(local), sent)
+        schema = schema_of(local)
+        if base is None:
+            return cls(
+                local, spec, error_feedback, schema, sent_values(local, spec.codec, error_feedback), local
+            )
+        wire = relative(local, base, schema)
+        sent = absolute(sent_values(wire, spec.codec, error_feedback), base, schema)
+        return cls(local, spec, error_feedback, schema, sent, wire, base)
+
+    def theirs(self, received: FrameStore) -> Mapping[str, torch.Tensor]:
+        """The partner's tensors as we hold them: its frames decoded, plus the base if there is one."""
+        decoded = LazyTensors(self.schema, received.tensor)
+        return decoded if self.base is None else absolute(decoded, self.base, self.schema)
 
     def measure(self, received: FrameStore) -> dict[str, TensorNorms]:
-        """Every tensor's norms, checked (ValidationError): what the partner sent is finite and plausible."""
-        norms = measure(self.local, self.sent, LazyTensors(self.schema, received.tensor))
+        """Every tensor's norms, checked (ValidationError): what the partner sent is finite and
+        plausible, and through a base, our own values came through it faithfully."""
+        norms = measure(self.local, self.sent, self.theirs(received))
+        if self.base is not None:  # first: a bad base makes the partner's values look bad too
+            _check_base_error(norms)
         check_norms(norms, self.spec.policy)
         return norms
+
+
+def _check_base_error(norms: Mapping[str, TensorNorms]) -> None:
+    """ValidationError if our values through the base lost more than ``MAX_BASE_ERROR`` of their norm:
+    the base is far from our model (a partner pushed one that is not its anchor)."""
+    error = math.sqrt(sum(n.own_error**2 for n in norms.values()))
+    scale = math.sqrt(sum(n.local**2 for n in norms.values()))
+    if error > MAX_BASE_ERROR * max(scale, 1e-12):
+        raise BaseTooFar(
+            f"the shared base is far from our model: our values through it are off by {error:.4g} "
+            f"(norm {scale:.4g})"
+        )
 
 
 async def in_thread(fn: Callable[..., T], *args: Any) -> T:
@@ -143,17 +187,19 @@ async def run_exchange(
     blame: Blame = NO_BLAME,
     companion: Companion | None = None,
     turn: Turn | None = None,
+    base: Mapping[str, torch.Tensor] | None = None,
 ) -> Mixed:
     """Send ours and receive theirs concurrently, validate, mix, then swap ACKs.
 
     ``blame`` (robust mixing only): the norms the partner's difference is judged against.
     ``companion``: a second part, sent and received after the first on the same stream.
     ``turn``: reserved before our ACK (:mod:`swarm.gossip._gate`); the caller releases it.
+    ``base``: the pair's shared base, which the first part is sent relative to (:mod:`swarm.gossip._bases`).
 
     Returns only when both sides have ACKed; raises ValidationError (we rejected their data, NACK
     already sent), PartnerRejected, NotCommitted, ProtocolError, or a connection/timeout error.
     """
-    parts = [_Part.of(local, spec, error_feedback)]
+    parts = [_Part.of(local, spec, error_feedback, base)]
     if companion is not None:
         parts.append(_Part.of(companion.tensors, companion.spec, None))
     negligible = weights[1] <= NEGLIGIBLE_SHARE * (weights[0] + weights[1])
@@ -246,6 +292,8 @@ class Settled:
     mixed: Mixed | None = None
     blame_partner: bool = True
     bad_data: bool = False
+    bad_base: bool = False
+    """The shared base is far from our model (:class:`BaseTooFar`): not to be used again."""
 
 
 async def settle(exchange: Awaitable[Mixed], timeout: float, partner: str) -> Settled:
@@ -266,6 +314,8 @@ async def settle(exchange: Awaitable[Mixed], timeout: float, partner: str) -> Se
         return Settled(
             SyncOutcome.TIMEOUT, f"exchange timed out: {exc}" if str(exc) else "exchange timed out"
         )
+    except BaseTooFar as exc:
+        return Settled(SyncOutcome.FAILED, f"not committed: {exc}", blame_partner=False, bad_base=True)
     except NotCommitted as exc:
         return Settled(SyncOutcome.FAILED, f"not committed: {exc}", blame_partner=False)
     except PartnerRejected as exc:
@@ -287,7 +337,7 @@ async def _send_parts(channel: Channel, parts: Sequence[_Part], sending: Sending
     """Each part's frames and END, one part after the other; a stale ``turn`` stops us (NotCommitted)
     before the next frame goes out, so nothing computed while our tensors changed is ever sent."""
     for part in parts:
-        named, spec = part.local, part.spec
+        named, spec = part.wire, part.spec
         frames = iter(
             encode_tensors(
                 named, spec.codec, spec.chunk_bytes, error_feedback=part.error_feedback, keep_residuals=False
@@ -348,7 +398,7 @@ def _mix(
     blame: Blame,
 ) -> Mixed:
     """The result of one part: the plain rule, or the robust clip's from the measured norms."""
-    theirs = LazyTensors(part.schema, received.tensor)
+    theirs = part.theirs(received)
     feedback = part.error_feedback
     spec = part.spec
     if spec.clip is None:

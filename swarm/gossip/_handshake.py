@@ -64,9 +64,13 @@ class Handshake:
         weight: float,
         probe: tuple[float, ...] = (),
         companion: tuple[str, float] | None = None,
+        *,
+        base: str = "",
+        push: bool = False,
     ) -> Hello:
         """What we state about the tensors we are about to exchange (HELLO, or ACCEPT's body);
-        ``companion``: the companion part's schema hash and weight."""
+        ``companion``: the companion part's schema hash and weight; ``base``: the shared base we
+        propose (or take); ``push``: a base push instead of an exchange."""
         part = None
         if companion is not None and self._companion_codec is not None:
             part = PartHello(schema_hash=companion[0], codec=self._companion_codec, weight=companion[1])
@@ -80,6 +84,8 @@ class Handshake:
             weight=weight,
             probe=probe,
             companion=part,
+            base=base,
+            push=push,
         )
 
     def channel(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> Channel:

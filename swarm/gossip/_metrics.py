@@ -68,6 +68,12 @@ class ExchangeMetrics:
     no_partner: int = 0
     exchanges_clipped: int = 0
     exchanges_suspect: int = 0
+    exchanges_relative: int = 0
+    """Committed exchanges that sent the models relative to a shared base (:mod:`swarm.gossip._bases`)."""
+    bases_pushed: int = 0
+    """Bases we pushed that the partner took."""
+    base_bytes_sent: int = 0
+    """Of ``bytes_sent``, what base pushes sent: traffic overlapped with training, not after a round."""
     bytes_sent: int = 0
     bytes_received: int = 0
     last_latency_s: float = 0.0
@@ -79,10 +85,22 @@ class MetricsRecorder:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        names = ("ok", "failed", "busy", "rejected", "no_partner", "clipped", "suspect", "donated")
+        names = (
+            "ok",
+            "failed",
+            "busy",
+            "rejected",
+            "no_partner",
+            "clipped",
+            "suspect",
+            "donated",
+            "relative",
+            "pushed",
+        )
         self._counts = dict.fromkeys(names, 0)
         self._sent = 0
         self._received = 0
+        self._base_sent = 0
         self._last_latency = 0.0
         self._latency_sum = 0.0
 
@@ -90,10 +108,12 @@ class MetricsRecorder:
         with self._lock:
             self._counts[what] += 1
 
-    def add_bytes(self, sent: int, received: int) -> None:
+    def add_bytes(self, sent: int, received: int, *, base: bool = False) -> None:
+        """Stream bytes both ways; ``base``: they were a base push's."""
         with self._lock:
             self._sent += sent
             self._received += received
+            self._base_sent += sent if base else 0
 
     def record_ok(self, latency_s: float) -> None:
         with self._lock:
@@ -112,7 +132,10 @@ class MetricsRecorder:
                 no_partner=self._counts["no_partner"],
                 exchanges_clipped=self._counts["clipped"],
                 exchanges_suspect=self._counts["suspect"],
+                exchanges_relative=self._counts["relative"],
+                bases_pushed=self._counts["pushed"],
                 bytes_sent=self._sent,
+                base_bytes_sent=self._base_sent,
                 bytes_received=self._received,
                 last_latency_s=self._last_latency,
                 mean_latency_s=self._latency_sum / ok if ok else 0.0,

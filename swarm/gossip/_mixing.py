@@ -52,7 +52,8 @@ def measure(local: Tensors, sent: Tensors, received: Tensors) -> dict[str, Tenso
             raise ValidationError(f"bad frame: {exc}") from exc
         check_finite(name, p)
         diff = tensor_norm(p.float() - q.float())
-        norms[name] = TensorNorms(x.numel(), tensor_norm(x), tensor_norm(q), tensor_norm(p), diff)
+        own_error = 0.0 if q is x else tensor_norm(x.float() - q.float())
+        norms[name] = TensorNorms(x.numel(), tensor_norm(x), tensor_norm(q), tensor_norm(p), diff, own_error)
     return norms
 
 

@@ -71,6 +71,10 @@ class GossipOptions:
     exchanged in the same handshake, mixed on its own and never with error feedback (None: no part)."""
     companion_clip_ratio: float = 0.1
     """The robust clip's ratio for the companion part (``clip_ratio`` is the first part's)."""
+    delta_codec: str | None = None
+    """Offer mode: an exchange between two peers that share a base (one pushed the other its tensors
+    earlier, :meth:`~swarm.gossip.GossipAverager.push_base`) sends each side's tensors relative to it in
+    this codec, with error feedback; ``codec`` is then the base's (None: no bases, whole tensors)."""
     blame_ratio: float | None = None
     """The first part's radius multiple when judging the partner (None: ``clip_ratio``); a model
     exchange clips by the parameters' ratio but judges by the pseudo-gradients'
@@ -98,6 +102,12 @@ class GossipOptions:
     def exchange_spec(self) -> ExchangeSpec:
         """What every exchange of the averager uses: codec, chunking, norm checks, clip policy."""
         return self._spec(self.codec, self.clip_ratio, self.blame_ratio)
+
+    def delta_spec(self) -> ExchangeSpec | None:
+        """The same for an exchange relative to a shared base (its delta codec), or None."""
+        if self.delta_codec is None:
+            return None
+        return self._spec(self.delta_codec, self.clip_ratio, self.blame_ratio)
 
     def companion_spec(self) -> ExchangeSpec | None:
         """The same for the companion part (its codec and clip ratio), or None."""

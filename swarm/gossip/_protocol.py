@@ -33,6 +33,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from swarm._protocol import PROTOCOL_VERSION, protocol_id
+from swarm.gossip._bases import BASE_ID
 from swarm.p2p import ProtocolError, dump_json, parse_json, read_message, write_message
 
 __all__ = [
@@ -61,6 +62,10 @@ class MsgKind(enum.IntEnum):
     END = 6
     ACK = 7
     NACK = 8
+
+
+# A base push (``push`` in HELLO) runs HELLO, ACCEPT, the pusher's DATA* and END, then the receiver's
+# ACK or NACK: nothing comes back but the verdict, and nothing is mixed.
 
 
 def handler_name(run_id: str) -> str:
@@ -167,6 +172,11 @@ class Hello:
     weight: float
     probe: tuple[float, ...] = ()
     companion: PartHello | None = None
+    base: str = ""
+    """The shared base (:mod:`swarm.gossip._bases`) this side holds with the partner and proposes to
+    send relative to ("": none); the exchange uses one only when both HELLOs name the same."""
+    push: bool = False
+    """A base push instead of an exchange: the sender's frames become the base named ``base``."""
 
     def to_json(self) -> dict[str, Any]:
         body = asdict(self)
@@ -188,6 +198,8 @@ class Hello:
                 weight=float(_typed(obj, "weight", (int, float))),
                 probe=_probe(obj.get("probe", [])),
                 companion=PartHello.from_json(obj["companion"]) if "companion" in obj else None,
+                base=_base_id(obj.get("base", "")),
+                push=_flag(obj.get("push", False), "push"),
             )
         except KeyError as exc:
             raise ProtocolError(f"handshake lacks field {exc}") from None
@@ -205,6 +217,8 @@ class Hello:
             mine, theirs = getattr(self, name), getattr(other, name)
             if mine != theirs:
                 return f"{name} differs (ours {mine!r}, theirs {theirs!r})"
+        if self.push != other.push:
+            return "one side pushes a base, the other exchanges"
         ours, other_part = self.companion, other.companion
         if (ours is None) != (other_part is None):
             mine, theirs = ("one", "none") if ours is not None else ("none", "one")
@@ -221,6 +235,19 @@ def _weight(value: float, what: str) -> float:
     value = float(value)
     if not (math.isfinite(value) and 0.0 < value < 1e30):
         raise ProtocolError(f"handshake {what} {value!r} is not a finite positive number")
+    return value
+
+
+def _base_id(value: Any) -> str:
+    """The optional base name: "" or :data:`~swarm.gossip._bases.BASE_ID`'s 16 hex digits."""
+    if not isinstance(value, str) or (value and not BASE_ID.fullmatch(value)):
+        raise ProtocolError("handshake field 'base' must be empty or 16 lowercase hex digits")
+    return value
+
+
+def _flag(value: Any, key: str) -> bool:
+    if not isinstance(value, bool):
+        raise ProtocolError(f"handshake field {key!r} must be true or false")
     return value
 
 

@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
+from swarm.gossip._bases import Base, BaseStore
 from swarm.gossip._exchange import in_thread
 from swarm.gossip._gate import ExchangeGate, Turn
 from swarm.gossip._handshake import BANNED_REASON, Handshake
@@ -50,6 +51,7 @@ class ExchangeRoles:
         _rng: random.Random
         _aborted: bool
         _served_at: dict[str, float]
+        _bases: BaseStore
         _refuses_us: dict[str, float]
         serve_interval_s: float
         _inflight: asyncio.Task[SyncResult] | None
@@ -58,8 +60,18 @@ class ExchangeRoles:
         def _offered(self, offerer: Offerer) -> Local | None: ...
         def _release(self, local: Local) -> None: ...
         async def _exchange(
-            self, partner: str, channel: Channel, local: Local, theirs: Hello, turn: Turn, *, initiator: bool
+            self,
+            partner: str,
+            channel: Channel,
+            local: Local,
+            theirs: Hello,
+            turn: Turn,
+            *,
+            initiator: bool,
+            base: Base | None = None,
         ) -> SyncResult: ...
+        async def _serve_base(self, peer: str, channel: Channel, theirs: Hello) -> None: ...
+        async def _await_incoming_base(self, peer: str) -> None: ...
         def _result(
             self,
             outcome: SyncOutcome,
@@ -87,6 +99,9 @@ class ExchangeRoles:
         if self._aborted:
             await channel.send_json(MsgKind.BUSY, {"reason": "leaving"})
             return
+        if theirs.push:
+            await self._serve_base(peer, channel, theirs)
+            return
         if not self._serve_allowed(peer):
             await channel.send_json(MsgKind.BUSY, {"reason": "served you this round already"})
             return
@@ -101,14 +116,15 @@ class ExchangeRoles:
                 await channel.send_json(MsgKind.BUSY, {"reason": "nothing to offer yet"})
                 return
             local, turn = taken
-            _remember(self._served_at, peer, time.monotonic())
-            ours = self._handshake.hello(*local.stated())
+            remember(self._served_at, peer, time.monotonic())
+            base = self._bases.agreed(peer, theirs.base)
+            ours = self._handshake.hello(*local.stated(), base=base.base_id if base is not None else "")
             mismatch = ours.mismatch(theirs)
             if mismatch is not None:
                 await channel.send_json(MsgKind.REJECT, {"reason": mismatch})
                 return
             await channel.send_json(MsgKind.ACCEPT, ours.to_json())
-            result = await self._exchange(peer, channel, local, theirs, turn, initiator=False)
+            result = await self._exchange(peer, channel, local, theirs, turn, initiator=False, base=base)
             logger.debug("served exchange with %s: %s %s", peer, result.outcome.value, result.reason)
         finally:
             if taken is not None:
@@ -195,16 +211,19 @@ class ExchangeRoles:
         for info in order:
             if time.monotonic() >= deadline:
                 break
-            hello = self._handshake.hello(*local.stated())
+            await self._await_incoming_base(info.peer_id)
+            held = self._bases.get(info.peer_id)
+            hello = self._handshake.hello(*local.stated(), base=held.base_id if held is not None else "")
             reply = await self._handshake.propose(self._p2p, info.peer_id, hello, channels)
             if reply.kind is MsgKind.ACCEPT and reply.channel is not None and reply.hello is not None:
+                base = held if held is not None and reply.hello.base == held.base_id else None
                 return await self._exchange(
-                    info.peer_id, reply.channel, local, reply.hello, turn, initiator=True
+                    info.peer_id, reply.channel, local, reply.hello, turn, initiator=True, base=base
                 )
             self._reputation.answered(info.peer_id, reply)
             if reply.kind is MsgKind.REJECT and reply.reason == BANNED_REASON:
                 until = time.monotonic() + self.options.ban_base_s
-                _remember(self._refuses_us, info.peer_id, until)
+                remember(self._refuses_us, info.peer_id, until)
             busy += reply.kind is MsgKind.BUSY
             if reply.kind is not MsgKind.BUSY:
                 outcome = SyncOutcome.FAILED if reply.kind is None else SyncOutcome.REJECTED
@@ -218,7 +237,7 @@ REMEMBERED = 4096
 """Peers a per-peer table of the roles keeps, the oldest entry forgotten first."""
 
 
-def _remember(table: dict[str, float], peer: str, value: float) -> None:
+def remember(table: dict[str, float], peer: str, value: float) -> None:
     """Set ``table[peer]`` as its newest entry, keeping at most :data:`REMEMBERED` peers."""
     table.pop(peer, None)
     table[peer] = value

@@ -90,14 +90,15 @@ class NormPolicy:
 @dataclass(frozen=True)
 class TensorNorms:
     """The norms of one tensor of an exchange that the checks and the robust clip need: ours
-    (``local``), what our frames decode to (``sent``), the partner's (``received``) and the distance
-    between the last two (``diff``)."""
+    (``local``), what our frames decode to (``sent``), the partner's (``received``), the distance
+    between the last two (``diff``), and what our own values lost on the way (``own_error``)."""
 
     numel: int
     local: float
     sent: float
     received: float
     diff: float
+    own_error: float = 0.0
 
 
 def check_norms(norms: Mapping[str, TensorNorms], policy: NormPolicy) -> None:

@@ -2,15 +2,17 @@
 
 The peer that trains in the swarm with these is :mod:`swarm.trainer`. See docs/training.md."""
 
-from swarm.learning._micro_batch import auto_micro_batch_size, is_oom
+from swarm.learning._micro_batch import OutOfDeviceMemory, auto_micro_batch_size, is_oom, release_cached
 from swarm.learning._optimizer import (
     adamw8bit_works,
     bitsandbytes_installed,
+    can_load_state,
     make_inner_optimizer,
     optimizer_name,
     optimizer_state_bytes,
+    state_kind,
 )
-from swarm.learning._precision import Precision, resolve_precision
+from swarm.learning._precision import Precision, half_dtype, resolve_precision
 from swarm.learning._prefetch import Prefetcher
 from swarm.learning._prepare import prepare_tokens
 from swarm.learning._throughput import PEAK_TFLOPS, Throughput, flops_per_token, peak_flops, peak_memory_bytes
@@ -28,6 +30,7 @@ from swarm.learning.evaluation import (
     Interrupted,
     chunked_cross_entropy,
     evaluate,
+    evaluate_fitting,
     make_eval_set,
     nats_to_bits,
     unigram_bits,
@@ -50,6 +53,7 @@ __all__ = [
     "HFStreamSource",
     "InnerTrainer",
     "Interrupted",
+    "OutOfDeviceMemory",
     "OuterOptimizer",
     "Precision",
     "Prefetcher",
@@ -63,11 +67,14 @@ __all__ = [
     "auto_micro_batch_size",
     "bitsandbytes_installed",
     "build_model",
+    "can_load_state",
     "chunked_cross_entropy",
     "count_parameters",
     "drift",
     "evaluate",
+    "evaluate_fitting",
     "flops_per_token",
+    "half_dtype",
     "is_oom",
     "lm_loss",
     "lr_at",
@@ -80,8 +87,10 @@ __all__ = [
     "peak_flops",
     "peak_memory_bytes",
     "prepare_tokens",
+    "release_cached",
     "resolve_device",
     "resolve_precision",
+    "state_kind",
     "stdlib_files",
     "total_samples_of",
     "unigram_bits",

@@ -15,13 +15,24 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from swarm.learning._precision import Precision
+from swarm.learning._precision import Precision, resolve_precision
 from swarm.learning.model import lm_loss
 
 logger = logging.getLogger(__name__)
 
 MEMORY_FRACTION = 0.9
 """Share of the free memory (less the reserve) a micro-batch's forward and backward may take."""
+
+
+_OOM_MESSAGES = ("out of memory", "can't allocate memory", "not enough memory")
+"""How allocators word it: CUDA, ROCm and MPS ("out of memory"), the CPU's ("DefaultCPUAllocator:
+can't allocate memory", "not enough memory")."""
+
+
+class OutOfDeviceMemory(RuntimeError):
+    """Out of memory where halving the micro-batch cannot help (at a micro-batch of 1, or in the
+    optimizer step again and again): the peer moves its outer state to host memory, or stops with the
+    advice of ``swarm config check``."""
 
 
 def is_oom(error: BaseException) -> bool:
@@ -31,7 +42,18 @@ def is_oom(error: BaseException) -> bool:
     )
     if isinstance(error, oom_types):
         return True
-    return isinstance(error, RuntimeError) and "out of memory" in str(error).lower()
+    message = str(error).lower()
+    return isinstance(error, RuntimeError) and any(m in message for m in _OOM_MESSAGES)
+
+
+def release_cached(device: torch.device) -> None:
+    """Hand the allocator's cached blocks on ``device`` back (CUDA; nothing elsewhere).
+
+    Call it after an out-of-memory error was handled, never in a ``finally`` or an ``except`` block
+    while the error propagates: its traceback holds the frames that hold the activations, so nothing
+    would be freed."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def largest_fitting(batch_size: int, fits: Callable[[int], bool]) -> int:
@@ -75,11 +97,13 @@ def auto_micro_batch_size(
 
     def fits(candidate: int) -> bool:
         try:
-            return run(candidate) <= budget
+            used: int | None = run(candidate)
         except RuntimeError as error:
             if not is_oom(error):
                 raise
-            return False
+            used = None
+        release_cached(device)  # after the handler: the error's traceback no longer holds the activations
+        return used is not None and used <= budget
 
     if budget <= 0:
         logger.warning(
@@ -111,16 +135,30 @@ def _probe_cuda(
     vocab_size: int,
     precision: Precision | None,
 ) -> int:
-    """Bytes one forward and backward of ``candidate`` samples allocate beyond what is held now."""
-    precision = precision or Precision("bf16")
+    """Bytes one forward and backward of ``candidate`` samples allocate beyond what is held now, in the
+    run's precision (``auto`` resolved for this device when none is given). The caller empties the
+    allocator's cache once an out-of-memory error is handled (:func:`release_cached`)."""
+    precision = precision or resolve_precision("auto", device)
     held = torch.cuda.memory_allocated(device)
     try:
-        torch.cuda.reset_peak_memory_stats(device)
-        x = torch.randint(vocab_size, (candidate, block_size), device=device)
-        with precision.autocast(device, cache=not getattr(model, "activation_checkpointing", False)):
-            loss = lm_loss(model, x, x)
-        loss.backward()
-        return int(torch.cuda.max_memory_allocated(device)) - held
+        return _forward_backward(model, candidate, block_size, device, vocab_size, precision) - held
     finally:
         model.zero_grad(set_to_none=True)
-        torch.cuda.empty_cache()
+
+
+def _forward_backward(
+    model: nn.Module,
+    candidate: int,
+    block_size: int,
+    device: torch.device,
+    vocab_size: int,
+    precision: Precision,
+) -> int:
+    """Peak bytes allocated by one forward and backward; its tensors are gone when it returns or raises
+    (only a traceback still referring to this frame keeps them)."""
+    torch.cuda.reset_peak_memory_stats(device)
+    x = torch.randint(vocab_size, (candidate, block_size), device=device)
+    with precision.autocast(device, cache=not getattr(model, "activation_checkpointing", False)):
+        loss = lm_loss(model, x, x)
+    loss.backward()
+    return int(torch.cuda.max_memory_allocated(device))

@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import math
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -104,6 +105,30 @@ def optimizer_name(optimizer: torch.optim.Optimizer) -> str:
     if isinstance(optimizer, torch.optim.AdamW) and optimizer.defaults.get("fused"):
         return f"{kind}-fused"
     return kind
+
+
+_STATE_KEYS = {"adamw8bit": "state1", "adamw": "exp_avg"}
+"""A key each per-tensor state of the kind has: bitsandbytes' 8-bit moments, torch's moments."""
+
+
+def state_kind(state: Mapping[str, Any]) -> str | None:
+    """The kind of optimizer an ``optimizer.state_dict()`` came from, by its per-tensor state:
+    ``adamw8bit`` (bitsandbytes), ``adamw`` (torch's AdamW, fused or not), or None (no state yet, or
+    neither)."""
+    for tensor_state in dict(state.get("state") or {}).values():
+        for kind, key in _STATE_KEYS.items():
+            if isinstance(tensor_state, Mapping) and key in tensor_state:
+                return kind
+    return None
+
+
+def can_load_state(optimizer: torch.optim.Optimizer, state: Mapping[str, Any]) -> bool:
+    """Whether ``state`` (a checkpoint's inner-optimizer state) is of ``optimizer``'s kind: a run that
+    saved 8-bit AdamW state and resumes with torch's (bitsandbytes broke meanwhile), or the reverse,
+    cannot load it. A state of no known kind (empty) loads."""
+    saved, name = state_kind(state), optimizer_name(optimizer)
+    ours = "adamw8bit" if name == "adamw8bit" else "adamw" if name.startswith("adamw") else None
+    return saved is None or ours is None or saved == ours
 
 
 def optimizer_state_bytes(model: nn.Module, eight_bit: bool) -> int:

@@ -4,10 +4,13 @@ Mixed precision keeps the weights, gradients and optimizer state in float32 and 
 backward passes under :func:`torch.autocast` in a 16-bit type:
 
 * ``bf16`` where the GPU computes it natively (Ampere and newer, :func:`torch.cuda.is_bf16_supported`);
-* ``fp16`` with a :class:`torch.amp.GradScaler` otherwise (T4, V100, RTX 20xx): fp16 has bf16's
-  speed on those cards but a narrow exponent, so the loss is scaled up before the backward pass
-  and the gradients down before the update, and a step whose gradients overflowed is skipped;
-* ``fp32`` on the CPU, where autocast brings no speed for these models.
+* ``fp16`` with a :class:`torch.amp.GradScaler` otherwise (T4, V100, RTX 20xx, and the P100, sm_60):
+  fp16 has bf16's speed on those cards but a narrow exponent, so the loss is scaled up before the
+  backward pass and the gradients down before the update, and a step whose gradients overflowed is
+  skipped;
+* ``fp32`` on the CPU, where autocast brings no speed for these models, and on GPUs older than
+  Volta (compute capability below 7.0) except the P100: Pascal GeForce cards and Maxwell compute
+  fp16 at 1/64 (or less) of their fp32 rate.
 
 ``train.precision`` is per peer: the parameters every peer exchanges are float32 whatever it computes
 in, so a swarm can mix cards of each kind.
@@ -64,6 +67,41 @@ class Precision:
         return torch.amp.GradScaler(device.type) if self.uses_scaler else None
 
 
+FAST_FP16_CAPABILITY = (7, 0)
+"""Compute capability from which a GPU computes fp16 at least at its fp32 rate (Volta); below it only
+the P100 (sm_60) does (:data:`FAST_FP16_EXCEPTIONS`)."""
+FAST_FP16_EXCEPTIONS = frozenset({(6, 0)})
+
+
+def _cuda_capability(device: torch.device) -> tuple[int, int]:
+    major, minor = torch.cuda.get_device_capability(device)
+    return int(major), int(minor)
+
+
+def fast_fp16(capability: tuple[int, int]) -> bool:
+    """Whether a GPU of this compute capability computes fp16 fast (module docstring)."""
+    return capability >= FAST_FP16_CAPABILITY or capability in FAST_FP16_EXCEPTIONS
+
+
+def _mps_bf16(device: torch.device) -> bool:
+    """Whether MPS computes bf16 here (macOS 14 and a recent torch): try one operation."""
+    try:
+        (torch.ones(2, device=device, dtype=torch.bfloat16) * 2).sum().item()
+    except (RuntimeError, TypeError):
+        return False
+    return True
+
+
+def half_dtype(
+    device: torch.device, *, bf16_supported: Callable[[torch.device], bool] | None = None
+) -> torch.dtype:
+    """The 16-bit type to keep compact copies in on ``device`` (a progress, a snapshot): bfloat16
+    (float32's range) where the device has it, float16 on an MPS device that has not (macOS 13)."""
+    if device.type != "mps":
+        return torch.bfloat16
+    return torch.bfloat16 if (bf16_supported or _mps_bf16)(device) else torch.float16
+
+
 def _cuda_bf16(device: torch.device) -> bool:
     try:
         with torch.cuda.device(device):
@@ -73,20 +111,27 @@ def _cuda_bf16(device: torch.device) -> bool:
 
 
 def resolve_precision(
-    spec: str, device: torch.device, *, bf16_supported: Callable[[torch.device], bool] = _cuda_bf16
+    spec: str,
+    device: torch.device,
+    *,
+    bf16_supported: Callable[[torch.device], bool] = _cuda_bf16,
+    capability: Callable[[torch.device], tuple[int, int]] = _cuda_capability,
 ) -> Precision:
     """``train.precision`` for ``device``: ``auto`` is bf16 on a GPU that has it natively, fp16 (with a
-    loss scaler) on one that does not, fp32 on the CPU; anything else is used as given.
+    loss scaler) on one that does not but computes fp16 fast, fp32 on older GPUs and the CPU; anything
+    else is used as given.
 
-    ``bf16_supported`` asks the GPU (tests pass a fake). Apple's MPS gets fp16, which every MPS
-    device computes natively (bf16 needs macOS 14 and a recent torch).
+    ``bf16_supported`` and ``capability`` ask the GPU (tests pass fakes). Apple's MPS gets fp16, which
+    every MPS device computes natively (bf16 needs macOS 14 and a recent torch).
     """
     if spec not in PRECISIONS:
         raise ValueError(f"train.precision must be one of {', '.join(PRECISIONS)}, not {spec!r}")
     if spec != "auto":
         return Precision(spec)  # type: ignore[arg-type]
     if device.type == "cuda":
-        return Precision("bf16" if bf16_supported(device) else "fp16")
+        if bf16_supported(device):
+            return Precision("bf16")
+        return Precision("fp16" if fast_fp16(capability(device)) else "fp32")
     if device.type == "mps":
         return Precision("fp16")
     return Precision("fp32")

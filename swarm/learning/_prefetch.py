@@ -19,9 +19,13 @@ from typing import Any
 
 import torch
 
+from swarm.learning.evaluation import Interrupted
+
 Batch = tuple[torch.Tensor, torch.Tensor]
 
 _END = object()
+WAIT_S = 0.1
+"""How often a wait for the next batch looks at the stop event."""
 
 
 class Prefetcher:
@@ -70,18 +74,24 @@ class Prefetcher:
         return self
 
     def __next__(self) -> Batch:
+        return self.draw()
+
+    def draw(self, stop: threading.Event | None = None) -> Batch:
+        """The next batch; a set ``stop`` (or :meth:`close`) ends the wait for a source that stalls
+        (a streamed dataset that stopped answering): :class:`~swarm.learning.evaluation.Interrupted`,
+        nothing handed out."""
         if self._returned is not None:
             batch, self._returned = self._returned, None
         else:
-            batch = self._take()
+            batch = self._take(stop)
         self._last = batch
         self.samples_drawn += len(batch[0])
         return batch
 
-    def _take(self) -> Batch:
+    def _take(self, stop: threading.Event | None) -> Batch:
         if self._done or self._closed.is_set():
             raise StopIteration
-        item = self._queue.get()
+        item = self._wait(stop)
         if item is _END:
             self._done = True
             raise StopIteration
@@ -89,6 +99,16 @@ class Prefetcher:
             self._done = True
             raise item
         return item
+
+    def _wait(self, stop: threading.Event | None) -> Any:
+        while True:
+            try:
+                return self._queue.get(timeout=WAIT_S)
+            except queue.Empty:
+                pass
+            if self._closed.is_set() or (stop is not None and stop.is_set()):
+                self._last = None  # nothing handed out: a give_back() hands nothing out again
+                raise Interrupted("waiting for a batch abandoned: stopping")
 
     def give_back(self) -> None:
         """The last batch handed out was not trained on: hand it out again next."""

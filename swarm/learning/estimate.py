@@ -22,6 +22,9 @@ no memory and about a second. Memory is the sum of
   host memory instead (``averaging.outer_state_device``, :func:`outer_state_on_host`);
 * the partners' frames of the exchanges in flight, as they arrived (wire bytes: about ``1.06 P`` an
   int8 exchange, two at once), always host memory;
+* the shared bases a gossip trainer of model exchanges keeps (:mod:`swarm.gossip._bases`): at most
+  two, each the frames of a model in ``compression.codec`` (about ``1.06 P`` in int8), host memory
+  (:func:`base_bytes`);
 * nothing for the state served to joiners (written to a spool file on disk, :mod:`swarm.state`) or for
   a checkpoint (written from the live tensors, one at a time);
 * activations of one micro-batch of one sequence, bf16, per layer per token: ``17 h`` for attention
@@ -33,7 +36,16 @@ no memory and about a second. Memory is the sum of
   activations, the 16-bit logits and a float32 slice of them :data:`VOCAB_CHUNK` wide (the loss is
   computed in chunks over the vocabulary). It replaces the training step's gradients and
   activations, so it counts only where it is larger;
-It is an estimate: allocator slack, the CUDA context (~0.5 GiB) and temporary buffers come on top.
+* on the device besides the tensors: the caching allocator's slack (:data:`ALLOCATOR_SLACK` of what
+  the tensors take) and the CUDA context with cuBLAS' workspace and the kernels of torch and
+  bitsandbytes (:data:`DEVICE_CONTEXT`): :meth:`PeerEstimate.device_footprint`, what the card must hold;
+* in host memory besides the state: the program itself (:data:`PROGRAM_BYTES`: Python, torch with its
+  CUDA libraries where the device is CUDA, hivemind and its p2pd daemon), the page-locked batches the
+  prefetcher draws ahead (:func:`pinned_bytes`, each rounded up to a power of two by torch's caching
+  host allocator; the outer state is not page-locked), the shared bases, and a joiner's peak
+  (:func:`joining_bytes`: the downloaded state beside the anchor) where that is more than the exchanges'
+  frames.
+It is an estimate: temporary buffers come on top.
 """
 
 from __future__ import annotations
@@ -51,6 +63,24 @@ from swarm.learning.evaluation import VOCAB_CHUNK
 from swarm.learning.model import build_model, count_parameters
 
 GIB = 1 << 30
+MIB = 1 << 20
+
+ALLOCATOR_SLACK = 0.05
+"""Device memory the caching allocator reserves beyond what the tensors take (its fragmentation), as a
+share of the tensors' peak."""
+DEVICE_CONTEXT = 768 * MIB
+"""The CUDA context, cuBLAS' workspace and the loaded kernels of torch and bitsandbytes: device memory
+that no tensor accounts for."""
+PROGRAM_BYTES = {"cpu": 512 * MIB, "cuda": 2560 * MIB}
+"""Host memory of the program itself at its peak, before any state: the interpreter, torch (with its CUDA
+libraries and the host side of the context on CUDA), hivemind and its p2pd daemon, the data pipeline
+(tests/test_estimate.py holds the CPU figure against a measured peak)."""
+PREFETCH_DEPTH = 2
+"""Batches the prefetcher draws ahead (:class:`swarm.learning.Prefetcher`'s default depth)."""
+BASES_KEPT = 2
+"""Shared bases a gossip averager keeps at most (:data:`swarm.gossip._bases.MAX_BASES`; not imported:
+the gossip package brings hivemind, which an estimate does not need; tests/test_estimate.py holds the
+two equal)."""
 
 
 @dataclass(frozen=True)
@@ -72,7 +102,8 @@ class PeerEstimate:
     ``outer_state`` (anchor and momentum), ``residuals`` (error feedback) and ``exchange_buffers``
     (what the sync path holds at its peak on the state's device, :func:`sync_buffer_bytes`) live next
     to the parameters, or in host memory when ``averaging.outer_state_device`` puts them there;
-    ``exchange_frames`` (the partners' frames of the exchanges in flight) are always host memory.
+    ``exchange_frames`` (the partners' frames of the exchanges in flight) and ``bases`` (the shared bases,
+    :func:`base_bytes`) are always host memory.
     """
 
     parameters: int
@@ -90,12 +121,20 @@ class PeerEstimate:
     wire_params: int
     param_sync_every: int
     anchor_pull: str = "separate"
+    wire_change: int = 0
+    """A model exchange through a shared base: each model's change, in ``compression.delta_codec``."""
     autocast_weights: int = 0
     autocast_weights_checkpointed: int = 0
     accumulation: int = 0
     evaluation: int = 0
     optimizer: str = "adamw"
     precision: str = "fp32"
+    program: int = 0
+    pinned: int = 0
+    joining: int = 0
+    joining_on_host: int = 0
+    device_context: int = 0
+    bases: int = 0
 
     @property
     def outer(self) -> int:
@@ -110,10 +149,19 @@ class PeerEstimate:
         step = self.gradients + self.accumulation + activations
         return model + max(step, self.evaluation) + (0 if host_state else self.outer)
 
+    def device_footprint(self, checkpointing: bool, *, host_state: bool = False) -> int:
+        """What the card must hold: :meth:`device_memory` with the allocator's slack, plus the context."""
+        return int(self.device_memory(checkpointing, host_state=host_state) * (1 + ALLOCATOR_SLACK)) + (
+            self.device_context
+        )
+
     def host_memory(self, *, host_state: bool = False) -> int:
-        """Bytes in host memory besides the program itself: the partners' frames of the exchanges in
-        flight, and the outer state when it lives there."""
-        return self.exchange_frames + (self.outer if host_state else 0)
+        """Bytes in host memory: the program, the page-locked batches, the shared bases, and the larger
+        of the partners' frames of the exchanges in flight (with the outer state, where it lives there)
+        and a joiner's peak (the downloaded state, beside the anchor where it lives there)."""
+        steady = self.exchange_frames + (self.outer if host_state else 0)
+        joining = self.joining + (self.joining_on_host if host_state else 0)
+        return self.program + self.pinned + self.bases + max(steady, joining)
 
     def memory(self, checkpointing: bool) -> int:
         """Total bytes with or without activation checkpointing, on a machine whose device is its host
@@ -127,10 +175,12 @@ class PeerEstimate:
         starts one every ``param_sync_every`` of its own rounds, about every other round is its own, and
         it is dialled for about as many as it starts). With a folded anchor pull every exchange carries
         the anchor: both, every round, and no exchange of its own for the anchors. A model exchange
-        (``anchor_pull`` "model", ``averaging.exchange: model``) sends the model in the pseudo-gradient's
-        codec, and nothing else."""
-        if self.anchor_pull == "model":
-            return self.wire_delta
+        (``anchor_pull`` "model", ``averaging.exchange: model``) sends each model's change from the
+        pair's shared base in ``compression.delta_codec`` after the round, and the base itself (the
+        model in ``compression.codec``) while it trains, pushed by one of the pair: about every other
+        round for each peer."""
+        if self.anchor_pull == "model":  # the change after each round; the base every other round
+            return self.wire_change + self.wire_delta / 2
         if self.anchor_pull == "folded":
             return self.wire_delta + self.wire_params
         return self.wire_delta + self.wire_params / self.param_sync_every
@@ -172,6 +222,31 @@ def frame_bytes(wire_delta: int, wire_params: int, *, model: bool, folded: bool 
     if model or folded:
         return 2 * per_exchange
     return max(2 * per_exchange, per_exchange + wire_params)
+
+
+def pinned_bytes(batch_size: int, block_size: int, cuda: bool) -> int:
+    """Page-locked host bytes of the prefetcher on CUDA: inputs and targets (int64) of the batches it
+    holds (:data:`PREFETCH_DEPTH` queued, one being copied, one handed out), each block rounded up to a
+    power of two as torch's caching host allocator does."""
+    if not cuda:
+        return 0
+    one = 8 * batch_size * block_size
+    return 2 * (PREFETCH_DEPTH + 2) * (1 << max(one - 1, 1).bit_length())
+
+
+def base_bytes(config: RunConfig, wire_whole: int) -> int:
+    """Host bytes of the shared bases (:mod:`swarm.gossip._bases`): a gossip trainer of model exchanges
+    keeps at most :data:`BASES_KEPT`, each the frames of a whole model in ``compression.codec``
+    (``wire_whole``, the wire size of one). Other exchanges and backends keep none."""
+    avg = config.averaging
+    return BASES_KEPT * wire_whole if avg.backend == "gossip" and avg.exchange == "model" else 0
+
+
+def joining_bytes(params: int, momentum: bool) -> tuple[int, int]:
+    """A joiner's host peak while it takes over a donor's state (:func:`swarm.trainer._joining.adopt`):
+    the download (float32 parameters and momentum, host memory); with the outer state in host memory
+    the anchor is there beside it (rebuilt in place). Returns (always, with the state on the host)."""
+    return (8 if momentum else 4) * params, 4 * params
 
 
 def model_shape(config: RunConfig, model: nn.Module) -> Shape:
@@ -300,27 +375,44 @@ def estimate_peer(config: RunConfig, device: str = "cuda", *, eight_bit: bool | 
         wire_params=wire_params,
         param_sync_every=avg.param_sync_every,
         anchor_pull="model" if avg.exchange == "model" else avg.anchor_pull,
+        wire_change=wire_bytes(model, comp.delta_codec, comp.block_size),
         autocast_weights=autocast,
         autocast_weights_checkpointed=autocast_checkpointed,
         accumulation=(4 + half) * largest if config.train.batch_size > 1 else 0,
         evaluation=evaluation_bytes(shape, half),
         optimizer="8-bit AdamW" if eight_bit else "AdamW",
         precision=precision,
+        program=PROGRAM_BYTES["cuda" if device == "cuda" else "cpu"],
+        pinned=pinned_bytes(config.train.batch_size, config.model.block_size, device == "cuda"),
+        joining=joining_bytes(params, bool(avg.outer_momentum))[0],
+        joining_on_host=joining_bytes(params, bool(avg.outer_momentum))[1],
+        device_context=DEVICE_CONTEXT if device == "cuda" else 0,
+        bases=base_bytes(config, wire_delta),
     )
 
 
-def outer_state_on_host(config: RunConfig, device: torch.device) -> bool:
+def outer_state_on_host(config: RunConfig, device: torch.device, *, available: int | None = None) -> bool:
     """Whether the outer state goes to host memory: ``averaging.outer_state_device`` ``host``, or
-    ``auto`` on a CUDA device whose memory the device layout would not fit (90% of it)."""
+    ``auto`` on a CUDA device where the device layout would take more than 90% of the memory available
+    to this process: what is free now plus what its allocator already holds (``available`` replaces
+    that in tests). Not the card's total, which a card that drives displays, or that another process
+    shares, does not give us."""
     choice = config.averaging.outer_state_device
     if device.type != "cuda" or choice == "device":
         return False
     if choice == "host":
         return True
-    total = torch.cuda.get_device_properties(device).total_memory
+    if available is None:
+        available = available_device_bytes(device)
     estimate = estimate_peer(config, "cuda", eight_bit=adamw8bit_works(device))  # the trainer's choice
-    need = estimate.device_memory(config.train.activation_checkpointing)
-    return need > 0.9 * total
+    need = estimate.device_memory(config.train.activation_checkpointing) * (1 + ALLOCATOR_SLACK)
+    return need > 0.9 * available
+
+
+def available_device_bytes(device: torch.device) -> int:
+    """Device memory this process may still use: free on the card, plus what torch's allocator holds."""
+    free = int(torch.cuda.mem_get_info(device)[0])
+    return free + int(torch.cuda.memory_reserved(device))
 
 
 def exchange_reserve_bytes(config: RunConfig, device: torch.device) -> int:
@@ -353,6 +445,13 @@ def describe_estimate(estimate: PeerEstimate, checkpointing: bool = False) -> li
         f" + exchange buffers {b(e.exchange_buffers)}; host memory for the partners' frames"
         f" {b(e.exchange_frames)} (the state served to joiners is on disk: 2 bytes per parameter of"
         f" anchor and momentum each)",
+        f"  device beyond the tensors: allocator slack {ALLOCATOR_SLACK:.0%}"
+        f" + context {b(e.device_context)}; the card must hold {b(e.device_footprint(checkpointing))}"
+        f" ({b(e.device_footprint(checkpointing, host_state=True))} with the outer state in host memory)",
+        f"  host: program {b(e.program)} + pinned {b(e.pinned)} (the prefetched batches; the outer"
+        f" state is pageable) + shared bases {b(e.bases)} + the larger of the frames (with the outer"
+        f" state where it is there) and a joiner's download {b(e.joining)} (+ its anchor"
+        f" {b(e.joining_on_host)} with the outer state in host memory)",
         f"wire per sync per peer, each direction: {b(e.wire_per_sync)} ({_exchange_wire(e)})",
     ]
 
@@ -360,7 +459,9 @@ def describe_estimate(estimate: PeerEstimate, checkpointing: bool = False) -> li
 def _exchange_wire(e: PeerEstimate) -> str:
     per_round = f"{format_bytes(e.wire_delta)} per round, initiated or served"
     if e.anchor_pull == "model":
-        return f"the model {per_round}, which carries the anchors' gap too"
+        change = f"{format_bytes(e.wire_change)} per round, initiated or served, after its last step"
+        base = f"the base {format_bytes(e.wire_delta)} while it trains, about every other round"
+        return f"the model's change from the pair's base {change}; {base}"
     if e.anchor_pull == "folded":
         return f"pseudo-gradient {per_round}; anchors {format_bytes(e.wire_params)} in the same exchange"
     every = f"anchors {format_bytes(e.wire_params)} every {e.param_sync_every} own rounds"

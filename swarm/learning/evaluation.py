@@ -9,17 +9,21 @@ which compares runs with different tokenizers (a token covers several bytes).
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
 
 from swarm._tokenizer import Tokenizer
-from swarm.learning._precision import Precision
+from swarm.learning._precision import Precision, resolve_precision
 from swarm.learning.data import TokenSource
+
+logger = logging.getLogger(__name__)
 
 LN2 = math.log(2)
 
@@ -123,12 +127,12 @@ def evaluate(
 
     Each batch of windows runs ``micro_batch_size`` windows at a time (the training micro-batch: what
     fits in training fits here, with no activations kept for a backward pass), in ``precision``
-    (default: bf16 autocast on CUDA, none elsewhere), with the loss over the vocabulary in chunks
-    (:func:`chunked_cross_entropy`). A set ``stop`` raises :class:`Interrupted` before the next
-    micro-batch."""
+    (default: ``auto`` resolved for the model's device, as training resolves it), with the loss over
+    the vocabulary in chunks (:func:`chunked_cross_entropy`). A set ``stop`` raises
+    :class:`Interrupted` before the next micro-batch."""
     device = next(model.parameters()).device
     if precision is None:
-        precision = Precision("bf16" if device.type == "cuda" else "fp32")
+        precision = resolve_precision("auto", device)
     was_training = model.training
     model.eval()
     total, tokens = 0.0, 0
@@ -146,6 +150,36 @@ def evaluate(
     finally:
         model.train(was_training)
     return nats_to_bits(total / max(tokens, 1))
+
+
+def evaluate_fitting(
+    model: nn.Module,
+    eval_data: EvalSet,
+    batches: int = 8,
+    *,
+    micro_batch_size: int,
+    **options: Any,
+) -> float | None:
+    """:func:`evaluate`, halving ``micro_batch_size`` on out-of-memory; None (after a warning) when not
+    even one window fits: an evaluation that does not fit is skipped, never fatal. The allocator's
+    cache is emptied once each error is handled (its traceback held the activations until then)."""
+    from swarm.learning._micro_batch import is_oom, release_cached
+
+    device = next(model.parameters()).device
+    micro = max(1, micro_batch_size)
+    while True:
+        try:
+            return evaluate(model, eval_data, batches, micro_batch_size=micro, **options)
+        except RuntimeError as error:
+            if not is_oom(error):
+                raise
+            message = (str(error).splitlines() or [""])[0][:200]
+        release_cached(device)
+        if micro == 1:
+            logger.warning("out of memory evaluating one window at a time (%s): evaluation skipped", message)
+            return None
+        logger.warning("out of memory evaluating at a micro-batch of %d (%s): halving it", micro, message)
+        micro //= 2
 
 
 def unigram_bits(train: torch.Tensor, held_out: torch.Tensor, vocab_size: int = 256) -> float:

@@ -4,9 +4,11 @@
 :func:`fit_peer`. The layouts are the trainer's own choices
 (:func:`swarm.learning.estimate.outer_state_on_host`): the outer state (anchor, momentum, residuals,
 exchange buffers) on the device, or in host memory, with the config's activation checkpointing.
-``averaging.outer_state_device: auto`` takes the device layout when it needs at most
+``averaging.outer_state_device: auto`` takes the device layout when its footprint needs at most
 :data:`DEVICE_HEADROOM` of the device, else the host layout; ``device`` and ``host`` take theirs.
-Host memory is counted besides the program itself (Python, torch and the CUDA context, a few GiB).
+A layout fits when its footprint (the tensors, the allocator's slack and the CUDA context:
+:meth:`~swarm.learning.estimate.PeerEstimate.device_footprint`) fits the device and its host memory
+(the program, the page-locked batches, the state there, and a joiner's peak) fits the host.
 """
 
 from __future__ import annotations
@@ -18,8 +20,8 @@ from swarm.config import RunConfig
 from swarm.learning.estimate import PeerEstimate, format_bytes
 
 DEVICE_HEADROOM = 0.9
-"""The share of a device's memory a layout may need (the trainer's ``auto`` threshold): the rest is
-the allocator's fragmentation and the CUDA context."""
+"""The share of a device's memory that ``auto`` lets the device layout's footprint take (the trainer's
+threshold): the rest is left to what the estimate does not see (other processes, a display)."""
 
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 _SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
@@ -66,7 +68,7 @@ def layouts(estimate: PeerEstimate, checkpointing: bool, cpu: bool) -> list[Layo
     return [
         Layout(
             host,
-            estimate.device_memory(checkpointing, host_state=host),
+            estimate.device_footprint(checkpointing, host_state=host),
             estimate.host_memory(host_state=host),
         )
         for host in (False, True)
@@ -101,7 +103,7 @@ def _chosen(options: list[Layout], choice: str, device_bytes: int | None) -> Lay
 
 
 def _fits(layout: Layout, device_bytes: int | None, host_bytes: int | None) -> bool:
-    device_ok = device_bytes is None or layout.device_bytes <= DEVICE_HEADROOM * device_bytes
+    device_ok = device_bytes is None or layout.device_bytes <= device_bytes
     return device_ok and (host_bytes is None or layout.host_bytes <= host_bytes)
 
 
@@ -124,22 +126,35 @@ def _advice(
         and any(_fits(o, device_bytes, host_bytes) for o in layouts(estimate, checkpointing, cpu))
     ):
         advice.append(f"set averaging.outer_state_device: auto (not {choice}): the other layout fits")
-    if device_bytes is not None and layout.device_bytes > DEVICE_HEADROOM * device_bytes:
+    split = _split_advice(config)
+    if device_bytes is not None and layout.device_bytes > device_bytes:
         smallest = min(o.device_bytes for o in layouts(estimate, True, cpu))
         advice.append(
-            f"the device needs {format_bytes(layout.device_bytes)} in this layout, at most "
-            f"{DEVICE_HEADROOM:.0%} of {format_bytes(device_bytes)} may be used; the smallest layout needs "
-            f"{format_bytes(smallest)}: split the model over pipeline stages (docs/pipeline.md) or train a "
-            "smaller one"
+            f"the device must hold {format_bytes(layout.device_bytes)} in this layout (context and "
+            f"allocator slack included), {format_bytes(device_bytes)} given; the smallest layout needs "
+            f"{format_bytes(smallest)}: {split}"
         )
     if host_bytes is not None and layout.host_bytes > host_bytes:
-        outer = f"the outer state {format_bytes(estimate.outer)} and " if layout.host_state else ""
+        outer = f"the outer state {format_bytes(estimate.outer)}, " if layout.host_state else ""
         advice.append(
             f"host memory: {format_bytes(layout.host_bytes)} needed, {format_bytes(host_bytes)} given "
-            f"({outer}the partners' frames {format_bytes(estimate.exchange_frames)}): split the model "
-            "over pipeline stages (docs/pipeline.md), each stage peer holds its share"
+            f"(the program {format_bytes(estimate.program)}, {outer}the shared bases "
+            f"{format_bytes(estimate.bases)}, the partners' frames "
+            f"{format_bytes(estimate.exchange_frames)} or a joiner's download "
+            f"{format_bytes(estimate.joining)}): {split}"
         )
     return advice
+
+
+def _split_advice(config: RunConfig) -> str:
+    """What to do when no layout fits: pipeline stages, where the pipeline can split this model
+    (``model.kind: gpt``; swarm/pipeline/_plan.py refuses ``hf``), else a smaller model or more memory."""
+    if config.model.kind == "gpt":
+        return "split the model over pipeline stages (docs/pipeline.md), or train a smaller one"
+    return (
+        f"train a smaller model or use a machine with more memory (model.kind: {config.model.kind} "
+        "cannot be split over pipeline stages, which need model.kind: gpt)"
+    )
 
 
 def describe_fit(fit: Fit, device_bytes: int | None, host_bytes: int | None) -> list[str]:

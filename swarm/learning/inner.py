@@ -26,7 +26,7 @@ from torch import nn
 
 from swarm._device import describe_device
 from swarm.config import EmulationSection, TrainSection
-from swarm.learning._micro_batch import auto_micro_batch_size, is_oom
+from swarm.learning._micro_batch import OutOfDeviceMemory, auto_micro_batch_size, is_oom, release_cached
 from swarm.learning._optimizer import (
     make_inner_optimizer,
     optimizer_name,
@@ -34,6 +34,7 @@ from swarm.learning._optimizer import (
     parameter_groups,  # noqa: F401  # re-exported: the hivemind baseline and tests import it from here
 )
 from swarm.learning._precision import resolve_precision
+from swarm.learning._prefetch import Prefetcher
 from swarm.learning._throughput import (
     Throughput,
     flops_per_token,
@@ -48,6 +49,9 @@ logger = logging.getLogger(__name__)
 
 MIN_LR_RATIO = 0.1
 """The cosine schedule ends at this fraction of the peak learning rate."""
+MAX_UPDATE_OOMS = 3
+"""Optimizer steps in a row that may run out of memory (each skipped) before the step gives up:
+:class:`~swarm.learning._micro_batch.OutOfDeviceMemory`, for the peer to change its layout or stop."""
 
 
 def resolve_device(spec: str = "auto") -> torch.device:
@@ -180,6 +184,8 @@ class InnerTrainer:
         self.micro_batch_size = min(micro, train_cfg.batch_size)
         self.steps = 0
         self.oom_retries = 0
+        self.skipped_updates = 0
+        self._update_ooms = 0
         layers, hidden = model_dims(self.model)
         device_name = describe_device(str(device))[0]
         self.throughput = Throughput(
@@ -214,6 +220,7 @@ class InnerTrainer:
             "micro_batch_size": self.micro_batch_size,
             "compiled": self.cfg.compile,
             "oom_retries": self.oom_retries,
+            "skipped_updates": self.skipped_updates,
             "compute_tokens_per_second": self.throughput.tokens_per_s,
             "mfu": self.throughput.mfu,
             "peak_memory_bytes": peak_memory_bytes(self.device),
@@ -250,7 +257,7 @@ class InnerTrainer:
         if lr is not None:
             self.set_lr(lr)
         started = time.perf_counter()
-        x, y = next(batch_iter)
+        x, y = batch_iter.draw(stop) if isinstance(batch_iter, Prefetcher) else next(batch_iter)
         samples = len(x)
         compute_started = time.perf_counter()
         self.model.train()
@@ -261,11 +268,7 @@ class InnerTrainer:
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
         waited = getattr(self.optimizer, "communication_seconds", 0.0)
         with guard() if guard is not None else contextlib.nullcontext():
-            if self.scaler is not None:
-                self.scaler.step(self.optimizer)  # skipped when the scaled gradients overflowed
-                self.scaler.update()
-            else:
-                self.optimizer.step()
+            self._update()
             mean_loss = nats_to_bits(float(total_loss / samples))  # also waits for the device to finish
         waited = getattr(self.optimizer, "communication_seconds", 0.0) - waited
         compute = time.perf_counter() - compute_started - waited
@@ -284,32 +287,67 @@ class InnerTrainer:
             device_seconds=device,
         )
 
+    def _update(self) -> None:
+        """The optimizer's step. Out of memory in it (the 8-bit state made at the first step, a fused
+        kernel's workspace) skips this step's update, with the gradients dropped: the optimizer state
+        of a tensor the step did reach is updated, the others are not, the parameters move as far as
+        it got. :data:`MAX_UPDATE_OOMS` in a row raise :class:`OutOfDeviceMemory`."""
+        try:
+            if self.scaler is not None:
+                self.scaler.step(self.optimizer)  # skipped when the scaled gradients overflowed
+                self.scaler.update()
+            else:
+                self.optimizer.step()
+            self._update_ooms = 0
+            return
+        except RuntimeError as error:
+            if not is_oom(error):
+                raise
+            message = _first_line(error)
+        # outside the handler: its traceback no longer holds the step's temporaries
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.scaler is not None:
+            self.scaler.update()  # the unscaled gradients are gone: the scaler starts its next step afresh
+        release_cached(self.device)
+        self.skipped_updates += 1
+        self._update_ooms += 1
+        logger.warning("out of memory in the optimizer step (%s): this step's update is skipped", message)
+        if self._update_ooms >= MAX_UPDATE_OOMS:
+            raise OutOfDeviceMemory(
+                f"the optimizer step ran out of memory {self._update_ooms} times in a row on {self.device}"
+            )
+
     def _accumulate_retrying(
         self, x: torch.Tensor, y: torch.Tensor, stop: threading.Event | None
     ) -> torch.Tensor:
-        """:meth:`_accumulate`, halving the micro-batch and starting over on out-of-memory."""
+        """:meth:`_accumulate`, halving the micro-batch and starting over on out-of-memory; at a
+        micro-batch of 1 it raises :class:`OutOfDeviceMemory` (with nothing of the step kept)."""
         while True:
             self.optimizer.zero_grad(set_to_none=True)
             try:
                 return self._accumulate(x, y, stop)
             except RuntimeError as error:
-                if not is_oom(error) or self.micro_batch_size == 1:
+                if not is_oom(error):
                     raise
-                message = str(error)
+                message = _first_line(error)
             # outside the handler: the traceback, and the activations its frames hold, are gone
+            if self.micro_batch_size == 1:
+                self.optimizer.zero_grad(set_to_none=True)
+                release_cached(self.device)
+                where = f"a micro-batch of 1 sample on {self.device}"
+                raise OutOfDeviceMemory(f"out of memory at {where}: {message}")
             self._shrink(message)
 
     def _shrink(self, message: str) -> None:
         self.optimizer.zero_grad(set_to_none=True)
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
+        release_cached(self.device)
         old, self.micro_batch_size = self.micro_batch_size, self.micro_batch_size // 2
         if self.oom_retries == 0:
             logger.warning(
                 "out of memory at a micro-batch of %d (%s): retrying the step at %d, and halving again "
                 "whenever it recurs (logged once)",
                 old,
-                (message.splitlines() or [""])[0][:200],
+                message,
                 self.micro_batch_size,
             )
         else:
@@ -333,3 +371,8 @@ class InnerTrainer:
             (self.scaler.scale(weighted) if self.scaler is not None else weighted).backward()
             total_loss += loss.detach() * len(xs)
         return total_loss
+
+
+def _first_line(error: BaseException) -> str:
+    """The first line of an error's message (an allocator's runs on for lines), at most 200 characters."""
+    return (str(error).splitlines() or [""])[0][:200]

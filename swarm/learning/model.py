@@ -128,17 +128,22 @@ class HFCausalLM(nn.Module):
 
     @property
     def activation_checkpointing(self) -> bool:
-        return bool(getattr(self.inner, "is_gradient_checkpointing", False))
+        return bool(getattr(self.inner, _hf_name(self.inner, "is_{}_checkpointing"), False))
 
     @activation_checkpointing.setter
     def activation_checkpointing(self, enabled: bool) -> None:
-        if enabled:
-            self.inner.gradient_checkpointing_enable()
-        else:
-            self.inner.gradient_checkpointing_disable()
+        pattern = "{}_checkpointing_enable" if enabled else "{}_checkpointing_disable"
+        getattr(self.inner, _hf_name(self.inner, pattern))()
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.inner(input_ids=idx, use_cache=False).logits
+
+
+def _hf_name(model: nn.Module, pattern: str) -> str:
+    """transformers' name for a checkpointing method: ``activation_...`` where it has it (its
+    ``gradient_...`` names are deprecated and go in v6), ``gradient_...`` in older releases."""
+    new = pattern.format("activation")
+    return new if hasattr(type(model), new) else pattern.format("gradient")
 
 
 def _transformers() -> Any:

@@ -26,8 +26,10 @@ class OuterOptimizer:
     """SGD with (Nesterov) momentum applied to averaged pseudo-gradients, anchored at round start.
 
     The anchor and the momentum are float32 and live on ``state_device`` (default: next to each
-    parameter); putting them on the CPU (page-locked when the model is on a GPU) saves accelerator
-    memory at the price of copies per round (``averaging.outer_state_device``).
+    parameter); putting them on the CPU saves accelerator memory at the price of copies per round
+    (``averaging.outer_state_device``). They are ordinary (pageable) host memory: torch's caching host
+    allocator rounds every page-locked block up to a power of two and keeps the
+    blocks cached for good, and the copies per round start from new pageable tensors anyway.
     """
 
     def __init__(
@@ -60,17 +62,34 @@ class OuterOptimizer:
 
     @torch.no_grad()
     def reset_anchor(self) -> None:
-        """Take the model's current parameters as the anchor (at start, and after loading new state)."""
-        self.anchor = {name: self._state_copy(param) for name, param in self._params.items()}
+        """Take the model's current parameters as the anchor (at start, and after loading new state).
 
-    def _state_copy(self, tensor: torch.Tensor) -> torch.Tensor:
-        """A float32 copy on the state device; in page-locked host memory when the parameter is on a GPU
-        and the state on the host, so that copies between them go by DMA without a staging buffer."""
-        device = self._device_of(tensor)
-        if device.type == "cpu" and tensor.device.type == "cuda":
-            out = torch.empty(tensor.shape, dtype=torch.float32, pin_memory=True)
-            return out.copy_(tensor.detach())
-        return tensor.detach().to(device, torch.float32, copy=True)
+        An anchor tensor that is already float32 of the parameter's shape on the state device is
+        overwritten in place; any other is freed before its replacement is made, so that a joiner never
+        holds the old and the new anchor at once."""
+        for name, param in self._params.items():
+            old = self.anchor.get(name)
+            device = self._device_of(param)
+            if old is not None and (old.shape, old.dtype, old.device) == (param.shape, torch.float32, device):
+                old.copy_(param.detach())
+                continue
+            self.anchor.pop(name, None)
+            del old
+            self.anchor[name] = param.detach().to(device, torch.float32, copy=True)
+
+    @property
+    def state_device(self) -> torch.device | None:
+        """Where the anchor and the momentum live (None: next to each parameter)."""
+        return self._state_device
+
+    @torch.no_grad()
+    def move_state(self, device: torch.device | str) -> None:
+        """Move the anchor and the momentum to ``device`` (host memory, when the device ran out), one
+        tensor at a time: each device tensor is freed as its copy is made."""
+        self._state_device = torch.device(device)
+        for state in (self.anchor, self.momentum_buffers):
+            for name in list(state):
+                state[name] = state[name].to(self._state_device, torch.float32)
 
     @torch.no_grad()
     def restore(self) -> bool:

@@ -107,14 +107,12 @@ def shareable_dump(config: RunConfig) -> dict[str, Any]:
     """A JSON-mode dump of ``config`` without its per-peer keys (:data:`~swarm.config.PER_PEER_KEYS`).
 
     Loading it gives those keys their defaults, so a joiner keeps its own values (environment,
-    ``--set``) for them, and the hash is the same: none of them is in it.
+    ``--set``) for them, and the hash is the same: none of them is in it. Every other key is published
+    as written, ``pipeline.num_stages: auto`` included: the hash covers ``auto`` (with the swarm-wide
+    ``pipeline.memory_budget_gb`` each peer resolves it from), so the published YAML must say ``auto``
+    too, or its hash would not match it and every joiner would drop it.
     """
-    dump = config.model_dump(mode="json")
-    if dump["pipeline"]["num_stages"] == "auto":  # it resolves from a per-peer key: publish the result
-        from swarm.pipeline import resolve_num_stages
-
-        dump["pipeline"]["num_stages"] = resolve_num_stages(config)
-    return swarm_view(dump, PER_PEER_KEYS)
+    return swarm_view(config.model_dump(mode="json"), PER_PEER_KEYS)
 
 
 def shareable_yaml(config: RunConfig) -> str:
@@ -138,16 +136,21 @@ def parse_config_text(text: str) -> RunConfig:
         return load_config(path, env={})
 
 
+def run_config_record(config: RunConfig) -> RunConfigRecord:
+    """The record :func:`publish_run_config` stores for ``config``: its shareable YAML and its hash,
+    which a joiner recomputes from that YAML (:func:`read_run_config_record`)."""
+    text = shareable_yaml(config)
+    if len(text.encode("utf-8")) > MAX_CONFIG_BYTES:
+        raise ValueError(f"the run config is larger than {MAX_CONFIG_BYTES} bytes as YAML")
+    return RunConfigRecord(yaml=text, config_hash=config.config_hash(), published_at=get_dht_time())
+
+
 def publish_run_config(
     dht: hivemind.DHT, run_id: str, config: RunConfig, signer: RSASignatureValidator, ttl_s: float
 ) -> bool:
     """Store ``config`` (and the run announcement) signed by ``signer``; True if a node accepted it."""
-    text = shareable_yaml(config)
-    if len(text.encode("utf-8")) > MAX_CONFIG_BYTES:
-        raise ValueError(f"the run config is larger than {MAX_CONFIG_BYTES} bytes as YAML")
-    config_hash = config.config_hash()
-    record = RunConfigRecord(yaml=text, config_hash=config_hash, published_at=get_dht_time())
-    announcement = RunAnnouncement(run_id=run_id, config_hash=config_hash)
+    record = run_config_record(config)
+    announcement = RunAnnouncement(run_id=run_id, config_hash=record.config_hash)
     expiration = get_dht_time() + ttl_s
     subkey = signer.local_public_key
     stored = dht.store(run_config_key(run_id), record.dict(), expiration, subkey=subkey)
@@ -216,7 +219,9 @@ def _signed_by(records: dict, publishers: Sequence[str]) -> Iterator[tuple[str, 
             yield publisher, by_signer[publisher]
 
 
-def _validated(run_id: str, publisher: str, value: object) -> PublishedConfig | None:
+def read_run_config_record(run_id: str, publisher: str, value: object) -> PublishedConfig | None:
+    """A published record (untrusted: any value) as a joiner takes it, or None (logged) when it is not
+    a record, its YAML is not a valid config, or that config's hash is not the announced one."""
     try:
         record = RunConfigRecord.parse_obj(value)
         config = parse_config_text(record.yaml)
@@ -236,7 +241,7 @@ def _published_by(
     """Valid configs of ``run_id`` signed by ``publishers``, in their order, each parsed when reached."""
     records = _get(dht, run_config_key(run_id), timeout_s) if publishers else {}
     for publisher, value in _signed_by(records, publishers):
-        published = _validated(run_id, publisher, value)
+        published = read_run_config_record(run_id, publisher, value)
         if published is not None:
             yield published
 

@@ -6,6 +6,7 @@ warnings), and a JSON-lines history of snapshots. Sinks (table, JSON, Prometheus
 from swarm.metrics._history import HistoryWriter, read_history
 from swarm.metrics._peer import PeerView, connectivity_of
 from swarm.metrics._policy import DEFAULT_MAX_DRIFT
+from swarm.metrics._run import RunChange, RunWatch, peer_name
 from swarm.metrics._snapshot import (
     SCHEMA_VERSION,
     SnapshotPolicy,
@@ -21,6 +22,8 @@ __all__ = [
     "SCHEMA_VERSION",
     "HistoryWriter",
     "PeerView",
+    "RunChange",
+    "RunWatch",
     "SnapshotPolicy",
     "StageView",
     "SwarmSnapshot",
@@ -28,5 +31,6 @@ __all__ = [
     "SwarmWarning",
     "build_snapshot",
     "connectivity_of",
+    "peer_name",
     "read_history",
 ]

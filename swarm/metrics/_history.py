@@ -9,13 +9,21 @@ import json
 import logging
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
-from swarm.membership import Member
 from swarm.metrics._policy import SnapshotPolicy
 from swarm.metrics._snapshot import SwarmSnapshot, build_snapshot
 
 logger = logging.getLogger(__name__)
+
+
+class _OwnRecord(NamedTuple):
+    """A peer's own record as a member (what :func:`build_snapshot` reads; swarm.membership's
+    ``Member`` would import hivemind, and with it torch, into every `swarm` command)."""
+
+    peer_id: str
+    record: Any
+    expires_at: float
 
 
 class HistoryWriter:
@@ -43,7 +51,7 @@ class HistoryWriter:
         """
         if self.policy is None:
             raise ValueError("HistoryWriter.append_record needs a SnapshotPolicy")
-        own = Member(record.peer_id, record, now + self.policy.record_ttl_s)
+        own = _OwnRecord(record.peer_id, record, now + self.policy.record_ttl_s)
         snapshot = build_snapshot([own], self._previous, now, self.policy)
         self._previous = snapshot
         self.append(snapshot)

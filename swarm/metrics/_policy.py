@@ -25,3 +25,7 @@ class SnapshotPolicy:
     max_drift: float = DEFAULT_MAX_DRIFT
     clock_skew_tolerance_s: float = 5.0
     target_samples: int | None = None
+    trusted_peers: frozenset[str] = frozenset()
+    """Peer ids whose ``bootstrap`` record's counters are the run's totals (the initial peers the user
+    named): a bootstrap keeps counting the samples of trainers that left, so a monitor started after
+    they left still shows what the run trained. Any other record claiming to be a bootstrap adds nothing."""

@@ -53,6 +53,9 @@ class SwarmTotals:
     """The same per byte of text (equal to ``eval_loss_mean`` for byte-level data)."""
     loss_unit: str = "bits/byte"
     """The unit of the losses above: the one most active peers report; peers in another are left out."""
+    run_state: str = "waiting"
+    """``training`` (a trainer is active), ``finished`` (none is, and samples were trained, or the
+    target is reached) or ``waiting`` (nothing trained yet)."""
 
 
 @dataclass(frozen=True)
@@ -98,13 +101,13 @@ def build_snapshot(
         prior = before.get(member.peer_id)
         view, reset_samples = observe(member, prior, now, policy)
         views[view.peer_id] = view
-        retired += reset_samples if prior is not None and prior.compatible else 0
+        retired += reset_samples if prior is not None and _counts(prior) else 0
     for peer_id, prior in before.items():
         if peer_id in views:
             continue
         if now - prior.last_seen <= policy.stale_after_s:
             views[peer_id] = vanished(prior)
-        elif prior.compatible:
+        elif _counts(prior):
             retired += prior.samples_total
     reference = reference_config_hash([v for v in views.values() if v.present], policy.config_hash)
     peers = tuple(sorted((_judge(v, reference, now, policy) for v in views.values()), key=_order))
@@ -113,11 +116,17 @@ def build_snapshot(
         run_id=policy.run_id,
         reference_config_hash=reference,
         peers=peers,
-        totals=_totals(peers, retired, policy.target_samples),
+        totals=_totals(peers, retired, policy.target_samples, _trusted_total(peers, policy)),
         warnings=tuple(_warnings(peers, reference, now, policy)),
         retired_samples=retired,
         stages=stage_views(peers),
     )
+
+
+def _counts(view: PeerView) -> bool:
+    """Whether a peer's samples add to the total: a compatible trainer's do; a bootstrap trains none
+    (its record's counters are the run's totals, see :func:`_trusted_total`)."""
+    return view.compatible and view.role != "bootstrap"
 
 
 def reference_config_hash(peers: Sequence[PeerView], own_hash: str) -> str:
@@ -156,7 +165,24 @@ def _order(view: PeerView) -> tuple:
     return (view.role != "bootstrap", view.public_name, view.peer_id)
 
 
-def _totals(peers: Sequence[PeerView], retired: int, target: int | None) -> SwarmTotals:
+def _trusted_total(peers: Sequence[PeerView], policy: SnapshotPolicy) -> int:
+    """The run's samples as counted by a trusted bootstrap (0 without one): a floor for the total."""
+    trusted = [
+        p for p in peers if p.role == "bootstrap" and p.compatible and p.peer_id in policy.trusted_peers
+    ]
+    return max((p.samples_total for p in trusted), default=0)
+
+
+def _run_state(trainers: int, samples_total: int, progress: float | None) -> str:
+    if progress is not None and progress >= 1.0:
+        return "finished"
+    if trainers:
+        return "training"
+    return "finished" if samples_total else "waiting"
+
+
+def _totals(peers: Sequence[PeerView], retired: int, target: int | None, floor: int = 0) -> SwarmTotals:
+    """``floor``: the run's total as a trusted bootstrap counts it (trainers that left included)."""
     compatible = [p for p in peers if p.compatible]
     active = [p for p in compatible if p.active]
     unit = _loss_unit_of(active)
@@ -164,15 +190,18 @@ def _totals(peers: Sequence[PeerView], retired: int, target: int | None) -> Swar
     losses = [p.loss for p in scored if p.loss is not None]
     eval_losses = [p.eval_loss for p in scored if p.eval_loss is not None]
     samples_per_s = sum(p.samples_per_s for p in active)
-    samples_total = retired + sum(p.samples_total for p in compatible)
+    counted = retired + sum(p.samples_total for p in compatible if p.role != "bootstrap")
+    samples_total = max(counted, floor)
     progress = eta = None
     if target:
         progress = min(1.0, samples_total / target)
         remaining = max(0, target - samples_total)
         eta = 0.0 if remaining == 0 else (round(remaining / samples_per_s, 1) if samples_per_s > 0 else None)
+    trainers = sum(p.role != "bootstrap" for p in active)
     return SwarmTotals(
+        run_state=_run_state(trainers, samples_total, progress),
         peers=sum(p.present for p in peers),
-        trainers=sum(p.role != "bootstrap" for p in active),
+        trainers=trainers,
         stale=sum(p.state == "stale" for p in peers),
         incompatible=len(peers) - len(compatible),
         samples_per_s=round(samples_per_s, 3),

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     )
     from swarm.network._reachability import ANNOUNCED_LOOKUP_TIMEOUT_S, ReachabilityChecker
     from swarm.network._reachability_ask import ReachabilityResult, ReachabilityStatus, check_reachability
+    from swarm.network._startup import start_shm_manager_first
     from swarm.network._swarm_key import SwarmKey, SwarmKeyError, load_swarm_key, write_new_key
 
 _EXPORTS = {
@@ -53,6 +54,7 @@ _EXPORTS = {
     "ReachabilityResult": "_reachability_ask",
     "ReachabilityStatus": "_reachability_ask",
     "check_reachability": "_reachability_ask",
+    "start_shm_manager_first": "_startup",
     "SwarmKey": "_swarm_key",
     "SwarmKeyError": "_swarm_key",
     "load_swarm_key": "_swarm_key",
@@ -84,6 +86,7 @@ __all__ = [
     "peer_id_of_identity",
     "rejoin_initial_peers",
     "start_dht",
+    "start_shm_manager_first",
     "write_new_key",
 ]
 

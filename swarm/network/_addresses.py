@@ -8,6 +8,7 @@ and raise :class:`AddressError` quoting the offending text.
 from __future__ import annotations
 
 import ipaddress
+import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -32,11 +33,32 @@ def parse_maddr(text: str, *, what: str = "address", require_peer_id: bool = Fal
     try:
         maddr = Multiaddr(text.strip())
     except Exception as exc:  # py-multiaddr raises several unrelated types for bad input
-        raise AddressError(f"malformed {what} {text!r}: {exc}") from None
+        hint = _multiaddr_hint(text.strip(), require_peer_id)
+        raise AddressError(f"malformed {what} {text!r}: {exc}{hint}") from None
     has_peer_id = "p2p" in {proto.name for proto in maddr.protocols()}
     if require_peer_id and not has_peer_id:
         raise AddressError(f"{what} {text!r} has no /p2p/<peer id> part; copy the full address it printed")
     return maddr
+
+
+_HOST_PORT = re.compile(
+    r"^(?:[a-z][a-z0-9+.-]*://)?\[?(?P<host>[^/\s\[\]]+?)\]?:(?P<port>\d{1,5})(?P<peer>/p2p/\S+)?/?$",
+    re.IGNORECASE,
+)
+
+
+def _multiaddr_hint(text: str, require_peer_id: bool) -> str:
+    """For a ``host:port`` (or ``tcp://host:port``) address, the multiaddr form it was meant as."""
+    match = _HOST_PORT.match(text)
+    if match is None:
+        return ""
+    host, port = match.group("host"), match.group("port")
+    try:
+        protocol = f"ip{ipaddress.ip_address(host).version}"
+    except ValueError:
+        protocol = "dns"
+    peer = match.group("peer") or ("/p2p/<peer id>" if require_peer_id else "")
+    return f"; addresses are multiaddrs: write it as /{protocol}/{host}/tcp/{port}{peer}"
 
 
 def parse_maddrs(texts: Iterable[str], *, what: str, require_peer_id: bool = False) -> list[Multiaddr]:

@@ -8,6 +8,7 @@ import functools
 import logging
 import os
 import signal
+import socket
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -25,6 +26,7 @@ from swarm._errors import SwarmError
 from swarm.network._addresses import expand_listen_options, parse_maddrs
 from swarm.network._dht_auth import SharedKeyAuthorizer
 from swarm.network._identity import ensure_identity, ephemeral_identity
+from swarm.network._startup import shm_manager_first
 from swarm.network._swarm_key import SwarmKey, load_swarm_key
 
 logger = logging.getLogger(__name__)
@@ -133,9 +135,25 @@ class _OwnedDHT(hivemind.DHT):
 
     def run(self) -> None:
         owner_pid = os.getppid()
+        _leave_terminal_group()
         signal.signal(signal.SIGTERM, lambda signum, frame: _stop_worker(0))
         threading.Thread(target=_watch_owner, args=(owner_pid,), name="dht-owner-watch", daemon=True).start()
         super().run()
+
+
+def _leave_terminal_group() -> None:
+    """Take this worker (and the ``p2pd`` it is about to start) out of its owner's process group.
+
+    A terminal's Ctrl+C signals the whole foreground process group. The daemon, reached directly, died
+    at once (go-libp2p logged ``[ERROR] ... use of closed network connection``); the worker's event loop
+    then waited on it, and hivemind's ``DHT.shutdown`` gave up after its 3 s grace period
+    (``[WARN] DHT did not shut down within the grace period``). Out of the group, only the owner gets
+    the signal, and it shuts the worker and its daemon down in order. A dead owner is still noticed
+    (:func:`_watch_owner`); the session stays the owner's, so session-wide cleanups still find both.
+    """
+    with contextlib.suppress(OSError):
+        os.setpgid(0, 0)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # any SIGINT that still lands here: the owner decides
 
 
 def _watch_owner(owner_pid: int, period_s: float = 1.0) -> None:
@@ -157,6 +175,24 @@ def _stop_worker(status: int) -> None:
     os._exit(status)
 
 
+def _start_shared_memory_manager() -> None:
+    """Have torch start its ``torch_shm_manager`` now, with SIGINT and SIGTERM blocked.
+
+    hivemind shares its futures' state through torch's ``file_system`` memory sharing, whose first use
+    starts that helper process (creating the DHT does). It is started in our process group, and for a
+    moment, before it detaches, a terminal's Ctrl+C killed it too: torch then waited for it forever
+    (or failed with "error executing torch_shm_manager"). Started from here it inherits the blocked
+    mask, so the signal waits in it until it has detached; ours is handled once the mask is restored.
+    """
+    import torch
+
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    try:
+        torch.empty(1, dtype=torch.uint8).share_memory_()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
 def start_dht(
     options: NetworkOptions,
     identity_path: str | os.PathLike,
@@ -176,6 +212,8 @@ def start_dht(
     if options.swarm_key is not None:
         logger.info("private swarm: DHT RPCs authenticated with swarm key %s", options.swarm_key.fingerprint)
     logger.debug("starting DHT with initial peers %s and %s", options.initial_peers, kwargs)
+    if shm_manager_first():
+        _start_shared_memory_manager()
     dht = _OwnedDHT(
         initial_peers=options.initial_peers or None,
         start=False,
@@ -198,8 +236,29 @@ def _explain_start_failure(options: NetworkOptions, exc: BaseException) -> str:
     text = str(exc) or type(exc).__name__
     if options.initial_peers:
         peers = ", ".join(options.initial_peers)
+        live = [address for address in options.initial_peers if _something_listens(address)]
+        if live:  # the address answers, so the peer there is not the one named
+            return (
+                f"could not join the swarm through {peers}: {text}; something listens at "
+                f"{', '.join(live)} but it is not that peer: check the /p2p/<peer id> part (copy the "
+                "whole address the bootstrap printed)"
+            )
         return f"could not join the swarm through {peers}: {text} (is that peer running and reachable?)"
     return f"could not start the p2p network on {', '.join(options.host_maddrs)}: {text}"
+
+
+def _something_listens(address: str, timeout_s: float = 2.0) -> bool:
+    """Whether a plain TCP connection to ``address``'s ``/ip4|ip6|dns/.../tcp/PORT`` part succeeds."""
+    from multiaddr import Multiaddr
+
+    try:
+        parts = dict(Multiaddr(address).items())
+        host = next(str(parts[k]) for k in parts if k.name in ("ip4", "ip6", "dns", "dns4", "dns6"))
+        port = int(next(str(v) for k, v in parts.items() if k.name == "tcp"))
+        with socket.create_connection((host, port), timeout=timeout_s):
+            return True
+    except (OSError, ValueError, StopIteration):
+        return False
 
 
 def rejoin_initial_peers(

@@ -11,9 +11,12 @@ docs/state-sync.md.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
+import time
 from collections.abc import Callable, Collection, Iterable, Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from swarm._periodic import PeriodicTask
@@ -68,6 +71,47 @@ def choose_donors(
     return [(m.peer_id, m.record.state_hash) for m in usable]
 
 
+@dataclass(frozen=True)
+class MirrorStatus:
+    """What a :class:`StateMirror` holds now, and why it took nothing new at its last refresh.
+
+    ``donors``: how many distinct trainer states the kept copy is the median of (0: loaded from
+    ``state_dir``). ``live_trainers`` and ``distinct_states``: what the last refresh saw. ``reason``:
+    why that refresh kept what it had ("" when it took a new state, or before the first refresh)."""
+
+    holding: bool
+    round: int = 0
+    step: int = 0
+    samples_total: int = 0
+    donors: int = 0
+    taken_at: float = 0.0
+    refreshes: int = 0
+    live_trainers: int = 0
+    distinct_states: int = 0
+    min_donors: int = MIN_DONORS
+    reason: str = ""
+
+    def describe(self, now: float | None = None) -> str:
+        """One line for a person: what is served (from how many donors, at what step), or why nothing."""
+        now = time.time() if now is None else now
+        if not self.holding:
+            return f"holds no state yet: {self.reason or 'no refresh has run yet'}"
+        source = f"the median of {self.donors} trainer state(s)" if self.donors else "the state saved on disk"
+        text = (
+            f"serving step {self.step} (round {self.round}, {self.samples_total} samples), "
+            f"{source}, taken {max(0.0, now - self.taken_at):.0f}s ago"
+        )
+        return f"{text}; kept at the last refresh: {self.reason}" if self.reason else text
+
+
+def _too_few(live: int, distinct: int, min_donors: int) -> str:
+    if live == 0:
+        return f"no trainer is live (it needs {min_donors} distinct trainer states)"
+    if live < min_donors:
+        return f"fewer than {min_donors} trainers live: {live}"
+    return f"fewer than {min_donors} distinct new trainer states: {distinct} (from {live} trainers live)"
+
+
 class StateMirror:
     """A bootstrap's copy of the swarm's latest state, refreshed from live trainers and served to joiners.
 
@@ -104,6 +148,7 @@ class StateMirror:
         self._snapshot: StateSnapshot | None = None
         self._behind: set[str] = set()  # digests of states with less progress than ours: not fetched again
         self._refused = 0  # refreshes in a row that were behind the kept state
+        self._status = MirrorStatus(holding=False, min_donors=min_donors)
         self._server = server if server is not None else StateServer(node.dht, node.info.run_id)
         self._task = PeriodicTask(self._refresh_logged, interval_s, name="state-mirror")
 
@@ -118,6 +163,23 @@ class StateMirror:
         with self._lock:
             return self._snapshot
 
+    @property
+    def status(self) -> MirrorStatus:
+        """What is held now and what the last refresh saw (see :class:`MirrorStatus`)."""
+        with self._lock:
+            return self._status
+
+    def _note(self, reason: str, live: int, distinct: int) -> None:
+        """Record the outcome of a refresh (``reason`` "" when a new state was taken)."""
+        with self._lock:
+            self._status = dataclasses.replace(
+                self._status,
+                refreshes=self._status.refreshes + 1,
+                live_trainers=live,
+                distinct_states=distinct,
+                reason=reason,
+            )
+
     def start(self) -> None:
         """Serve the saved copy (if any), then fetch once now and every ``interval_s`` in a thread."""
         if self._state_dir is not None:
@@ -129,16 +191,27 @@ class StateMirror:
         ours changed."""
         own = self.digest
         members = self._node.members()
+        live = sum(m.record.role == "trainer" and m.peer_id != self._node.peer_id for m in members)
         donors = [d for d in choose_donors(members, self._node.peer_id, roles=("trainer",)) if d[1] != own]
         digests = {digest for _, digest in donors}
         if len(digests) < self._min_donors or digests <= self._behind:
             logger.debug("%d new distinct trainer state(s): keeping the copy", len(digests))
+            if len(digests) < self._min_donors:
+                reason = _too_few(live, len(digests), self._min_donors)
+            else:
+                reason = "the trainers' states are behind the kept one"
+            self._note(reason, live, len(digests))
             return False
         if not self._server.can_publish():  # the state it replaced is still named by our record
             logger.debug("the replaced state is still served: keeping the copy for now")
+            self._note("the state it replaced is still being served", live, len(digests))
             return False
         options = {**self._options, "run_id": self._node.info.run_id, "min_donors": self._min_donors}
-        snapshot = self._download(self._node.dht, donors, **options)
+        try:
+            snapshot = self._download(self._node.dht, donors, **options)
+        except (StateTransferError, ValueError, OSError) as exc:
+            self._note(f"the download failed: {exc}", live, len(digests))
+            raise
         samples = progress_of(snapshot.meta)["samples_total"]
         kept = self.snapshot
         if kept is not None and samples < progress_of(kept.meta)["samples_total"]:
@@ -146,10 +219,12 @@ class StateMirror:
             if self._refused < MAX_REFUSED:
                 logger.info("not replacing the kept state by one with less progress (%d samples)", samples)
                 self._behind |= digests
+                self._note(f"the trainers' state has less progress ({samples} samples)", live, len(digests))
                 return False
             logger.warning("the trainers' state was behind the kept one %d times: taking it", self._refused)
         self._refused = 0
-        self._publish(snapshot)
+        self._publish(snapshot, donors=len(set(snapshot.sources)) or len(digests))
+        self._note("", live, len(digests))
         if self._state_dir is not None:
             state = {"tensors": snapshot.tensors, "meta": snapshot.meta, "config_hash": self._config_hash}
             save_checkpoint(self._state_dir, state, samples, keep=2)
@@ -161,10 +236,20 @@ class StateMirror:
         except (StateTransferError, ValueError, OSError) as exc:
             logger.warning("could not refresh the kept state: %s", exc)
 
-    def _publish(self, snapshot: StateSnapshot) -> None:
+    def _publish(self, snapshot: StateSnapshot, donors: int) -> None:
         self._server.publish(snapshot)
+        progress = progress_of(snapshot.meta)
         with self._lock:
             self._snapshot = snapshot
+            self._status = dataclasses.replace(
+                self._status,
+                holding=True,
+                round=progress["round"],
+                step=progress["step"],
+                samples_total=progress["samples_total"],
+                donors=donors,
+                taken_at=time.time(),
+            )
         self._node.announce_now()
         if self._on_update is not None:
             self._on_update(snapshot)
@@ -184,7 +269,7 @@ class StateMirror:
         except (KeyError, TypeError, ValueError, AttributeError, StateTransferError) as exc:
             logger.warning("ignoring the saved state %s: %s", path, exc)
             return
-        self._publish(snapshot)
+        self._publish(snapshot, donors=0)
         logger.info("serving the state saved in %s", path)
 
     def close(self) -> None:

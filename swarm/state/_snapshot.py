@@ -67,7 +67,8 @@ def canonical_frames(tensors: Mapping[str, torch.Tensor], chunk_bytes: int) -> I
 
 def wire_precision(tensor: torch.Tensor) -> torch.Tensor:
     """A float32 CPU copy of ``tensor`` with each value rounded to bf16: what a joiner receives."""
-    return tensor.detach().to(torch.bfloat16).to("cpu", torch.float32, copy=True).contiguous()
+    # cast on the CPU: an MPS device without bfloat16 (macOS 13) cannot
+    return tensor.detach().to("cpu", torch.float32).to(torch.bfloat16).float().contiguous()
 
 
 @dataclass(frozen=True)

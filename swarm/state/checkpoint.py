@@ -14,7 +14,11 @@ payload to ``torch.load(weights_only=True)``, which only rebuilds tensors and pl
 never runs pickled code.
 
 The state is a plain dict; peers store ``model``, ``inner_optimizer``, ``outer_optimizer``,
-``progress`` and ``config_hash`` in it, and a checkpoint of another config hash is refused.
+``progress``, ``config_hash`` and ``config`` (the resolved run config as YAML text, so that the
+checkpoint alone rebuilds its model; older checkpoints lack it) in it, and a checkpoint of another
+config hash is refused.
+
+A directory is written by one live peer at a time: :class:`DirectoryLock` (``_lock.py``).
 """
 
 from __future__ import annotations
@@ -31,6 +35,23 @@ from typing import Any
 import torch
 
 from swarm._errors import SwarmError
+from swarm.state._lock import LOCK_FILE, DirectoryLock, DirectoryLockedError
+
+__all__ = [
+    "CONFIG_KEY",
+    "FORMAT_VERSION",
+    "LOCK_FILE",
+    "MAX_STEP",
+    "CheckpointError",
+    "DirectoryLock",
+    "DirectoryLockedError",
+    "checkpoint_path",
+    "list_checkpoints",
+    "load_latest_checkpoint",
+    "read_checkpoint",
+    "remove_stale_temporaries",
+    "save_checkpoint",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +59,8 @@ MAGIC = b"SWARMCKP"
 FORMAT_VERSION = 1
 _HEADER = struct.Struct("<8sIQ32s")
 HEADER_SIZE = _HEADER.size
+CONFIG_KEY = "config"
+"""The key of the resolved run config (YAML text) in a trainer's checkpoint state."""
 MAX_STEP = 10**18 - 1
 """The largest step a checkpoint is named by (18 digits). Names are zero-padded to 12 digits and
 listed with up to 18, so every file the writer can produce is listed, and so pruned."""

@@ -15,6 +15,7 @@ from swarm.trainer._backend import (
     RoundResult,
     RoundRole,
 )
+from swarm.trainer._checkpoints import AUTO, checkpoint_dir_of, claim_checkpoint_dir, config_yaml
 from swarm.trainer._core import PeerCore
 from swarm.trainer._factory import make_backend
 from swarm.trainer._ledger import SwarmLedger
@@ -25,6 +26,7 @@ from swarm.trainer._report import SyncReport
 from swarm.trainer._rollback import roll_back
 
 __all__ = [
+    "AUTO",
     "PHASES",
     "AveragingBackend",
     "BackendContext",
@@ -39,6 +41,9 @@ __all__ = [
     "SwarmLedger",
     "SyncReport",
     "TrainingPeer",
+    "checkpoint_dir_of",
+    "claim_checkpoint_dir",
+    "config_yaml",
     "make_backend",
     "roll_back",
 ]

@@ -237,12 +237,13 @@ class PeerCore:
     def summary(self) -> dict[str, Any]:
         """Final numbers of this peer but its held-out evaluation (:meth:`final_evaluation`); read them
         before :meth:`close`. Wire bytes are what this peer sent for averaging (both roles, every
-        exchange kind), per round and parameter; an exchange's are one pseudo-gradient exchange's (or,
-        for the hivemind baseline, one averaging round's), per parameter and direction."""
+        exchange kind), per round and parameter; an exchange's are the round exchange's (a model
+        exchange with the base pushes before it; for the hivemind baseline, one averaging round's), per
+        parameter and direction."""
         progress = self.progress
         metrics = self.exchange_metrics()
         details = self._backend_details()
-        exchanges = details.get("pseudo_gradient_metrics", metrics)
+        exchanges = details.get("exchange_metrics", metrics)
         n_params = max(self.n_params, 1)
         return {
             "peer_id": self.node.peer_id,
@@ -253,6 +254,10 @@ class PeerCore:
             "tokens_per_second": progress.samples_per_s * self.config.model.block_size,
             "wire_bytes_per_param_per_sync": metrics.bytes_sent / max(progress.round, 1) / n_params,
             "exchange_bytes_per_param": exchanges.bytes_sent / max(exchanges.exchanges_ok, 1) / n_params,
+            # of those, what left after a round's last inner step (the rest, base pushes, overlapped it)
+            "waiting_bytes_per_param": (exchanges.bytes_sent - exchanges.base_bytes_sent)
+            / max(exchanges.exchanges_ok, 1)
+            / n_params,
             "wire_bytes_sent": metrics.bytes_sent,
             "wire_bytes_total": metrics.bytes_sent + metrics.bytes_received,
             "device_seconds": progress.device_seconds,
@@ -270,6 +275,9 @@ class PeerCore:
             "exchanges_ok": metrics.exchanges_ok,
             "exchanges_clipped": metrics.exchanges_clipped,
             "exchanges_suspect": metrics.exchanges_suspect,
+            # exchanges sent relative to a base the pair shared, and bases we pushed (swarm/gossip/_bases.py)
+            "exchanges_relative": metrics.exchanges_relative,
+            "bases_pushed": metrics.bases_pushed,
             # exchanges that did not commit in this process, {role: {cause: count}} (swarm/gossip/_metrics.py)
             "exchanges_failed_by_cause": FAILURES.snapshot(),
             # partners the pseudo-gradient averager holds bans against, and their strike counts

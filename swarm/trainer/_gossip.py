@@ -33,14 +33,7 @@ from typing import Any, cast
 import torch
 
 from swarm._device import map_large_allocations
-from swarm.gossip import (
-    ExchangeMetrics,
-    GossipAverager,
-    PartnerInfo,
-    SyncOutcome,
-    consensus_order,
-    hypercube_partner,
-)
+from swarm.gossip import ExchangeMetrics, GossipAverager, PartnerInfo, SyncOutcome
 from swarm.learning import OuterOptimizer
 from swarm.state import StateServer
 from swarm.trainer._backend import (
@@ -51,20 +44,25 @@ from swarm.trainer._backend import (
     RoundRole,
     outer_state_device,
 )
+from swarm.trainer._checkpoints import checkpoint_dir_of
 from swarm.trainer._joining import JOIN_WEIGHT, adopt_a_partner, download_swarm_state, publish_state
 from swarm.trainer._joining import other_trainers as others
 from swarm.trainer._live import LiveModel, Update
 from swarm.trainer._offers import ANCHOR_WEIGHT, AnchorOffers, DeltaOffers, ModelOffers
+from swarm.trainer._schedule import Pace, Slot, slot_of
 from swarm.trainer._sync import SyncWorker, make_averager
 
 logger = logging.getLogger(__name__)
 
 SERVE_SHARE = 0.5
-"""A partner is served at most once per this share of our last round's duration: once a round, with
-room for rounds that vary."""
+"""A partner is served at most once per this share of a round at the device's pace: once a round,
+with room for rounds that vary."""
 SCHEDULE_GRACE = 0.5
-"""Of a scheduled pair, the member that waits to be dialled waits at most this share of the last
-round's duration (and a quarter of ``exchange_timeout_s``) before it dials a partner itself."""
+"""Of a scheduled pair, the member that waits to be dialled waits at most this share of a round at
+the device's pace (and a quarter of ``exchange_timeout_s``) before it dials a partner itself."""
+BASE_WAIT_SHARE = 0.5
+"""An exchange waits at most this share of a round for a base still crossing between the pair:
+without it the pair sends whole models, which crowd the links the base is on."""
 
 
 class GossipBackend:
@@ -88,8 +86,7 @@ class GossipBackend:
         self._every_steps, self._every_seconds = avg.sync_every_steps, avg.sync_every_seconds
         self._max_lag = avg.max_lag_rounds
         self._last_request = time.monotonic()
-        self._last_own_round: float | None = None
-        self._round_seconds = 0.0
+        self._pace = Pace(avg.sync_every_steps)
         self._scheduled: str | None = None
         self._own_rounds = 0
         self._adopted = True  # False: a fresh peer that could not take over a state yet
@@ -102,12 +99,18 @@ class GossipBackend:
         self.params: GossipAverager | None = None
         self.state_server: StateServer | None = None
         self._worker: SyncWorker | None = None
+        self._push_worker: SyncWorker | None = None
+        self._pushes = False
         try:
             self._make_averagers(client_mode=None)
             # a replaced state is served while the record naming it may still be read
             keep_s = self._config.network.record_ttl_s + 5.0
             self.state_server = StateServer(self._node.dht, self._run_id, keep_replaced_s=keep_s)
             self._worker = SyncWorker(self._own_round)
+            self._pushes = self._models and avg.partners == "hypercube"
+            self._push_worker = SyncWorker(self._push_next_base, name="gossip-base") if self._pushes else None
+            schema = {name: (tuple(p.shape), torch.float32) for name, p in context.model.named_parameters()}
+            self._averagers()[0].expect_schema(schema)  # bases may be pushed to us before our first offer
         except BaseException:
             self.close()
             raise
@@ -151,6 +154,11 @@ class GossipBackend:
         if self.deltas is None or self.params is None:
             raise RuntimeError("the gossip backend's averagers are closed")
         return self.deltas, self.params
+
+    def _pusher(self) -> SyncWorker:
+        if self._push_worker is None:
+            raise RuntimeError("the gossip backend pushes no bases")
+        return self._push_worker
 
     def _sync_worker(self) -> SyncWorker:
         if self._worker is None:
@@ -210,7 +218,8 @@ class GossipBackend:
         once when joining, in the background from the training thread."""
         if self.state_server is None:
             return
-        spool = self._config.train.checkpoint_dir
+        directory = checkpoint_dir_of(self._config)
+        spool = None if directory is None else str(directory)
         digest = publish_state(
             self.state_server, self.outer, self._context.progress, self._joined_meta, spool
         )
@@ -225,6 +234,7 @@ class GossipBackend:
     # ------------------------------------------------------------------ rounds (training thread)
 
     def after_step(self, samples: int) -> list[RoundResult]:
+        self._pace.step(time.monotonic())
         if self._publish_due:  # the core booked the last rounds: the published progress includes them
             self._publish_due = False
             self._publish_state(wait=False)
@@ -253,7 +263,10 @@ class GossipBackend:
 
     def _apply(self) -> list[RoundResult]:
         rounds = []
-        for update in self.live.apply_pending():
+        updates = self.live.apply_pending()
+        if self._pushes and any(update.kind == "model" for update in updates):
+            self._pusher().request()  # our anchor moved, and the schedule with it: the next base
+        for update in updates:
             info = update.info
             if info.get("drift") is not None:  # exact (anchor exchange) or sampled (the probe)
                 self._context.progress.drift = info["drift"]
@@ -296,18 +309,31 @@ class GossipBackend:
         """One exchange as initiator; an outer step on our own when nobody took part."""
         self._own_rounds += 1
         now = time.monotonic()
-        if self._last_own_round is not None:
-            self._round_seconds = now - self._last_own_round
-            for averager in self._averagers():  # a partner gets one exchange of ours per round
-                averager.serve_interval_s = SERVE_SHARE * self._round_seconds
-        self._last_own_round = now
+        self._pace.round(now)
+        round_s = self._pace.nominal_round_s()
+        for averager in self._averagers():  # a partner gets one exchange of ours per round
+            averager.serve_interval_s = SERVE_SHARE * round_s
+            averager.base_wait_s = BASE_WAIT_SHARE * round_s
         if not self._adopted:
             self._adopt_again()
             return
         if self._config.averaging.partners == "hypercube" and self._schedule_says_wait():
-            grace = min(SCHEDULE_GRACE * self._round_seconds, self._config.averaging.exchange_timeout_s / 4)
+            timeout = self._config.averaging.exchange_timeout_s
+            grace = min(SCHEDULE_GRACE * round_s, timeout / 4)
             self.live.wait_queued(grace)  # then sync() finds nothing to offer: the partner's exchange did it
+        if self._push_worker is not None and self._push_worker.busy:  # our base to a partner is crossing:
+            self._push_worker.wait_idle(BASE_WAIT_SHARE * round_s)  # the exchange needs it
+        waited = time.monotonic() - now
         result = self._averagers()[0].sync()
+        logger.debug(
+            "own round %d: %.2f s since the last, waited %.2f s to be dialled, sync %.2f s: %s %s",
+            self._own_rounds,
+            self._pace.round_s,
+            waited,
+            time.monotonic() - now - waited,
+            result.outcome.value,
+            result.reason,
+        )
         if result.outcome is SyncOutcome.SKIPPED:
             logger.debug("own round skipped: %s", result.reason)  # a partner's exchange used our steps
         elif result.outcome is not SyncOutcome.OK and result.outcome is not SyncOutcome.CANCELLED:
@@ -327,16 +353,30 @@ class GossipBackend:
         if self._anchor_exchange_due():
             self._averagers()[1].sync()
 
+    def _push_next_base(self) -> None:
+        """If we push the base of our next scheduled pair (:class:`~swarm.trainer._schedule.Slot`), push
+        our anchor to the partner as soon as our last exchange is applied, while both train
+        (docs/gossip.md, "Nothing waits on the full model"): the round's exchange then sends only each
+        model's change from it. Runs on its own thread, so that a push never delays an exchange."""
+        slot = self._slot()
+        if slot.partner is None or not slot.pushes:
+            return
+        anchor = self.live.anchor_view()
+        if anchor is not None and not self._averagers()[0].push_base(slot.partner, anchor):
+            logger.debug("no base pushed to %s: the next exchange with it sends whole models", slot.partner)
+
     def _schedule_says_wait(self) -> bool:
-        """Set this round's scheduled partner (:func:`~swarm.gossip.hypercube_partner` over the dialable
-        live trainers and us, in the run's hash order); True if we are the member that waits to be
-        dialled (the later one in the order), so that the two do not dial each other at once."""
-        me = self._node.peer_id
-        ids = [p.peer_id for p in self._partners() if not (p.client_mode or p.leaving or p.joining)] + [me]
-        order = consensus_order(ids, salt=self._run_id)
+        """Set this round's scheduled partner; True if we are the member that waits to be dialled (the
+        later one in the order), so that the two do not dial each other at once."""
+        slot = self._slot()
+        self._scheduled = slot.partner
+        return slot.waits
+
+    def _slot(self) -> Slot:
+        """Our place in this round of the schedule, over the dialable live trainers."""
+        ids = [p.peer_id for p in self._partners() if not (p.client_mode or p.leaving or p.joining)]
         schedule_round = self._model_offers.round if self._models else self._own_rounds
-        self._scheduled = hypercube_partner(order, me, schedule_round)
-        return self._scheduled is not None and order.index(self._scheduled) < order.index(me)
+        return slot_of(ids, self._node.peer_id, self._run_id, schedule_round)
 
     def _anchor_exchange_due(self) -> bool:
         """A separate anchor exchange: every ``param_sync_every`` own rounds, and every round while the
@@ -372,7 +412,7 @@ class GossipBackend:
     def details(self) -> dict[str, Any]:
         deltas = self.deltas
         return {
-            "pseudo_gradient_metrics": deltas.metrics() if deltas is not None else ExchangeMetrics(),
+            "exchange_metrics": deltas.metrics() if deltas is not None else ExchangeMetrics(),
             "banned_peers": deltas.banned_peers() if deltas is not None else {},
             "ban_strikes": deltas.ban_strikes() if deltas is not None else {},
             "rounds_by_role": dict(self._rounds),
@@ -401,8 +441,9 @@ class GossipBackend:
 
     def close(self) -> None:
         self.abort()
-        if self._worker is not None:
-            self._worker.stop()
+        for worker in (self._worker, self._push_worker):
+            if worker is not None:
+                worker.stop()
         for service in (self.state_server, self.params, self.deltas):
             if service is not None:
                 with contextlib.suppress(Exception):

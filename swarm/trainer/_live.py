@@ -34,7 +34,7 @@ import torch
 from swarm._device import release_free_host_memory
 from swarm.compression import LazyTensors
 from swarm.gossip import MixedTensors
-from swarm.learning import OuterOptimizer, all_finite
+from swarm.learning import OuterOptimizer, all_finite, half_dtype
 
 Tensors = dict[str, torch.Tensor]
 
@@ -62,7 +62,8 @@ class ModelSnapshot:
     """Our parameters as a model exchange (``averaging.exchange: model``) averages them, and the inner
     steps since the anchor that they hold.
 
-    Stored compactly: ``progress``, the parameters minus the anchor in bfloat16 (2 bytes per
+    Stored compactly: ``progress``, the parameters minus the anchor in bfloat16 (float16 on an MPS
+    device without it; 2 bytes per
     parameter, on the anchor's device). ``params`` computes ``anchor + progress`` (float32) per tensor
     when read: that sum is the model the exchange offers, exactly, and what the update later subtracts
     from the parameters, so the rounding of ``progress`` stays in our own parameters instead of being
@@ -188,9 +189,9 @@ class LiveModel:
                 return reuse
             anchor = self.outer.anchor
             progress = {
-                name: torch.sub(
-                    param.detach().to(anchor[name].device, torch.float32), anchor[name]
-                ).bfloat16()
+                name: torch.sub(param.detach().to(anchor[name].device, torch.float32), anchor[name]).to(
+                    half_dtype(anchor[name].device)  # bf16, or fp16 on an MPS device without it
+                )
                 for name, param in self._params.items()
             }
             if not all_finite(progress.values()):  # never served: the training thread rolls back

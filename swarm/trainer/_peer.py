@@ -30,13 +30,19 @@ from swarm.gossip import ExchangeMetrics
 from swarm.learning import (
     InnerTrainer,
     Interrupted,
+    OuterOptimizer,
+    OutOfDeviceMemory,
     Prefetcher,
     TrainBatches,
     all_finite,
     build_model,
+    can_load_state,
     count_parameters,
-    evaluate,
+    evaluate_fitting,
+    is_oom,
     lr_at,
+    release_cached,
+    state_kind,
 )
 from swarm.network import NetworkOptions
 from swarm.trainer._backend import AveragingBackend, BackendContext, JoinResult, RoundResult
@@ -168,6 +174,10 @@ class TrainingPeer(PeerCore):
             self.batches.give_back()  # untrained: a resumed peer trains it next
             logger.info("stopping: abandoned step %d (nothing of it applied)", self.progress.step + 1)
             return []
+        except OutOfDeviceMemory as error:
+            self.batches.give_back()  # untrained: drawn again after the move
+            self._out_of_device_memory(error)
+            return []
         finally:
             self.progress.samples_drawn = self.batches.samples_drawn
         if not math.isfinite(stats.loss):
@@ -177,7 +187,57 @@ class TrainingPeer(PeerCore):
             stats.samples, stats.loss, stats.seconds, stats.compute_seconds, stats.device_seconds
         )
         logger.debug("step %d took %.3f s", self.progress.step, stats.seconds)
-        return self.rounds_after_step(self.backend, stats.samples)
+        return self._rounds_after_step(stats.samples)
+
+    def _rounds_after_step(self, samples: int) -> list[RoundResult]:
+        """:meth:`rounds_after_step`; out of memory while applying an update (or starting a round) drops
+        that update and goes on training: the next exchange brings the swarm's state again."""
+        try:
+            return self.rounds_after_step(self.backend, samples)
+        except RuntimeError as error:
+            if not is_oom(error):
+                raise
+            message = (str(error).splitlines() or [""])[0][:200]
+        release_cached(self.device)  # after the handler: its traceback held the update's temporaries
+        logger.warning(
+            "out of memory applying an exchange's update (%s): dropped it, training on; tensors it "
+            "reached before the error keep their new values",
+            message,
+        )
+        return []
+
+    def _out_of_device_memory(self, error: OutOfDeviceMemory) -> None:
+        """Not even a micro-batch of one sample fits (or the optimizer step keeps running out): move the
+        outer state to host memory when it is on the device and the config lets it move
+        (``averaging.outer_state_device`` not ``device``), else stop with what ``swarm config check``
+        advises for this device."""
+        outer = getattr(self.backend, "outer", None)
+        movable = self.config.averaging.outer_state_device != "device"
+        on_device = isinstance(outer, OuterOptimizer) and any(
+            t.device.type != "cpu" for t in outer.anchor.values()
+        )
+        if isinstance(outer, OuterOptimizer) and movable and on_device:
+            with self.backend.update_guard():
+                outer.move_state("cpu")
+            release_cached(self.device)
+            logger.warning("%s: moved the outer state to host memory, training on", error)
+            return
+        raise OutOfDeviceMemory(f"{error}. {self._memory_advice()}") from None
+
+    def _memory_advice(self) -> str:
+        """What ``swarm config check --device-memory`` says for this device's memory."""
+        from swarm.learning.estimate import estimate_peer
+        from swarm.learning.fit import fit_peer
+
+        total = None
+        if self.device.type == "cuda":
+            total = int(torch.cuda.get_device_properties(self.device).total_memory)
+        estimate = estimate_peer(self.config, self.device.type if self.device.type == "cuda" else "cpu")
+        advice = fit_peer(self.config, estimate, total, None).advice
+        return "swarm config check advises: " + (
+            "; ".join(advice)
+            or "it should fit: free the device of other programs, or set a smaller model.block_size"
+        )
 
     def _parameters_finite(self) -> bool:
         """Checked before each round (our pseudo-gradient must be finite to be worth anything); rolls
@@ -216,10 +276,12 @@ class TrainingPeer(PeerCore):
     def evaluate(self, *, stop: threading.Event | None = None) -> float:
         """Score the model on the held-out split now; book it in bits per token and per byte.
 
-        A set ``stop`` abandons it (:class:`~swarm.learning.Interrupted`), booking nothing."""
+        A set ``stop`` abandons it (:class:`~swarm.learning.Interrupted`), booking nothing; one that
+        does not fit the device even one window at a time is skipped (the last result stays, NaN if
+        there is none)."""
         batches = self.config.train.eval_batches
         self.inner.free_gradients()  # the evaluation's activations and logits take their place
-        self.progress.eval_loss = evaluate(
+        loss = evaluate_fitting(
             self.model,
             self.eval_set,
             batches,
@@ -227,8 +289,11 @@ class TrainingPeer(PeerCore):
             micro_batch_size=self.inner.micro_batch_size,
             precision=self.inner.precision,
         )
-        self.progress.eval_bits_per_byte = self.eval_set.bits_per_byte(self.progress.eval_loss, batches)
-        return self.progress.eval_loss
+        if loss is None:
+            return self.progress.eval_loss if self.progress.eval_loss is not None else math.nan
+        self.progress.eval_loss = loss
+        self.progress.eval_bits_per_byte = self.eval_set.bits_per_byte(loss, batches)
+        return loss
 
     def _schedule_progress(self) -> int:
         """Samples that drive the learning-rate schedule.
@@ -301,6 +366,7 @@ class TrainingPeer(PeerCore):
         return {
             "model": self.model.state_dict(),
             "inner_optimizer": self.inner.optimizer.state_dict(),
+            "inner_optimizer_name": self.inner.optimizer_name,
             "backend": self.backend.checkpoint_state(),
         }
 
@@ -313,12 +379,28 @@ class TrainingPeer(PeerCore):
             return None
         state, path = found
         self.model.load_state_dict(state["model"])
-        self.inner.optimizer.load_state_dict(state["inner_optimizer"])
+        self._load_inner_optimizer(state["inner_optimizer"], state.get("inner_optimizer_name"))
         # checkpoints written before backends existed keep the outer optimizer at the top level
         self.backend.load_checkpoint_state(
             state.get("backend") or {"outer_optimizer": state.get("outer_optimizer")}
         )
         return path
+
+    def _load_inner_optimizer(self, saved: dict[str, Any], name: str | None) -> None:
+        """Load the checkpoint's inner-optimizer state, unless it is of another kind than the optimizer
+        this run built (8-bit AdamW saved, torch's AdamW now because bitsandbytes broke, or the
+        reverse): then the optimizer starts afresh, with a warning."""
+        optimizer = self.inner.optimizer
+        if not can_load_state(optimizer, saved):
+            logger.warning(
+                "the checkpoint's inner-optimizer state is %s's (%s), this run uses %s: starting the "
+                "inner optimizer afresh (the model and the outer state are resumed)",
+                name or state_kind(saved),
+                "its moments cannot be loaded into another kind",
+                self.inner.optimizer_name,
+            )
+            return
+        optimizer.load_state_dict(saved)
 
     def close(self) -> None:
         """Stop exchanging, leave the swarm (the record expires), stop the DHT and its daemon."""

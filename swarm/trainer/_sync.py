@@ -48,7 +48,9 @@ def make_averager(
     (docs/gossip.md); ``with_anchor`` makes every exchange carry the offer's anchor as its companion
     part, in ``param_codec`` and clipped by ``param_clip_ratio`` (``averaging.anchor_pull: folded``);
     ``models``: the exchange averages parameters (``averaging.exchange: model``), clipped by
-    ``param_clip_ratio`` like anchors; ``preferred_partner``: the schedule's partner, dialled first."""
+    ``param_clip_ratio`` like anchors, and relative to a base the pair shares in
+    ``compression.delta_codec`` (docs/gossip.md, "Nothing waits on the full model");
+    ``preferred_partner``: the schedule's partner, dialled first."""
     avg, comp = config.averaging, config.compression
     return GossipAverager(
         run_id=config.run.run_id + namespace + suffix,
@@ -79,6 +81,8 @@ def make_averager(
         # one exchange of either kind at a time: their buffers never add up, and the CPU work neither
         exclusive_with=respect_bans_of,
         companion_codec=avg.param_codec if with_anchor else None,
+        # a round's model exchange goes relative to the base its pair shares, when it shares one
+        delta_codec=comp.delta_codec if models else None,
         companion_clip_ratio=avg.param_clip_ratio,
         client_mode=config.network.client_mode if client_mode is None else client_mode,
         preferred_partner=preferred_partner,

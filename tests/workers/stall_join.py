@@ -3,8 +3,8 @@
 Runs the real CLI (``python -m tests.workers.stall_join join ...``) with one test-only change: every
 averager's channel is wrapped (``wrap_channel``) so that an exchange this peer initiated stalls after
 its first DATA frame (a stalling channel, tests/_faults.py; its training thread then waits inside
-``sync``), never one it serves. When it stalls it prints ``STALLED`` on stdout, so a test can signal
-it mid-exchange.
+``sync``), never one it serves, nor the anchor exchange a joiner adopts a partner's state through.
+When it stalls it prints ``STALLED`` on stdout, so a test can signal it mid-exchange.
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ def _stall_if_initiating(channel: Any) -> Any:
 
 @functools.wraps(_real_init)
 def _init(self, *args, **kwargs) -> None:
-    kwargs["wrap_channel"] = _stall_if_initiating
+    if not str(kwargs.get("run_id", "")).endswith(".params"):  # a joiner's adoption is start-up, not a
+        kwargs["wrap_channel"] = _stall_if_initiating  # round: a stop there ends the start-up instead
     _real_init(self, *args, **kwargs)
 
 
