@@ -97,7 +97,8 @@ def check(
         raise typer.Exit(2) from None
     typer.echo(f"OK: {file} (config hash {config.config_hash()})")
     if estimate:
-        from swarm.learning.estimate import describe_estimate, estimate_peer
+        from swarm.learning.estimate import estimate_peer
+        from swarm.learning.estimate_report import describe_estimate
         from swarm.pipeline import describe_stages
 
         device = "cpu" if config.train.device == "cpu" else "cuda"

@@ -85,7 +85,8 @@ def test_a_folded_anchor_pull_sends_the_anchor_every_round_and_holds_both_parts_
 
 def test_the_shared_bases_are_counted_in_host_memory_for_model_exchanges_only() -> None:
     from swarm.gossip._bases import MAX_BASES
-    from swarm.learning.estimate import describe_estimate, format_bytes
+    from swarm.learning.estimate import format_bytes
+    from swarm.learning.estimate_report import describe_estimate
 
     assert BASES_KEPT == MAX_BASES  # the estimate's copy of the averager's bound
     models = estimate_peer(load_config("configs/local-tiny.yaml", env={}), "cpu")

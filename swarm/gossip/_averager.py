@@ -27,10 +27,10 @@ from swarm.gossip._base_push import BaseRoles
 from swarm.gossip._bases import Base, BaseStore
 from swarm.gossip._deadlines import Deadlines, payload_nbytes
 from swarm.gossip._exchange import (
-    NEGLIGIBLE_SHARE,
     as_named,
     commit,
     in_thread,
+    is_donation,
     run_exchange,
     settle,
 )
@@ -57,13 +57,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 Tensors = Mapping[str, torch.Tensor] | Sequence[torch.Tensor]
-
-
-def is_donation(own_weight: float, partner_weight: float) -> bool:
-    """Whether an exchange only hands our tensors to the partner: its share of the pair's weight is at
-    most ``NEGLIGIBLE_SHARE`` (a joiner's, ``swarm.trainer``'s ``JOIN_WEIGHT``). Its mix would move us
-    by at most that share, so we commit nothing of it; the partner keeps what it received."""
-    return partner_weight <= NEGLIGIBLE_SHARE * (own_weight + partner_weight)
 
 
 class GossipAverager(ExchangeRoles, BaseRoles, StreamService):
@@ -420,16 +413,6 @@ class GossipAverager(ExchangeRoles, BaseRoles, StreamService):
         role = "initiator" if initiator else "responder"
         log_failure(role, partner, "data", ended.outcome, ended.reason)
         return self._result(ended.outcome, partner, channel, latency, ended.reason)
-
-    def _donated(self, partner: str, channel: Channel, latency: float, initiator: bool) -> SyncResult:
-        """An exchange whose partner stated a joiner's weight ended: it took our tensors over, and
-        nothing here changes (no commit, no verdict on it, no schedule round). Our own sync that met
-        such a partner got nothing, so it did not succeed."""
-        self._metrics.count("donated")
-        if initiator:
-            reason = "the partner stated a joiner's weight: it took our tensors, we got nothing"
-            return self._result(SyncOutcome.FAILED, partner, channel, latency, reason)
-        return self._result(SyncOutcome.OK, partner, channel, latency, "donated: a joiner took our tensors")
 
     def _commit(
         self,

@@ -202,7 +202,7 @@ async def run_exchange(
     parts = [_Part.of(local, spec, error_feedback, base)]
     if companion is not None:
         parts.append(_Part.of(companion.tensors, companion.spec, None))
-    negligible = weights[1] <= NEGLIGIBLE_SHARE * (weights[0] + weights[1])
+    negligible = is_donation(*weights)
     sending = Sending()
     sender = asyncio.create_task(_send_parts(channel, parts, sending, turn))
     try:
@@ -252,6 +252,13 @@ NEGLIGIBLE_SHARE = 1e-6
 """A partner whose share of the pair's weight is at most this (a joiner taking over our tensors at a
 weight of about 1e-9) would move us by at most that share of our difference: its frames are checked
 and dropped as they arrive, and the exchange leaves us unchanged."""
+
+
+def is_donation(own_weight: float, partner_weight: float) -> bool:
+    """Whether an exchange only hands our tensors to the partner: its share of the pair's weight is at
+    most ``NEGLIGIBLE_SHARE`` (a joiner's, ``swarm.trainer``'s ``JOIN_WEIGHT``). Its mix would move us
+    by at most that share, so we commit nothing of it; the partner keeps what it received."""
+    return partner_weight <= NEGLIGIBLE_SHARE * (own_weight + partner_weight)
 
 
 def _check_turn(turn: Turn | None) -> None:

@@ -149,6 +149,16 @@ class ExchangeRoles:
         finally:
             self._lock.release()
 
+    def _donated(self, partner: str, channel: Channel, latency: float, initiator: bool) -> SyncResult:
+        """An exchange whose partner stated a joiner's weight ended: it took our tensors over, and
+        nothing here changes (no commit, no verdict on it, no schedule round). Our own sync that met
+        such a partner got nothing, so it did not succeed."""
+        self._metrics.count("donated")
+        if initiator:
+            reason = "the partner stated a joiner's weight: it took our tensors, we got nothing"
+            return self._result(SyncOutcome.FAILED, partner, channel, latency, reason)
+        return self._result(SyncOutcome.OK, partner, channel, latency, "donated: a joiner took our tensors")
+
     # ------------------------------------------------------------------ initiating side
 
     def _excluded(self, peer: str) -> bool:

@@ -24,11 +24,10 @@ owns the state server that joiners download from, and joining itself.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import time
 from contextlib import AbstractContextManager
-from typing import Any, cast
+from typing import Any
 
 import torch
 
@@ -39,9 +38,7 @@ from swarm.state import StateServer
 from swarm.trainer._backend import (
     BackendContext,
     JoinResult,
-    RoundOutcome,
     RoundResult,
-    RoundRole,
     outer_state_device,
 )
 from swarm.trainer._checkpoints import checkpoint_dir_of
@@ -49,6 +46,7 @@ from swarm.trainer._joining import JOIN_WEIGHT, adopt_a_partner, download_swarm_
 from swarm.trainer._joining import other_trainers as others
 from swarm.trainer._live import LiveModel, Update
 from swarm.trainer._offers import ANCHOR_WEIGHT, AnchorOffers, DeltaOffers, ModelOffers
+from swarm.trainer._report import add_metrics, round_of
 from swarm.trainer._schedule import Pace, Slot, slot_of
 from swarm.trainer._sync import SyncWorker, make_averager
 
@@ -272,7 +270,7 @@ class GossipBackend:
                 self._context.progress.drift = info["drift"]
             if update.kind == "anchor":
                 continue
-            rounds.append(_round_of(update))
+            rounds.append(round_of(update))
             self._rounds[rounds[-1].role] += 1
         if rounds:
             self._publish_due = True
@@ -448,27 +446,3 @@ class GossipBackend:
             if service is not None:
                 with contextlib.suppress(Exception):
                     service.close()
-
-
-def _round_of(update: Update) -> RoundResult:
-    """The round an applied update completes; its info (``_offers._info``, ``_own_round``) holds a
-    :class:`~swarm.gossip.SyncOutcome` value or ``solo``, and a role."""
-    info = update.info
-    return RoundResult(
-        cast(RoundOutcome, str(info.get("outcome", "ok"))),
-        partner=info.get("partner"),
-        bytes_sent=int(info.get("bytes_sent", 0)),
-        bytes_received=int(info.get("bytes_received", 0)),
-        weight=float(info.get("weight", 0.0)),
-        role=cast(RoundRole, str(info.get("role", "initiator"))),
-    )
-
-
-def add_metrics(parts: list[ExchangeMetrics]) -> ExchangeMetrics:
-    """Counters added up; latencies are the first part's."""
-    counters = {
-        f.name: sum(getattr(p, f.name) for p in parts)
-        for f in dataclasses.fields(ExchangeMetrics)
-        if not f.name.endswith("latency_s")
-    }
-    return dataclasses.replace(parts[0], **counters)

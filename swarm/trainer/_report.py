@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from typing import cast
 
+from swarm.gossip import ExchangeMetrics
 from swarm.trainer._backend import RoundOutcome, RoundResult, RoundRole
+from swarm.trainer._live import Update
 from swarm.trainer._progress import Progress
 
 
@@ -55,3 +59,27 @@ class SyncReport:
             loss_unit=p.loss_unit,
             eval_bits_per_byte=p.eval_bits_per_byte,
         )
+
+
+def round_of(update: Update) -> RoundResult:
+    """The round an applied update completes; its info (``_offers._info``, ``_own_round``) holds a
+    :class:`~swarm.gossip.SyncOutcome` value or ``solo``, and a role."""
+    info = update.info
+    return RoundResult(
+        cast(RoundOutcome, str(info.get("outcome", "ok"))),
+        partner=info.get("partner"),
+        bytes_sent=int(info.get("bytes_sent", 0)),
+        bytes_received=int(info.get("bytes_received", 0)),
+        weight=float(info.get("weight", 0.0)),
+        role=cast(RoundRole, str(info.get("role", "initiator"))),
+    )
+
+
+def add_metrics(parts: list[ExchangeMetrics]) -> ExchangeMetrics:
+    """Counters added up; latencies are the first part's."""
+    counters = {
+        f.name: sum(getattr(p, f.name) for p in parts)
+        for f in dataclasses.fields(ExchangeMetrics)
+        if not f.name.endswith("latency_s")
+    }
+    return dataclasses.replace(parts[0], **counters)
