@@ -28,8 +28,8 @@ from rich.live import Live
 from rich.table import Table
 
 from peers._common import SHUTDOWN_GRACE_S, open_node
-from peers._local_summary import collect, print_summary, swarm_summary
 from peers.bootstrap import JOIN_LINE_PREFIX
+from peers.local_summary import collect, print_summary, swarm_summary
 from peers.monitor import observer_info
 from swarm.config import RunConfig
 from swarm.network import NetworkOptions
@@ -56,7 +56,7 @@ class LocalSwarm:
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             start_new_session=True,
-            preexec_fn=_die_with_parent,
+            preexec_fn=die_with_parent,
         )
         log.close()
         self.processes.append((name, proc))
@@ -88,9 +88,9 @@ class LocalSwarm:
                 proc.wait()
         sessions = {proc.pid for _, proc in self.processes}
         deadline = time.monotonic() + ORPHAN_WAIT_S
-        while (left := _session_processes(sessions)) and time.monotonic() < deadline:
+        while (left := session_processes(sessions)) and time.monotonic() < deadline:
             time.sleep(0.1)  # a DHT worker finishing its daemon's shutdown; nothing to wait on but the table
-        outlived = [_describe(p) for p in left]
+        outlived = [describe_process(p) for p in left]
         for p in left:
             with contextlib.suppress(psutil.Error):
                 p.kill()
@@ -111,12 +111,14 @@ def cpu_threads_env(peers: int, environ: Mapping[str, str] | None = None) -> dic
     return {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // max(1, peers)))}
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
+    """A ``preexec_fn`` for a child process: SIGTERM it when the process that started it dies, even by
+    SIGKILL (``PR_SET_PDEATHSIG``), so that no peer outlives its launcher."""
     libc = ctypes.CDLL("libc.so.6", use_errno=True)
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
-def _session_processes(sessions: set[int]) -> list[psutil.Process]:
+def session_processes(sessions: set[int]) -> list[psutil.Process]:
     """Live (non-zombie) processes in one of ``sessions`` (each peer leads its own)."""
     found = []
     for proc in psutil.process_iter(["status"]):
@@ -128,7 +130,7 @@ def _session_processes(sessions: set[int]) -> list[psutil.Process]:
     return found
 
 
-def _describe(proc: psutil.Process) -> str:
+def describe_process(proc: psutil.Process) -> str:
     try:
         return f"{proc.name()} (pid {proc.pid})"
     except psutil.Error:

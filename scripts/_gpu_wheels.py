@@ -1,7 +1,7 @@
 """Helpers of scripts/gpu_prepare.sh and scripts/gpu_check.sh for the wheel folder (gpu-wheels/).
 
-    python scripts/_gpu_wheels.py strip-bitsandbytes DIR --cuda 130   # keep one CUDA library
-    python scripts/_gpu_wheels.py bnb-cuda DIR                        # which CUDA the kept one is for
+    python -m scripts._gpu_wheels strip-bitsandbytes DIR --cuda 130   # keep one CUDA library
+    python -m scripts._gpu_wheels bnb-cuda DIR                        # which CUDA the kept one is for
 
 bitsandbytes' wheel ships a native library per CUDA release (``libbitsandbytes_cuda118.so`` ...
 ``libbitsandbytes_cuda130.so``) and one for the CPU; the check needs the CPU one and the one of the

@@ -21,26 +21,19 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
-try:  # imported as scripts._plans (tests) or run from scripts/ (python scripts/x.py)
-    from scripts import _runner
-    from scripts._runner import Plan
-except ImportError:  # pragma: no cover - depends on how the caller was started
-    import _runner
-    from _runner import Plan
+from scripts import _runner
+from scripts._runner import Plan
 
 GOSSIP: dict[str, float | str] = {
     "sync_every_steps": 5,
     "outer_lr": 1.0,
     "outer_momentum": 0.0,
-    "exchange": "model",
     "partners": "hypercube",
     "max_lag_rounds": 3,
 }
 """gossip's settings in the bench regime (``averaging.*``, docs/benchmarks.md "Choosing the regime"):
-H, the outer step, the trainer's default rule (each exchange averages the pair's models through
-``compression.codec``, partners on the hypercube schedule; the anchor-exchange settings
-``param_sync_every`` and ``max_drift`` serve only the pseudo-gradient rule), and how many rounds an
-exchange may lag before the device waits (``scripts/bench_lag.py``).
+H, the outer step, partners on the hypercube schedule, and how many rounds an exchange may lag before
+the device waits (``scripts/bench_lag.py``).
 H = 5 over links sized to it (:func:`link_rate`) reached the target in 25-30% less time than H = 20
 once the training loop stopped waiting on the DHT after each round."""
 
@@ -51,7 +44,7 @@ one-device run every ``EVAL_SECONDS / 2``, since its curve is the only one it ha
 are interpolated between evaluations (:func:`crossing`)."""
 
 INT8_GOODPUT = 0.957  # tbf counts wire bytes; TCP payload is 0.957 of them (docs/testbed.md)
-INT8_BYTES_PER_PARAM = 1.085  # one int8 pseudo-gradient exchange as sent, frames included (measured)
+INT8_BYTES_PER_PARAM = 1.085  # one whole-model int8 exchange as sent, frames included (measured)
 
 
 def link_rate(n_params: int, sync_every: int, step_time_s: float) -> str:

@@ -83,7 +83,7 @@ def meet(outers: list[OuterOptimizer], group: list[int], exchange: str, codec: s
         return {i: mean for i in group}
     if exchange != "model":
         raise ValueError(f"unknown exchange {exchange!r}: pseudo-gradient or model")
-    models = {i: {n: p.detach().clone() for n, p in outers[i]._params.items()} for i in group}
+    models = {i: outers[i].copy_parameters() for i in group}
     seen = {i: _seen(models[i], codec) for i in group}
     result = {}
     for i in group:  # our own model exactly, the others' as they arrived
@@ -96,8 +96,8 @@ def meet(outers: list[OuterOptimizer], group: list[int], exchange: str, codec: s
 def land(outer: OuterOptimizer, pending: Pending) -> None:
     """Apply a late exchange: the outer step, then the local progress since its snapshot on top."""
     outer.advance(pending.gradient)
-    for name, param in outer._params.items():  # φ' = θ' + (φ - φs)
-        param.add_(outer.anchor[name] - pending.snapshot[name])
+    current = outer.copy_parameters()  # φ' = θ' + (φ - φs)
+    outer.load_parameters({n: current[n] + (outer.anchor[n] - pending.snapshot[n]) for n in current})
 
 
 def spread(outers: list[OuterOptimizer]) -> float:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from scripts._probe_rules import Pending, groups_of, land, meet, spread
 from swarm.compression import get_codec
 from swarm.config import load_config
 from swarm.learning import (
@@ -22,11 +23,6 @@ from swarm.learning import (
     make_eval_set,
     open_source,
 )
-
-try:  # imported as scripts._probe_run (tests) or from a script run as python scripts/x.py
-    from scripts._probe_rules import Pending, groups_of, land, meet, spread
-except ImportError:
-    from _probe_rules import Pending, groups_of, land, meet, spread
 
 CONFIG = Path(__file__).resolve().parent.parent / "configs" / "local-tiny.yaml"
 
@@ -65,15 +61,19 @@ def _pull(outers: list[OuterOptimizer], a: int, b: int, probe: Probe, round_: in
     way together; each side sees the other's anchor through ``pull_codec``, and only the tensors of this
     round's fragment move."""
     codec = get_codec(probe.pull_codec)
+    shifts: dict[int, dict[str, torch.Tensor]] = {a: {}, b: {}}
     for index, (name, anchor_a) in enumerate(outers[a].anchor.items()):
         if index % probe.pull_fragments != round_ % probe.pull_fragments:
             continue
         anchor_b = outers[b].anchor[name]
         seen_by_a, seen_by_b = codec.roundtrip(anchor_b).clone(), codec.roundtrip(anchor_a).clone()
-        for outer, anchor, seen in ((outers[a], anchor_a, seen_by_a), (outers[b], anchor_b, seen_by_b)):
-            shift = (seen - anchor) * (probe.anchor_pull / 2)
-            anchor.add_(shift)
-            outer._params[name].add_(shift)
+        shifts[a][name] = (seen_by_a - anchor_a) * (probe.anchor_pull / 2)
+        shifts[b][name] = (seen_by_b - anchor_b) * (probe.anchor_pull / 2)
+    for peer, shift in shifts.items():
+        params = outers[peer].copy_parameters()
+        outers[peer].load_parameters({name: params[name] + moved for name, moved in shift.items()})
+        for name, moved in shift.items():
+            outers[peer].anchor[name].add_(moved)
 
 
 @torch.no_grad()
@@ -102,7 +102,7 @@ def _sync(
             if probe.anchor_pull and len(group) == 2 and round_ % probe.pull_every == 0:
                 _pull(outers, group[0], group[1], probe, round_)
         for peer in group:
-            snapshot = {n: p.detach().clone() for n, p in outers[peer]._params.items()}
+            snapshot = outers[peer].copy_parameters()
             pending[peer] = Pending(grads[peer], snapshot, round_ + probe.lag)
     if probe.lag == 0:
         for peer in list(pending):

@@ -16,7 +16,7 @@ def summary_numbers(per_peer: list[dict[str, Any]]) -> dict[str, Any]:
 
     ``wire_bytes_per_param_per_sync``: everything a peer sent for averaging (both roles, every
     exchange kind) per round and parameter, mean over peers; ``exchange_bytes_per_param``: one
-    pseudo-gradient exchange (gossip) or all-reduce round, one direction; ``utilization_since_start``:
+    exchange (gossip) or all-reduce round, one direction; ``utilization_since_start``:
     device seconds over each trainer's whole life (start-up and joining included), mean over peers;
     ``compute_per_step_s``: the real forward, backward and optimizer time per step, mean over steps.
     """

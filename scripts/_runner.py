@@ -30,12 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from scripts import _rows
 from testbed import netlab
-
-try:  # imported as scripts._runner (tests) or run from scripts/ (python scripts/x.py)
-    from scripts import _rows
-except ImportError:  # pragma: no cover - depends on how the caller was started
-    import _rows
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIG = "configs/local-tiny.yaml"
@@ -283,7 +279,7 @@ def start_swarm(
 ) -> subprocess.Popen:
     """``swarm ARGS`` in ``host`` (in its own session, killed with this process), its output in ``log``;
     ``env``: its environment, :func:`child_env` by default."""
-    from peers.local import _die_with_parent
+    from peers.local import die_with_parent
 
     with log.open("wb") as out:
         return host.popen(
@@ -293,7 +289,7 @@ def start_swarm(
             stdout=out,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
-            preexec_fn=_die_with_parent,
+            preexec_fn=die_with_parent,
         )
 
 
@@ -330,7 +326,7 @@ def measured_numbers(
 ) -> dict[str, Any]:
     """A run's row from the trainers' summaries (their phase split included), the watcher's
     timestamps, the load samples."""
-    from peers._local_summary import collect
+    from peers.local_summary import collect
 
     paths = [run.log_dir / f"peer-{i}.summary.json" for i in range(1, plan.peers + 1)]
     per_peer = collect(paths)

@@ -4,7 +4,8 @@ Each peer's inner steps take its own ``step_time`` (times a log-normal jitter); 
 round ends and the rule's exchange starts (``scripts/_sim_exchange.py``). Churn removes a random live
 peer at ``churn_per_min`` of N per minute (a Poisson process) and a fresh one joins ``join_delay_s``
 later from a live peer's anchor. Each peer refreshes its view of the membership every
-``view_refresh_s`` (a dead peer stays listed for ``record_ttl_s``), and computes its hypercube
+``view_refresh_s`` in the design ``view`` (``scripts/_sim_views.py``: the whole list, a bounded sample,
+or partners found by lookup; a dead peer's record stays listed for ``record_ttl_s``), and computes its
 partner from that view: peers whose views differ disagree on the schedule.
 """
 
@@ -13,73 +14,16 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
 
+from scripts._sim_exchange import Exchanges
+from scripts._sim_host import Counters, SimConfig
+from scripts._sim_net import Clock, Network
+from scripts._sim_peer import Peer, World, step_times
+from scripts._sim_rules import spread
+from scripts._sim_views import make_views
 from swarm.learning import lr_at
-
-try:  # imported as scripts._sim_engine (tests) or from scripts/ (python scripts/simulate.py)
-    from scripts._sim_exchange import Exchanges
-    from scripts._sim_net import Clock, Network
-    from scripts._sim_peer import Peer, World, step_times
-    from scripts._sim_rules import Rule, spread
-except ImportError:  # pragma: no cover - depends on how the caller was started
-    from _sim_exchange import Exchanges
-    from _sim_net import Clock, Network
-    from _sim_peer import Peer, World, step_times
-    from _sim_rules import Rule, spread
-
-
-@dataclass(frozen=True)
-class SimConfig:
-    rule: Rule
-    peers: int = 4
-    samples: int = 2400
-    step_times: str = "0.1"
-    step_jitter: float = 0.0
-    rate_mbit: float = 4.0
-    goodput: float = 0.957
-    latency_s: float = 0.005
-    exchange_overhead_s: float = 0.0
-    base_wait_rounds: float = 0.5
-    """``based``: how long (in rounds) an exchange waits for its pair's base still crossing."""
-    """Seconds every exchange spends before its first byte (handshake, lookups, encoding): what the
-    real trainer has beyond the bytes, for calibration."""
-    churn_per_min: float = 0.0
-    join_delay_s: float = 5.0
-    view_refresh_s: float = 2.0
-    record_ttl_s: float = 8.0
-    max_attempts: int = 4
-    cosine: bool = True
-    lr: float = 1e-3
-    target: float = 3.6
-    stop_at_target: bool = False
-    eval_every: int = 0
-    curve_batches: int = 2
-    peer_curve: bool = False
-    """The curve (and samples to target) on the mean of the peers' own losses, as the testbed's, instead
-    of the loss of their mean model."""
-    eval_batches: int = 16
-    training: bool = True
-    model_sets: tuple[str, ...] = ()
-    init_spread: float = 0.0
-    seed: int = 0
-
-
-@dataclass
-class Counters:
-    initiated: int = 0
-    paired: int = 0
-    scheduled: int = 0
-    solo: int = 0
-    fallbacks: int = 0
-    factored: int = 0
-    aborted: int = 0
-    committed: int = 0
-    left: int = 0
-    joined: int = 0
-    exchange_s: list[float] = field(default_factory=list)
 
 
 class Simulation:
@@ -103,13 +47,15 @@ class Simulation:
         self._serial = 0
         self.peers: dict[str, Peer] = {}
         self.everyone: list[Peer] = []
+        self.views = make_views(cfg.view, self)
         torch.manual_seed(cfg.seed)
         for step_time in step_times(cfg.step_times, cfg.peers, self.rng):
             self._add(step_time, None)
         self.exchanges = Exchanges(self)
         for peer in self.live():
             self._perturb(peer)
-            peer.view = [p.pid for p in self.live()]
+        for peer in self.live():
+            self.views.start(peer, joining=False)
 
     # -- membership ---------------------------------------------------------------------------------
 
@@ -119,6 +65,7 @@ class Simulation:
         peer = self.world.peer(pid, step_time, self.clock.now, anchor)
         self.peers[pid] = peer
         self.everyone.append(peer)
+        self.views.add(peer)
         return peer
 
     @torch.no_grad()
@@ -134,11 +81,7 @@ class Simulation:
     def _refresh_view(self, peer: Peer) -> None:
         if not peer.alive:
             return
-        ttl = self.cfg.record_ttl_s
-        now = self.clock.now
-        peer.view = [
-            p.pid for p in self.peers.values() if p.alive or (p.died is not None and now - p.died < ttl)
-        ]
+        self.views.refresh(peer)
         self.exchanges.prefetch(peer)
         self.clock.after(self.cfg.view_refresh_s, self._refresh_view, peer)
 
@@ -149,6 +92,7 @@ class Simulation:
             peer.alive, peer.died = False, self.clock.now
             peer.end_wait(self.clock.now)
             self.counters.left += 1
+            self.views.left(peer)
             self.exchanges.on_leave(peer)
             self.clock.after(self.cfg.join_delay_s, self._join, peer.step_time)
         self.clock.after(self._churn_gap(), self._leave)
@@ -157,7 +101,7 @@ class Simulation:
         donor = self.rng.choice(self.live())
         peer = self._add(step_time, donor.anchor)
         peer.round = donor.round
-        peer.view = [p.pid for p in self.live()]
+        self.views.start(peer, joining=True)
         self.counters.joined += 1
         self.clock.after(self.rng.uniform(0, self.cfg.view_refresh_s), self._refresh_view, peer)
         self.start_round(peer)
@@ -263,6 +207,7 @@ class Simulation:
         rounds = sum(p.rounds for p in self.everyone) or 1
         per_round = self.world.n_params * rounds
         c = self.counters
+        alive_total = sum(alive_s)
         return {
             "final_loss": final and round(final, 4),
             "samples": self.samples,
@@ -291,6 +236,14 @@ class Simulation:
                 "mean_s": round(sum(c.exchange_s) / len(c.exchange_s), 3) if c.exchange_s else None,
             },
             "churn": {"left": c.left, "joined": c.joined},
+            "membership": {
+                "view": self.cfg.view,
+                "bytes_per_peer_s": round(
+                    sum(p.membership_sent + p.membership_received for p in self.everyone) / alive_total
+                ),
+                "sent_per_peer_s": round(sum(p.membership_sent for p in self.everyone) / alive_total),
+                "hottest_key_served_s": round(max(self.views.served.values(), default=0.0) / max(now, 1e-9)),
+            },
             "steps_per_peer": {"min": min(p.steps for p in live), "max": max(p.steps for p in live)},
             "n_params": self.world.n_params,
             "curve": self.curve,

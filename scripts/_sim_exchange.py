@@ -4,30 +4,39 @@ side applies when it lands (the arithmetic is in ``scripts/_sim_rules.py``).
 Rounds are not aligned: the peer whose round ends first initiates; its partner offers its progress so
 far (its round is cut short, and it uses the result too), and both leave with round
 ``max(r_i, r_j) + 1``. A peer takes part in one exchange at a time; one that lags ``max_lag`` rounds
-waits for it. The partner is the hypercube partner of the initiator's own view
-(:func:`swarm.gossip.consensus_order`, :func:`swarm.gossip.hypercube_partner`), else a random member
-of that view that is live and free (a dead or busy one costs a round trip), ``max_attempts`` at most;
-with none, the peer takes its own outer step alone.
+waits for it. The partner is the one the initiator's membership view schedules
+(``scripts/_sim_views.py``: the hypercube partner of its full view, or the one found by lookup),
+else a random candidate of that view that is live and free (a dead or busy one costs a round trip),
+``max_attempts`` at most; with none, the peer takes its own outer step alone.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-from swarm.gossip import consensus_order, hypercube_partner
+from scripts._sim_host import Counters, Host
+from scripts._sim_net import Network
+from scripts._sim_peer import Peer, Prefetch, World
+from scripts._sim_rules import Rule, Tensors, clone, factored_anchor, pair_mean, rebase
+from scripts._sim_views import Views
+from scripts._sim_wire import message_bytes, through
 
-try:  # imported as scripts._sim_exchange (tests) or from scripts/ (python scripts/simulate.py)
-    from scripts._sim_peer import Peer, Prefetch
-    from scripts._sim_rules import Tensors, clone, factored_anchor, pair_mean, rebase
-    from scripts._sim_wire import message_bytes, through
-except ImportError:  # pragma: no cover - depends on how the caller was started
-    from _sim_peer import Peer, Prefetch
-    from _sim_rules import Tensors, clone, factored_anchor, pair_mean, rebase
-    from _sim_wire import message_bytes, through
 
-if TYPE_CHECKING:
-    from scripts._sim_engine import Simulation
+class Simulated(Host, Protocol):
+    """What an exchange reads and drives of the simulation."""
+
+    rule: Rule
+    views: Views
+    net: Network
+    world: World
+    counters: Counters
+
+    def live(self) -> list[Peer]: ...
+
+    def schedule_step(self, peer: Peer) -> None: ...
+
+    def start_round(self, peer: Peer) -> None: ...
 
 
 @dataclass
@@ -75,7 +84,7 @@ def apply_exchange(ex: Exchange) -> None:
 
 
 class Exchanges:
-    def __init__(self, sim: Simulation) -> None:
+    def __init__(self, sim: Simulated) -> None:
         self.sim = sim
         self.rule = sim.rule
         self._barrier: list[Peer] = []
@@ -85,8 +94,7 @@ class Exchanges:
     # -- anchors ahead of time (factored) --------------------------------------------------------
 
     def scheduled(self, peer: Peer) -> str | None:
-        order = consensus_order(peer.view, salt="sim")
-        return hypercube_partner(order, peer.pid, peer.round)
+        return self.sim.views.scheduled(peer)
 
     def push_base(self, peer: Peer) -> None:
         """``based``: our exchange landed; if we are the pusher of our next scheduled pair, send our
@@ -95,10 +103,7 @@ class Exchanges:
         if target is None or not peer.alive or (target.pid, peer.version) in peer.prefetch_sent:
             return
         peer.prefetch_sent.add((target.pid, peer.version))
-        order = consensus_order(peer.view, salt="sim")
-        dims = max(1, (len(order) - 1).bit_length())
-        later_pushes = (peer.round // dims) % 2 == 1
-        if (order.index(target.pid) < order.index(peer.pid)) != later_pushes:
+        if not self.sim.views.pushes(peer, target.pid):
             return  # the partner pushes
         nbytes = message_bytes(self.rule.model_wire, self.sim.world.shapes)
         lands = self.sim.net.send(peer.pid, target.pid, nbytes, self.sim.clock.now)
@@ -150,11 +155,15 @@ class Exchanges:
         scheduled one."""
         sim, delay = self.sim, 0.0
         first = self.scheduled(peer)
-        rest = [pid for pid in peer.view if pid not in (peer.pid, first)]
+        rest = [pid for pid in sim.views.candidates(peer) if pid not in (peer.pid, first)]
         sim.rng.shuffle(rest)
         for pid in ([first] if first else []) + rest[: sim.cfg.max_attempts]:
-            other = sim.peers[pid]
-            if not other.alive or other.exchange is not None or other.waiting == "barrier":
+            other = sim.peers.get(pid)
+            if other is None or not other.alive:
+                sim.views.failed(peer, pid)
+                delay += 2 * sim.cfg.latency_s
+                continue
+            if other.exchange is not None or other.waiting == "barrier":
                 delay += 2 * sim.cfg.latency_s
                 continue
             return other, delay, pid == first
@@ -171,6 +180,7 @@ class Exchanges:
             return
         sim.counters.paired += 1
         sim.counters.scheduled += scheduled
+        sim.views.on_exchange(me, other)
         other.rounds += 1
         ex = self._build(me, other, now + delay + sim.cfg.latency_s + sim.cfg.exchange_overhead_s)
         round_ = max(me.round, other.round) + 1

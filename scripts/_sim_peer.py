@@ -10,13 +10,9 @@ from typing import Any
 
 import torch
 
+from scripts._sim_rules import Tensors, clone
 from swarm.config import load_config
 from swarm.learning import InnerTrainer, TrainBatches, build_model, evaluate, make_eval_set, open_source
-
-try:  # imported as scripts._sim_peer (tests) or from scripts/ (python scripts/simulate.py)
-    from scripts._sim_rules import Tensors, clone
-except ImportError:  # pragma: no cover - depends on how the caller was started
-    from _sim_rules import Tensors, clone
 
 CONFIG = Path(__file__).resolve().parent.parent / "configs" / "local-tiny.yaml"
 
@@ -48,6 +44,18 @@ class Peer:
     alive: bool = True
     died: float | None = None
     view: list[str] = field(default_factory=list)
+    """The peers this one could dial (``scripts/_sim_views.py``: all listed, a sample, or fingers)."""
+    order: list[str] = field(default_factory=list)
+    position: dict[str, int] = field(default_factory=dict)
+    """``full``: the view in the shared hash order, and each member's place in it."""
+    sample: dict[str, tuple[float, str]] = field(default_factory=dict)
+    """``sample``: peer id -> (when last seen alive, who said so)."""
+    fingers: dict[int, tuple[str, float]] = field(default_factory=dict)
+    neighbours: list[str] = field(default_factory=list)
+    dims: int = 1
+    """``lookup``: the partner found per dimension (and when), the nearest nodes, and d."""
+    membership_sent: float = 0.0
+    membership_received: float = 0.0
     exchange: Any = None
     """The exchange in flight (one at a time), or None."""
     lag: int = 0

@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Averaging benchmark on loopback: swarm's gossip averager vs hivemind's DecentralizedAverager.
 
 Every peer is a separate process with its own hivemind DHT (and p2pd). Each peer starts from its own
@@ -11,9 +10,9 @@ Reported per row: ``seconds_to_1pct`` (null if not reached), ``final_rel_distanc
 bytes incl. headers; for hivemind the serialized payload its compression produced, i.e. without
 protocol overhead), ``failed`` (failed gossip exchanges / failed hivemind rounds), ``rounds``.
 
-    .venv/bin/python scripts/bench_averaging.py            # 4 and 8 peers, 10M params
-    .venv/bin/python scripts/bench_averaging.py --quick    # 4 peers, 2M params, 4 rows, 15 s cap each
-    .venv/bin/python scripts/bench_averaging.py --quick --json   # last line: {"rows": [...]}
+    .venv/bin/python -m scripts.bench_averaging            # 4 and 8 peers, 10M params
+    .venv/bin/python -m scripts.bench_averaging --quick    # 4 peers, 2M params, 4 rows, 15 s cap each
+    .venv/bin/python -m scripts.bench_averaging --quick --json   # last line: {"rows": [...]}
 """
 
 from __future__ import annotations
@@ -30,15 +29,11 @@ import tempfile
 import threading
 import time
 import traceback
-from pathlib import Path
 from typing import Any
 
 import torch
 
-try:  # imported as scripts.x (tests) or run from scripts/ (python scripts/x.py)
-    from scripts._cli import bench_parser
-except ImportError:  # pragma: no cover - depends on how the caller was started
-    from _cli import bench_parser
+from scripts._cli import bench_parser
 
 CONTEXT = mp.get_context("forkserver")
 SWARM_CODECS = ("int8", "fp16", "fp32")
@@ -62,10 +57,11 @@ def _monitor(index: int, snapshot: Any, mean: torch.Tensor, stop: Any, reports: 
 
 
 def _run_swarm(index: int, dht: Any, cfg: dict, x: torch.Tensor, stop: Any, reports: Any) -> dict:
-    from swarm.gossip import PROTOCOL_VERSION, GossipAverager, PartnerInfo
+    from scripts._held import gossip_averager
+    from swarm.gossip import PROTOCOL_VERSION, PartnerInfo
 
     partners = [PartnerInfo(p, PROTOCOL_VERSION, "") for p in cfg["peer_ids"]]
-    averager = GossipAverager(
+    averager = gossip_averager(
         run_id=cfg["run_id"], dht=dht, partner_source=lambda: partners, codec=cfg["codec"], ban_base_s=2.0
     )
 
@@ -301,7 +297,6 @@ def main() -> None:
     timeout = args.timeout or (15.0 if args.quick else 90.0)
     CONTEXT.set_forkserver_preload(["torch", "hivemind", "swarm.gossip"])
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # still run cluster.close() below
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     rows = []
     cluster = Cluster(max(peer_counts))
     try:

@@ -6,7 +6,7 @@ only bound gossip's ratio against them. This runs the same plans (``_plans.compa
 4 trainers on emulated devices, the last one 3x slower, over the report's links), each until it reaches
 the target or ``--cap``, one at a time, and prints gossip's time over each baseline's.
 
-    sudo .venv/bin/python scripts/bench_baselines.py --json
+    sudo .venv/bin/python -m scripts.bench_baselines --json
 """
 
 from __future__ import annotations
@@ -16,13 +16,9 @@ import dataclasses
 import json
 import sys
 from datetime import UTC, datetime
-from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-from scripts import _plans, _rows, _runner  # noqa: E402
+from scripts import _plans, _rows, _runner
 
 BACKENDS = ("gossip-int8", "allreduce", "hivemind")
 PEERS = 4

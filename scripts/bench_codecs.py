@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Benchmark swarm's codecs against hivemind's on the same input, in the same run.
 
 For each codec: bytes per parameter on the wire, encode / decode throughput (GB/s of fp32 input)
@@ -6,9 +5,9 @@ and relative L2 error. Ours are measured end to end: tensor -> frames (headers, 
 included) -> TensorStreamDecoder -> tensor. hivemind's: compress -> SerializeToString and
 ParseFromString -> extract, bytes = ByteSize() of the runtime_pb2.Tensor.
 
-    .venv/bin/python scripts/bench_codecs.py            # 10M values
-    .venv/bin/python scripts/bench_codecs.py --quick    # 2M values, fewer repeats (< 60 s)
-    .venv/bin/python scripts/bench_codecs.py --json     # last line: {"rows": [...], ...}
+    .venv/bin/python -m scripts.bench_codecs            # 10M values
+    .venv/bin/python -m scripts.bench_codecs --quick    # 2M values, fewer repeats (< 60 s)
+    .venv/bin/python -m scripts.bench_codecs --json     # last line: {"rows": [...], ...}
 """
 
 from __future__ import annotations
@@ -21,13 +20,8 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from scripts._cli import bench_parser
 from swarm.compression import CODEC_NAMES, TensorStreamDecoder, encode_tensors, get_codec
-
-try:  # imported as scripts.x (tests) or run from scripts/ (python scripts/x.py)
-    from scripts._cli import bench_parser
-except ImportError:  # pragma: no cover - depends on how the caller was started
-    from _cli import bench_parser
-
 
 HIVEMIND_BASELINE = "hivemind.BlockwiseQuantization"
 

@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """How fast a joiner on a home link takes a state over, from two donors, and when one dies half-way.
 
 On the emulated internet (testbed/netlab.py; needs root): two donors (hosts 0 and 1, links unshaped)
@@ -19,8 +18,8 @@ the state's bytes only if a frame came twice) and the donors it took complete pa
 number comes from what the library returned in the processes (written as JSON files), nothing from
 their logs. The target is a ratio of at most 1.3 in both runs.
 
-    .venv/bin/python scripts/bench_join.py                # 64 MB at 20 Mbit/s: about 1 min
-    .venv/bin/python scripts/bench_join.py --quick --json # 8 MB: the smoke run of tests/test_bench_join.py
+    .venv/bin/python -m scripts.bench_join                # 64 MB at 20 Mbit/s: about 1 min
+    .venv/bin/python -m scripts.bench_join --quick --json # 8 MB: the smoke run of tests/test_bench_join.py
 
 The donor and joiner roles are this script too (``--role``), started inside the lab's hosts.
 """
@@ -186,12 +185,12 @@ def _run(lab: Any, folder: Path, mbytes: float, kill_at: float | None) -> dict[s
 def _start(lab: Any, host: int, folder: Path, role: str, *extra: str) -> subprocess.Popen:
     """This script in ``role`` inside lab host ``host``, its output in ``<role>-<host>.log``."""
     name = f"{role}-{host}" if role == "donor" else role
-    argv = [sys.executable, str(Path(__file__).resolve()), "--role", role, "--host", lab.hosts[host].ip]
+    argv = [sys.executable, "-m", "scripts.bench_join", "--role", role, "--host", lab.hosts[host].ip]
     argv += ["--out", str(folder / f"{name}.json"), *extra]
     with (folder / f"{name}.log").open("wb") as log:
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         return lab.hosts[host].popen(
-            argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env
+            argv, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env
         )
 
 

@@ -7,8 +7,8 @@ a larger L idles the device less and applies updates later. ``--sync-every`` als
 links on which an exchange takes half its round. One device runs first, as the baseline of each run's
 ``speedup_vs_one``. Runs go one at a time, each until the target or ``--cap``.
 
-    sudo .venv/bin/python scripts/bench_lag.py --lags 1 2 3 --json
-    sudo .venv/bin/python scripts/bench_lag.py --lags 3 --sync-every 5 20 --json   # H, each on its links
+    sudo .venv/bin/python -m scripts.bench_lag --lags 1 2 3 --json
+    sudo .venv/bin/python -m scripts.bench_lag --lags 3 --sync-every 5 20 --json   # H, each on its links
 """
 
 from __future__ import annotations
@@ -16,13 +16,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-from scripts import _plans, _rows, _runner  # noqa: E402
+from scripts import _plans, _rows, _runner
 
 PEERS = 4
 

@@ -18,7 +18,7 @@ trainer with a model 4x larger is killed by the cap, and a 4-stage pipeline of t
 under the same cap per peer (its loss, in its history, goes down). The cap is the small model's
 measured peak plus a margin, so it is "one peer's memory" by construction.
 
-    sudo .venv/bin/python scripts/bench_pipeline.py --out runs/bench-pipeline.json [--quick]
+    sudo .venv/bin/python -m scripts.bench_pipeline --out runs/bench-pipeline.json [--quick]
 """
 
 from __future__ import annotations

@@ -1,10 +1,9 @@
-#!/usr/bin/env python
 """The benchmark report: codecs, averaging, and training over the emulated internet -> docs/benchmarks.md.
 
 Phases (one progress line each on stderr, with the elapsed time):
 
-1. codecs: ``scripts/bench_codecs.py --json`` (or ``--codecs-json FILE``, a saved last line);
-2. averaging: ``scripts/bench_averaging.py --json`` (or ``--averaging-json FILE``);
+1. codecs: ``python -m scripts.bench_codecs --json`` (or ``--codecs-json FILE``, a saved last line);
+2. averaging: ``python -m scripts.bench_averaging --json`` (or ``--averaging-json FILE``);
 3. training over the testbed (needs root; scripts/_plans.py says what runs): in the bench
    regime (per-peer batch 1, emulated devices of ``emulation.step_time_s``, links shaped so that one int8
    exchange takes at least half a round), the comparison of gossip int8 and int4, all-reduce,
@@ -16,9 +15,9 @@ Writes the generated part of docs/benchmarks.md (between its ``bench_report`` ma
 hand-written measurements around them are kept) and docs/img/training_loss.png, docs/img/scaling.png.
 Without root the testbed phases are skipped with the reason, in the JSON and the markdown.
 
-    .venv/bin/python scripts/bench_report.py --quick --json   # about 20 minutes on 2 cores
-    .venv/bin/python scripts/bench_report.py --json           # full; last line is one JSON object
-    .venv/bin/python scripts/bench_report.py --from-json r.json   # only rewrite the doc and plots
+    .venv/bin/python -m scripts.bench_report --quick --json   # about 20 minutes on 2 cores
+    .venv/bin/python -m scripts.bench_report --json           # full; last line is one JSON object
+    .venv/bin/python -m scripts.bench_report --from-json r.json   # only rewrite the doc and plots
 """
 
 from __future__ import annotations
@@ -36,18 +35,11 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from scripts import _plans, _runner
+from scripts.bench_report_doc import write_outputs
 from testbed import netlab
 
-try:  # imported as scripts.bench_report (tests) or run as python scripts/bench_report.py
-    from scripts import _plans, _runner
-    from scripts.bench_report_doc import write_outputs
-except ImportError:  # pragma: no cover - depends on how the caller was started
-    import _plans
-    import _runner
-    from bench_report_doc import write_outputs
-
 REPO = _runner.REPO
-SCRIPTS = REPO / "scripts"
 DOC = REPO / "docs" / "benchmarks.md"
 PARALLEL = 5
 """Trainers at once, at most: a trainer of the bench regime keeps 0.4-0.5 of a core busy (``ps``, H = 5:
@@ -68,8 +60,8 @@ class Progress:
 
 
 def run_json_script(script: str, args: list[str], log: Path, timeout_s: float) -> dict[str, Any]:
-    """Run ``scripts/<script> --json``; return its last line, or ``{"error": ...}``."""
-    command = [sys.executable, str(SCRIPTS / script), *args, "--json"]
+    """Run ``python -m scripts.<script> --json``; return its last line, or ``{"error": ...}``."""
+    command = [sys.executable, "-m", f"scripts.{script}", *args, "--json"]
     try:
         with log.open("w") as err:
             pipe = subprocess.PIPE
@@ -78,7 +70,10 @@ def run_json_script(script: str, args: list[str], log: Path, timeout_s: float) -
         return {"error": f"{script} took over {timeout_s:.0f} s; see {log}"}
     lines = done.stdout.strip().splitlines()
     try:
-        return {**json.loads(lines[-1]), "command": " ".join([script, *args, "--json"])}
+        return {
+            **json.loads(lines[-1]),
+            "command": " ".join(["python", "-m", f"scripts.{script}", *args, "--json"]),
+        }
     except (IndexError, ValueError):
         return {"error": f"{script} exited {done.returncode} without a JSON line; see {log}"}
 
@@ -228,7 +223,7 @@ def collect(args: argparse.Namespace, argv: list[str], say: Progress) -> dict[st
     root = Path(tempfile.mkdtemp(prefix="bench-report-", dir=args.logs_dir))
     say(f"logs in {root}")
     report: dict[str, Any] = {
-        "command": shlex.join(["scripts/bench_report.py", *argv]),
+        "command": shlex.join(["-m", "scripts.bench_report", *argv]),
         "quick": args.quick,
         "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "machine": machine(),
@@ -238,13 +233,13 @@ def collect(args: argparse.Namespace, argv: list[str], say: Progress) -> dict[st
     if args.codecs_json:
         report["codecs"] = {**load_json(args.codecs_json), "reused": str(args.codecs_json)}
     else:
-        say("codecs: " + " ".join(["bench_codecs.py", *quick, "--json"]))
-        report["codecs"] = run_json_script("bench_codecs.py", quick, root / "codecs.log", 600)
+        say("codecs: " + " ".join(["scripts.bench_codecs", *quick, "--json"]))
+        report["codecs"] = run_json_script("bench_codecs", quick, root / "codecs.log", 600)
     if args.averaging_json:
         report["averaging"] = {**load_json(args.averaging_json), "reused": str(args.averaging_json)}
     else:
-        say("averaging: " + " ".join(["bench_averaging.py", *quick, "--json"]))
-        report["averaging"] = run_json_script("bench_averaging.py", quick, root / "averaging.log", 900)
+        say("averaging: " + " ".join(["scripts.bench_averaging", *quick, "--json"]))
+        report["averaging"] = run_json_script("bench_averaging", quick, root / "averaging.log", 900)
     if args.skip_training:
         report |= {key: {"skipped": "--skip-training"} for key in ("training", "scaling", "sweep")}
     else:

@@ -5,12 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-try:  # imported as scripts.bench_report_targets (tests) or run from scripts/ (python scripts/x.py)
-    from scripts import _plans
-    from scripts._plans import fmt
-except ImportError:  # pragma: no cover - depends on how the caller was started
-    import _plans
-    from _plans import fmt
+from scripts import _plans
+from scripts._plans import fmt
 
 
 def rows_by_backend(section: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -89,7 +85,7 @@ def _time_vs(gossip, other, limit: float, who: str, report: dict[str, Any]) -> d
     text = f"< {bound:.2f}x ({mine:.1f} s; {who}: not reached in {budget:.0f} s)"
     if bound <= limit:
         return _check(name, bound, text, True)
-    return _check(name, bound, text + "; run scripts/bench_baselines.py for the ratio", None)
+    return _check(name, bound, text + "; run python -m scripts.bench_baselines for the ratio", None)
 
 
 def _run_to_the_end(report: dict[str, Any], backend: str) -> dict[str, Any] | None:
@@ -188,11 +184,11 @@ def _int4_bytes(int4: dict[str, Any] | None) -> dict[str, Any]:
         return _check(name, None, "not measured", None)
     value = int4["wire_bytes_per_param_per_sync"]
     exchange = int4.get("exchange_bytes_per_param")
-    text = f"{value:.3f} B/param ({fmt(exchange, '.3f')} per int4 pseudo-gradient exchange)"
+    text = f"{value:.3f} B/param ({fmt(exchange, '.3f')} per int4 exchange)"
     rest = value - exchange if exchange is not None else None
     why = (
-        f"one int4 pseudo-gradient exchange costs {fmt(exchange, '.3f')} B/param; the other "
-        f"{fmt(rest, '.3f')} B/param per round are the rest of the averaging traffic (anchor exchanges in "
-        "`averaging.param_codec`, state served to joiners)"
+        f"one int4 exchange costs {fmt(exchange, '.3f')} B/param; the other "
+        f"{fmt(rest, '.3f')} B/param per round are the rest of the averaging traffic (bases pushed in "
+        "`compression.codec`, state served to joiners)"
     )
     return _check(name, value, text, value <= 0.7, why)

@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """How long a trainer takes to shut down after SIGINT, mid-step or mid-sync, and where the time goes.
 
 Starts ``swarm bootstrap`` and ``--trainers`` ``swarm join`` processes of ``--config`` (with the
@@ -23,9 +22,9 @@ wrote no summary shows only the total. At the end every process gets SIGINT; wha
 30 s later (after a graceful stop nothing should be) is named and killed, and the temporary directory
 is removed.
 
-    .venv/bin/python scripts/bench_shutdown.py --config configs/gpt-125m.yaml --when step \\
+    .venv/bin/python -m scripts.bench_shutdown --config configs/gpt-125m.yaml --when step \\
         --set data.source=stdlib --set train.batch_size=2 --set model.block_size=128 ...
-    .venv/bin/python scripts/bench_shutdown.py --config configs/local-tiny.yaml --when sync  # ~1 min
+    .venv/bin/python -m scripts.bench_shutdown --config configs/local-tiny.yaml --when sync  # ~1 min
 """
 
 from __future__ import annotations
@@ -99,14 +98,14 @@ def _sets(overrides: list[str]) -> list[str]:
 
 def _stop_all(procs: list[Proc]) -> None:
     """SIGINT each process, wait, then name and kill whatever of their sessions is left."""
-    from peers.local import _session_processes
+    from peers.local import session_processes
 
     for p in procs:
         if p.proc.poll() is None:
             p.proc.send_signal(signal.SIGINT)
     for p in procs:
         p.wait_exit(GRACE_S)
-    leftovers = _session_processes({p.proc.pid for p in procs})
+    leftovers = session_processes({p.proc.pid for p in procs})
     for proc in leftovers:
         print(f"leftover after a graceful stop: pid {proc.pid} {proc.name()}; killing it", file=sys.stderr)
         proc.kill()

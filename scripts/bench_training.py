@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Training benchmark on loopback: swarm gossip (int8) vs hivemind.Optimizer vs one solo peer.
 
 Each backend runs as ``swarm local --peers N --config configs/local-tiny.yaml --duration S`` (a
@@ -7,7 +6,9 @@ emulated device (``_runner.REGIME``: ``emulation.step_time_s``, every inner step
 time, so that peers sharing this machine's cores do not measure CPU contention). ``train.max_steps``
 is raised so that the budget, not a step count, ends every run.
 
-* gossip: ``averaging.backend=gossip``, int8 pseudo-gradients every H local steps.
+* gossip: ``averaging.backend=gossip``: every H local steps a pair of peers exchanges its models,
+  each relative to a base the two share (the change in ``compression.delta_codec``, int4), or whole
+  in ``compression.codec`` (int8) where they share none.
 * hivemind: ``averaging.backend=hivemind``, ``sync_every_steps = N * H``, so that each peer averages
   about every H of its own steps (an epoch is N * H * batch samples of the whole swarm).
 * solo: ``averaging.backend=none``, one peer.
@@ -18,8 +19,8 @@ peers' latest held-out eval losses, read live from their histories (``--history`
 trainers' own summary numbers (:func:`summary_numbers`). scripts/bench_report.py runs the same
 comparison over the emulated internet.
 
-    .venv/bin/python scripts/bench_training.py                 # 4 peers, 150 s each
-    .venv/bin/python scripts/bench_training.py --quick --json  # 2 peers, 45 s each; last line JSON
+    .venv/bin/python -m scripts.bench_training                 # 4 peers, 150 s each
+    .venv/bin/python -m scripts.bench_training --quick --json  # 2 peers, 45 s each; last line JSON
 """
 
 from __future__ import annotations
@@ -33,11 +34,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-try:  # imported as scripts.bench_training (tests) or run from scripts/ (python scripts/x.py)
-    from scripts import _rows, _runner
-except ImportError:  # pragma: no cover - depends on how the caller was started
-    import _rows
-    import _runner
+from scripts import _rows, _runner
 
 REGIME = _runner.REGIME
 REPO = _runner.REPO

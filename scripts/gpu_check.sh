@@ -47,7 +47,7 @@ else
   "$VENV/bin/python" -m pip install -q --no-index --no-deps --no-build-isolation -e . 2>/dev/null \
     || echo "gpu_check: the project is used from PYTHONPATH (not installed)"
   PYTHON="$VENV/bin/python"
-  INSTALL="installed $(ls gpu-wheels/*.whl | wc -l) wheels (bitsandbytes CUDA: $("$PYTHON" scripts/_gpu_wheels.py bnb-cuda gpu-wheels))"
+  INSTALL="installed $(ls gpu-wheels/*.whl | wc -l) wheels (bitsandbytes CUDA: $("$PYTHON" -m scripts._gpu_wheels bnb-cuda gpu-wheels))"
   "$PYTHON" -c 'import torch; p = torch.cuda.get_device_properties(0); print(f"gpu_check: {p.name}, {p.total_memory / 2**30:.1f} GiB, torch {torch.__version__} (CUDA {torch.version.cuda})")'
 fi
 echo "gpu_check: $INSTALL"
@@ -107,4 +107,4 @@ done
 VERDICT=(--work "$WORK" --out "$OUT" --tests-rc "$TESTS_RC" --memory-rc "$MEM_RC" --swarm-rc "$SWARM_RC"
   --swarms "${RAN[@]}")
 (( DRY )) && VERDICT+=(--dry-run)
-"$PYTHON" scripts/gpu_check_report.py "${VERDICT[@]}" --install "$INSTALL"
+"$PYTHON" -m scripts.gpu_check_report "${VERDICT[@]}" --install "$INSTALL"

@@ -1,6 +1,6 @@
 """The verdict of scripts/gpu_check.sh: its steps' figures and every condition, as JSON and a table.
 
-    python scripts/gpu_check_report.py --work DIR --out OUT.json --tests-rc N --memory-rc N \\
+    python -m scripts.gpu_check_report --work DIR --out OUT.json --tests-rc N --memory-rc N \\
         --swarm-rc N [--swarms NAME ...] [--dry-run] [--install TEXT]
 
 ``DIR`` holds the steps' files: ``tests.log``, ``llama-host.json`` and ``llama-device.json``

@@ -70,7 +70,7 @@ for package in "${PACKAGES[@]}"; do
 done
 
 # bitsandbytes: keep its CPU library and the one CUDA library of the image's CUDA.
-"$PYTHON" scripts/_gpu_wheels.py strip-bitsandbytes "$OUT" --cuda "$CUDA"
+"$PYTHON" -m scripts._gpu_wheels strip-bitsandbytes "$OUT" --cuda "$CUDA"
 
 WEIGHT="$(du -cb "$OUT"/*.whl | tail -n 1 | cut -f 1)"
 printf 'gpu_prepare: %s holds %d wheels, %.1f MiB (limit 64 MiB)\n' "$OUT" "$(ls "$OUT"/*.whl | wc -l)" \

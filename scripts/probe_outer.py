@@ -3,15 +3,16 @@
 No network and no processes: N models, optimizers and data shards in one process, stepped in lock
 step, with the averaging done in memory (``scripts/_probe_rules.py``). It separates what the
 averaging *rule* costs in samples from what the network and the machine cost, which the testbed
-report (``scripts/bench_report.py``) measures together. docs/gossip.md, "The trainer's rule", quotes it.
+report (``scripts/bench_report.py``) measures together. docs/benchmarks.md, "What the averaging rule
+costs, in process", quotes it.
 
-    .venv/bin/python scripts/probe_outer.py --mode solo                    # one device, batch 1
-    .venv/bin/python scripts/probe_outer.py --mode solo --batch 4          # ideal data-parallel, 4 devices
-    .venv/bin/python scripts/probe_outer.py --mode allreduce --peers 4 --sync-every 5
-    .venv/bin/python scripts/probe_outer.py --mode gossip --peers 8 --sync-every 5 \
+    .venv/bin/python -m scripts.probe_outer --mode solo                    # one device, batch 1
+    .venv/bin/python -m scripts.probe_outer --mode solo --batch 4          # ideal data-parallel, 4 devices
+    .venv/bin/python -m scripts.probe_outer --mode allreduce --peers 4 --sync-every 5
+    .venv/bin/python -m scripts.probe_outer --mode gossip --peers 8 --sync-every 5 \
         --exchange model --codec int8 --schedule hypercube --lag 1        # the trainer's default rule
-    .venv/bin/python scripts/probe_outer.py --grid --jobs 2 --json         # the older table
-    .venv/bin/python scripts/probe_outer.py --scaling --jobs 2 --samples 1600 --target 4.0 --sync-every 5
+    .venv/bin/python -m scripts.probe_outer --grid --jobs 2 --json         # the older table
+    .venv/bin/python -m scripts.probe_outer --scaling --jobs 2 --samples 1600 --target 4.0 --sync-every 5
 
 Modes: ``solo`` (one trainer of ``--batch``), ``allreduce`` (every ``--sync-every`` steps all peers
 apply the exact mean pseudo-gradient: OpenDiLoCo), ``gossip`` (the peers meet in pairs, or groups of
@@ -35,10 +36,7 @@ import sys
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, replace
 
-try:  # imported as scripts.probe_outer (tests) or run as python scripts/probe_outer.py
-    from scripts._probe_run import Probe, run
-except ImportError:
-    from _probe_run import Probe, run
+from scripts._probe_run import Probe, run
 
 
 def grid(peers: int, steps: int) -> list[Probe]:

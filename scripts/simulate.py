@@ -1,11 +1,12 @@
-"""Event-driven simulator of gossip averaging rules: N in-process peers on their own clocks, over links
+r"""Event-driven simulator of gossip averaging rules: N in-process peers on their own clocks, over links
 of a given rate and latency, with churn and disagreeing membership views (docs/simulator.md).
 
-    .venv/bin/python scripts/simulate.py --rules late,factored-int4 --peers 4,8 --samples 2400
-    .venv/bin/python scripts/simulate.py --rules late --peers 8 --step-times 0.1x3,0.3 --json
-    .venv/bin/python scripts/simulate.py --peers 64 --samples 9600 --churn-per-min 0.1 \
+    .venv/bin/python -m scripts.simulate --rules late,factored-int4 --peers 4,8 --samples 2400
+    .venv/bin/python -m scripts.simulate --rules late --peers 8 --step-times 0.1x3,0.3 --json
+    .venv/bin/python -m scripts.simulate --peers 64 --samples 9600 --churn-per-min 0.1 \
         --model model.n_embd=32,model.n_layer=1
-    .venv/bin/python scripts/simulate.py --calibrate                   # the testbed's scaling regime
+    .venv/bin/python -m scripts.simulate --rules late --views full,sample,lookup --peers 1000 ...
+    .venv/bin/python -m scripts.simulate --calibrate                   # the testbed's scaling regime
 
 Every rule at every N runs over the same number of samples in all (``--samples``, a full cosine
 schedule unless ``--flat``), and its final loss is the held-out loss of the live peers' mean model on
@@ -22,14 +23,10 @@ import sys
 from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
 
-try:  # imported as scripts.simulate (tests) or run as python scripts/simulate.py
-    from scripts import _probe_run
-    from scripts._sim_engine import SimConfig, Simulation
-    from scripts._sim_rules import named
-except ImportError:  # pragma: no cover - depends on how the caller was started
-    import _probe_run
-    from _sim_engine import SimConfig, Simulation
-    from _sim_rules import named
+from scripts import _probe_run
+from scripts._sim_engine import SimConfig, Simulation
+from scripts._sim_rules import named
+from scripts._sim_views import KINDS as VIEWS
 
 DEFAULT_RULES = ",".join(
     [
@@ -72,12 +69,14 @@ def run_one(task: tuple[str, str, int, SimConfig | _probe_run.Probe, bool]) -> d
         result = _probe_run.run(cfg)
         return {"rule": rule, "peers": n, "final_loss": result["final_loss_averaged_model"]}
     sim = Simulation(cfg, progress=None if quiet else _say(label))  # type: ignore[arg-type]
-    return {"rule": rule, "peers": n, "seed": cfg.seed, **sim.run()}
+    return {"rule": rule, "peers": n, "seed": cfg.seed, "view": cfg.view, **sim.run()}
 
 
 def plan(args: argparse.Namespace) -> list[tuple]:
-    """``(rule, label, N, config, quiet)`` for every rule, N and seed, the baselines first."""
+    """``(rule, label, N, config, quiet)`` for every rule, view, N and seed, the baselines first
+    (all-reduce needs no view: it runs with the first)."""
     rules = [r for r in args.rules.split(",") if r]
+    views = [v for v in args.views.split(",") if v]
     if args.baselines and "allreduce" not in rules:
         rules = ["allreduce", *rules]
     sets = tuple(s for s in args.model.split(",") if s)
@@ -91,7 +90,9 @@ def plan(args: argparse.Namespace) -> list[tuple]:
                 model=",".join(sets),
             )  # fmt: skip
             tasks.append(("data-parallel", f"data-parallel N={n}", n, probe, args.quiet))
-        for name in rules:
+        for name, view in ((name, view) for name in rules for view in views):
+            if name == "allreduce" and view != views[0]:
+                continue
             for seed in range(args.seed, args.seed + args.seeds):
                 cfg = SimConfig(
                     rule=named(name, args.sync_every, args.max_lag),
@@ -106,6 +107,7 @@ def plan(args: argparse.Namespace) -> list[tuple]:
                     churn_per_min=args.churn_per_min,
                     join_delay_s=args.join_delay_s,
                     view_refresh_s=args.view_refresh_s,
+                    view=view,
                     cosine=not args.flat,
                     lr=args.lr,
                     target=args.target,
@@ -117,7 +119,7 @@ def plan(args: argparse.Namespace) -> list[tuple]:
                     model_sets=sets,
                     seed=seed,
                 )
-                tasks.append((name, f"{name} N={n} seed={seed}", n, cfg, args.quiet))
+                tasks.append((name, f"{name} {view} N={n} seed={seed}", n, cfg, args.quiet))
     return tasks
 
 
@@ -141,25 +143,27 @@ def _pct(value: float | None) -> str:
 
 
 def table(rows: list[dict]) -> str:
-    """The markdown table of the rows (one line per rule, N and seed)."""
+    """The markdown table of the rows (one line per rule, view, N and seed)."""
     head = (
-        "| rule | N | seed | final loss | vs all-reduce | vs data-parallel | B/param overlapped | "
-        "B/param critical | idle mean / max | exchanges (fallbacks, aborted) | pairing | "
-        "samples to target | sim s | spread at end |"
+        "| rule | view | N | seed | final loss | vs all-reduce | vs data-parallel | B/param overlapped | "
+        "B/param critical | idle mean / max | exchanges (fallbacks, aborted) | pairing (scheduled) | "
+        "membership B/s per peer | samples to target | sim s | spread at end |"
     )
     lines = [head, "| " + " | ".join(["---"] * (head.count("|") - 1)) + " |"]
     for r in rows:
         gaps = f"{_pct(r.get('gap_vs_allreduce'))} | {_pct(r.get('gap_vs_dataparallel'))}"
         if "bytes_per_param_per_round" not in r:  # data-parallel: a loss and nothing else
-            lines.append(f"| {r['rule']} | {r['peers']} | | {r['final_loss']} | {gaps} |" + " |" * 8)
+            lines.append(f"| {r['rule']} | | {r['peers']} | | {r['final_loss']} | {gaps} |" + " |" * 9)
             continue
         b, idle, ex, pair = r["bytes_per_param_per_round"], r["idle_share"], r["exchanges"], r["pairing"]
         spread = r["curve"][-1][3] if r["curve"] else ""
+        scheduled = pair["scheduled_partner"] / pair["initiated"] if pair["initiated"] else 0.0
         lines.append(
-            f"| {r['rule']} | {r['peers']} | {r['seed']} | {r['final_loss']} | {gaps} | "
+            f"| {r['rule']} | {r['view']} | {r['peers']} | {r['seed']} | {r['final_loss']} | {gaps} | "
             f"{b['overlapped']} | {b['critical']} | {idle['mean']:.3f} / {idle['max']:.3f} | "
-            f"{ex['committed']} ({ex['fallbacks']}, {ex['aborted']}) | {pair['success']} | "
-            f"{r['samples_to_target']} | {r['sim_time_s']} | {spread} |"
+            f"{ex['committed']} ({ex['fallbacks']}, {ex['aborted']}) | {pair['success']} ({scheduled:.2f}) | "
+            f"{r['membership']['bytes_per_peer_s']} | {r['samples_to_target']} | {r['sim_time_s']} | "
+            f"{spread} |"
         )
     return "\n".join(lines)
 
@@ -191,6 +195,7 @@ def parser() -> argparse.ArgumentParser:
     add("--churn-per-min", type=float, default=0.0, help="share of N replaced per minute")
     add("--join-delay-s", type=float, default=defaults.join_delay_s)
     add("--view-refresh-s", type=float, default=defaults.view_refresh_s)
+    add("--views", default="full", help=f"comma-separated membership designs: {', '.join(VIEWS)}")
     add("--sync-every", type=int, default=5, help="H, inner steps per round")
     add("--max-lag", type=int, default=None, help="rounds a non-blocking exchange may lag (default 3)")
     add("--lr", type=float, default=defaults.lr, help="inner AdamW peak lr")

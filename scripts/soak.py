@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Chaos soak: 8 trainers on the emulated internet, a random one SIGKILLed every ~15 s and restarted.
 
 Two runs of the same length, each in its own lab (testbed/netlab.py, needs root): a bootstrap in host
@@ -19,8 +18,8 @@ trained against samples in the final checkpoints and the ledger's view, the fina
 against the baseline's, the exchanges that failed by cause, leftover processes. It exits 1 when a
 check fails. docs/security.md has a measured report and how to read it.
 
-    sudo .venv/bin/python scripts/soak.py --quick   # 2 minutes per run (about 7 minutes in all)
-    sudo .venv/bin/python scripts/soak.py           # 10 minutes per run
+    sudo .venv/bin/python -m scripts.soak --quick   # 2 minutes per run (about 7 minutes in all)
+    sudo .venv/bin/python -m scripts.soak           # 10 minutes per run
 """
 
 from __future__ import annotations
@@ -39,13 +38,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from scripts import _runner, soak_report
 from testbed import netlab
-
-try:  # imported as scripts.soak (tests) or run from scripts/ (python scripts/soak.py)
-    from scripts import _runner, soak_report
-except ImportError:  # pragma: no cover - depends on how the caller was started
-    import _runner
-    import soak_report
 
 TRAINERS = 8
 FULL_S, QUICK_S = 600.0, 120.0
@@ -187,7 +181,7 @@ class Swarm:
     def kill(self, trainer: Trainer, how: str) -> None:
         """SIGKILL the session (``session``) or the main process alone (``lone``); wait until nothing
         of the session runs, else note and kill what is left."""
-        from peers.local import _session_processes
+        from peers.local import session_processes
 
         life = trainer.current
         if how == "session":
@@ -198,7 +192,7 @@ class Swarm:
         life.proc.wait(timeout=KILL_WAIT_S)
         life.killed = how
         deadline = time.monotonic() + KILL_WAIT_S
-        while (left := _session_processes({life.proc.pid})) and time.monotonic() < deadline:
+        while (left := session_processes({life.proc.pid})) and time.monotonic() < deadline:
             time.sleep(0.2)  # the DHT worker's watchdog polls its parent; there is nothing to wait on
         for proc in left:
             self.kill_leftovers.append(f"trainer {trainer.index} ({how} kill): {describe(proc)}")
@@ -241,13 +235,13 @@ class Swarm:
     def leftovers(self) -> list[str]:
         """Processes still alive in any session this swarm started, or anywhere in the lab's namespaces,
         once they had ``SETTLE_S`` to end after the graceful stop."""
-        from peers.local import _session_processes
+        from peers.local import session_processes
 
         sessions = {life.proc.pid for t in self.trainers for life in t.lives}
         sessions |= {self.boot.pid} if self.boot is not None else set()
         deadline = time.monotonic() + SETTLE_S
         while True:
-            found = {p.pid: describe(p) for p in _session_processes(sessions)}
+            found = {p.pid: describe(p) for p in session_processes(sessions)}
             for host in self.lab.hosts:
                 for pid in netlab.sh(["ip", "netns", "pids", host.netns], check=False).split():
                     found.setdefault(int(pid), describe_pid(int(pid)))

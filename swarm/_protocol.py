@@ -4,7 +4,7 @@ Peers announce it in their records; a peer with another version is never chosen 
 monitor flags it. Bump it on any incompatible change to what crosses the network.
 """
 
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7
 """2: both sides of a gossip exchange use it (offer mode); HELLO may carry an anchor probe.
 3: records carry losses in bits (``loss_unit``), ``eval_bits_per_byte`` and ``rollbacks``; a peer
 going away says ``leaving`` (its record, and BUSY "leaving").
@@ -16,7 +16,10 @@ exchange whose offer changed under it ends mid-stream with NACK "not committed",
 nobody.
 6: a round's exchange sends each model relative to a base the pair shares (HELLO ``base``), pushed
 by the dialling member at the round's start (HELLO ``push``); a version-5 peer would read those
-frames as whole models."""
+frames as whole models.
+7: every exchange averages the pair's models (the pseudo-gradient exchange and the HELLO's
+``companion`` part are gone), so a version-6 peer that still offers pseudo-gradients never meets one
+that reads them as a model."""
 
 
 def protocol_id(service: str, run_id: str) -> str:

@@ -152,7 +152,7 @@ def _report(tmp_path: Path, codecs_json: Path) -> dict:
     ]
     training = {"rows": rows, "peers": 4, "slow_peer": 4, "slowdown": 3.0, "budget_s": 3.0}
     training |= {"target": TARGET, **bench_report.regime()} | _plans.equal_samples(rows)
-    report = {"command": "scripts/bench_report.py --test", "date": "today", "machine": bench_report.machine()}
+    report = {"command": "-m scripts.bench_report --test", "date": "today", "machine": bench_report.machine()}
     report |= {
         "codecs": bench_report.load_json(codecs_json),
         "averaging": bench_report.load_json(_averaging_json(tmp_path)),
@@ -270,7 +270,7 @@ def test_a_baseline_that_never_reached_the_target_is_timed_by_a_run_to_the_end(
         return next(c for c in target_checks(report) if "hivemind" in c["target"])
 
     unknown = hivemind_check()
-    assert unknown["met"] is None and "run scripts/bench_baselines.py" in unknown["text"]
+    assert unknown["met"] is None and "run python -m scripts.bench_baselines" in unknown["text"]
     doc = tmp_path / "benchmarks.md"
     write_outputs(report, doc, tmp_path / "img")
     assert "| not shown |" in doc.read_text()
@@ -314,7 +314,11 @@ def test_without_root_the_testbed_is_skipped(tmp_path: Path, codecs_json: Path, 
     assert bench_report.main(argv) == 0
     out = capsys.readouterr()
     report = json.loads(out.out.strip().splitlines()[-1])
-    assert shlex.split(report["command"])[1:] == argv  # the header's command line can be pasted back
+    assert shlex.split(report["command"]) == [
+        "-m",
+        "scripts.bench_report",
+        *argv,
+    ]  # the header's command line can be pasted back
     assert report["training"] == {"skipped": reason} and report["scaling"] == {"skipped": reason}
     assert f"training over the testbed skipped: {reason}" in out.err
     text = doc.read_text()
@@ -373,3 +377,17 @@ def test_the_testbed_scripts_say_why_they_cannot_run(monkeypatch, capsys) -> Non
             main([])
         assert exited.value.code == 2
         assert capsys.readouterr().err == f"{program}: the testbed is unavailable: {reason}\n"
+
+
+def test_every_plan_s_settings_load_as_a_config() -> None:
+    """A key the config refuses (renamed or retired) fails here, not minutes into a benchmark."""
+    from scripts import bench_baselines, bench_lag, bench_training
+    from swarm.config import load_config
+
+    plans = [*_plans.comparison_plans(4, 60.0, 4), *_plans.scaling_plans([1, 2], 60.0)]
+    plans += [*_plans.sweep_plans(_plans.SWEEP, 4, 60.0), *bench_baselines.plans(60.0)]
+    plans += [*bench_lag.plans([1, 3], 60.0, [5, 20]), bench_lag.one_device(60.0)]
+    sets = [plan.sets for plan in plans]
+    sets += [[*_runner.regime_sets(), *extra] for _, _, extra in bench_training.backends(4, 5)]
+    for overrides in sets:
+        load_config(_runner.REPO / _runner.CONFIG, overrides, env={})

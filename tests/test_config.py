@@ -607,16 +607,3 @@ def test_anchors_may_travel_in_int8_but_not_in_int4():
     assert load_config(None, ["averaging.param_codec=int8"], env={}).averaging.param_codec == "int8"
     error = only_error_about(errors_of(None, ["averaging.param_codec=int4"]), "averaging.param_codec")
     assert "int8" in error and "int4" in error  # names what was given and what is allowed
-
-
-def test_a_folded_anchor_pull_needs_gossip_and_every_round():
-    folded = load_config(None, ["averaging.anchor_pull=folded", "averaging.param_sync_every=1"], env={})
-    assert folded.averaging.anchor_pull == "folded"
-    assert folded.config_hash() != load_config(None, ["averaging.param_sync_every=1"], env={}).config_hash()
-    error = only_error_about(errors_of(None, ["averaging.anchor_pull=folded"]), "averaging.anchor_pull")
-    assert "param_sync_every to 1 (it is 10)" in error and "averaging.param_sync_every from default" in error
-    overrides = ["averaging.anchor_pull=folded", "averaging.param_sync_every=1", "averaging.backend=none"]
-    error = only_error_about(errors_of(None, overrides), "averaging.anchor_pull")
-    assert "needs backend 'gossip'" in error and "'none'" in error
-    error = only_error_about(errors_of(None, ["averaging.anchor_pull=both"]), "averaging.anchor_pull")
-    assert "separate" in error and "folded" in error

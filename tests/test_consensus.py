@@ -1,10 +1,11 @@
-"""The default gossip rule keeps one model: model exchanges on the hypercube schedule shrink the peers'
-spread geometrically, where pseudo-gradient pairs leave it where it was (docs/gossip.md, "The rule").
+"""The gossip rule keeps one model: model exchanges on the hypercube schedule shrink the peers'
+spread geometrically (docs/gossip.md, "The rule"), where pairs whose exchanges move nothing leave it
+where it was.
 
 In process and without a network: each peer is a real :class:`LiveModel` with the trainer's offerer
-(:class:`ModelOffers` or :class:`DeltaOffers`), and an exchange runs the averager's own codec, error
-feedback and mass-conserving mix (``swarm.gossip._exchange.mix``) on the two offers, then hands each
-side the :class:`~swarm.gossip.Committed` the averager would.
+(:class:`ModelOffers`), and an exchange runs the averager's own codec, error feedback and
+mass-conserving mix on the two offers, then hands each side the :class:`~swarm.gossip.Committed` the
+averager would.
 """
 
 from __future__ import annotations
@@ -19,14 +20,21 @@ import torch
 
 from swarm.compression import ErrorFeedback, get_codec
 from swarm.gossip import Committed, SyncOutcome, SyncResult, consensus_order, hypercube_partner
-from swarm.gossip._mixing import mix
 from swarm.gossip._protocol import Hello
 from swarm.learning import OuterOptimizer
 from swarm.trainer._gossip import GossipBackend
 from swarm.trainer._live import LiveModel
-from swarm.trainer._offers import DeltaOffers, ModelOffers, partner_round
+from swarm.trainer._offers import ModelOffers, partner_round
+from tests._mixing import computed, mix
 
 BATCH = 2
+
+
+class _Inert(ModelOffers):
+    """A broken rule for contrast: it exchanges, counts its rounds, and applies nothing."""
+
+    def committed(self, offer: object, exchange: Committed) -> None:
+        self.round += 1
 
 
 class Peer:
@@ -37,7 +45,7 @@ class Peer:
         self.model = torch.nn.Linear(16, 8)
         self.name = f"peer-{seed}"
         self.live = LiveModel(self.model, OuterOptimizer(self.model, lr=1.0, momentum=0.0), BATCH)
-        self.offers = ModelOffers(self.live) if rule == "model" else DeltaOffers(self.live)
+        self.offers = ModelOffers(self.live) if rule == "model" else _Inert(self.live)
         self.codec = get_codec(codec)
         self.feedback = ErrorFeedback(self.codec) if not self.codec.lossless else None
         self.exchanges = 0
@@ -135,8 +143,8 @@ def test_model_exchanges_shrink_the_spread_geometrically(count: int) -> None:
 
 
 @pytest.mark.parametrize("count", [4, 8])
-def test_pseudo_gradient_pairs_fail_the_same_test(count: int) -> None:
-    peers = [Peer(seed, "pseudo-gradient") for seed in range(count)]
+def test_pairs_whose_exchanges_move_nothing_fail_the_same_test(count: int) -> None:
+    peers = [Peer(seed, "inert") for seed in range(count)]
     history = spreads(peers, rounds=3 * int(math.log2(count)))
     assert all(peer.exchanges == len(history) - 1 for peer in peers)  # they did exchange, every round
     assert not shrinks_geometrically(history, per_round=0.75)
@@ -202,7 +210,7 @@ def test_a_late_exchange_applies_once_and_keeps_local_progress() -> None:
             p.add_(later[n])
     mean = {n: (models[0][n] + models[1][n]) / 2 for n in models[0]}
     result = SyncResult(SyncOutcome.OK, b.name, 0, 0, 0.0, 1.0)
-    committed = Committed({n: t.clone() for n, t in mean.items()}, 1.0, True, result, offers[1].probe)
+    committed = Committed(computed(mean, mean), 1.0, True, result, offers[1].probe)
     a.offers.committed(offers[0], committed)
     assert a.offers.offer() is None  # nothing new to give while the result waits
     assert len(a.live.apply_pending()) == 1

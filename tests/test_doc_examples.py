@@ -52,7 +52,8 @@ SKIPS = (
     Skip("swarm local ", "trains a local swarm for minutes (tests/test_cli.py runs short ones)"),
     Skip("scripts/demo.sh", "trains a local swarm for minutes"),
     Skip("scripts/test.sh", "runs the whole suite, this file included"),
-    Skip(".venv/bin/python scripts/", "a benchmark or probe: minutes each (docs/benchmarks.md)"),
+    Skip(".venv/bin/python -m scripts.", "a benchmark or probe: minutes each (docs/benchmarks.md)"),
+    Skip("python -m scripts.", "a benchmark or probe: minutes each (docs/benchmarks.md)"),
     Skip("for i in", "repeats a benchmark"),
     # need root or a trained model
     Skip("sudo ", "needs root: the soak runs peers in network namespaces"),

@@ -38,7 +38,7 @@ def test_every_config_passes_check_with_estimates(path: Path) -> None:
     result = runner.invoke(app, ["config", "check", str(path)])
     assert result.exit_code == 0, result.output
     assert "OK: " in result.output
-    assert "memory per peer on cuda" in result.output and "outer state in host memory" in result.output
+    assert "memory per peer on " in result.output and "outer state in host memory" in result.output
     assert "wire per sync per peer" in result.output
 
 
@@ -58,23 +58,11 @@ def test_meta_count_equals_a_real_model_and_wire_bytes_equal_encoded_bytes() -> 
     assert estimate.inner_optimizer == 8 * estimate.parameters  # float32 AdamW on the CPU
 
 
-def test_a_folded_anchor_pull_sends_the_anchor_every_round_and_holds_both_parts_at_once() -> None:
-    rule = ["averaging.exchange=pseudo-gradient", "averaging.param_codec=int8"]
-    separate = estimate_peer(load_config("configs/local-tiny.yaml", rule, env={}))
-    overrides = [*rule, "averaging.anchor_pull=folded", "averaging.param_sync_every=1"]
-    folded = estimate_peer(load_config("configs/local-tiny.yaml", overrides, env={}))
-    assert folded.wire_params == separate.wire_params  # the same int8 anchor ...
-    assert separate.wire_per_sync == separate.wire_delta + separate.wire_params / 5  # ... every 5th round
-    assert folded.wire_per_sync == folded.wire_delta + folded.wire_params  # ... or in every exchange
-    # two exchanges in flight hold a pseudo-gradient and an anchor copy each (16 P, as a committed
-    # update does), and the partners' frames of both parts; the separate anchor exchange holds one part
-    assert folded.exchange_buffers == separate.exchange_buffers >= 16 * folded.parameters
-    assert folded.exchange_frames == 2 * (folded.wire_delta + folded.wire_params) > separate.exchange_frames
-    # the default model exchange sends each model's change from the pair's base after the round (int4:
+def test_an_exchange_sends_the_change_after_the_round_and_holds_a_bfloat16_offer() -> None:
+    # an exchange sends each model's change from the pair's base after the round (int4:
     # half the whole model's int8), and the base (the whole model) while it trains, every other round
     config = load_config("configs/local-tiny.yaml", env={})
     model = estimate_peer(config)
-    assert model.wire_delta == separate.wire_delta
     assert 0.45 * model.wire_delta < model.wire_change < 0.55 * model.wire_delta
     assert model.wire_per_sync == model.wire_change + model.wire_delta / 2
     # ... and holds its offer as a bfloat16 progress, shared by overlapping exchanges, not float32 copies
@@ -83,7 +71,7 @@ def test_a_folded_anchor_pull_sends_the_anchor_every_round_and_holds_both_parts_
     assert model.exchange_frames == 2 * model.wire_delta
 
 
-def test_the_shared_bases_are_counted_in_host_memory_for_model_exchanges_only() -> None:
+def test_the_shared_bases_are_counted_in_host_memory_for_gossip_only() -> None:
     from swarm.gossip._bases import MAX_BASES
     from swarm.learning.estimate import format_bytes
     from swarm.learning.estimate_report import describe_estimate
@@ -97,7 +85,7 @@ def test_the_shared_bases_are_counted_in_host_memory_for_model_exchanges_only() 
             models.bases
         )
     assert f"shared bases {format_bytes(models.bases)}" in " ".join(describe_estimate(models))
-    for other in ("averaging.exchange=pseudo-gradient", "averaging.backend=allreduce"):
+    for other in ("averaging.backend=allreduce", "averaging.backend=none"):
         config = load_config("configs/local-tiny.yaml", overrides=[other], env={})
         assert estimate_peer(config, "cpu").bases == 0, other
 

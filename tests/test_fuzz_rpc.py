@@ -25,6 +25,7 @@ import torch
 from hivemind.p2p import PeerID
 from hypothesis import event, given
 
+from scripts._held import gossip_averager
 from swarm._protocol import PROTOCOL_VERSION
 from swarm.compression import encode_tensors, get_codec, schema_of
 from swarm.gossip import GossipAverager
@@ -76,7 +77,7 @@ RESPONDER_JSON = {0: HELLO, len(RESPONDER) - 2: END}
 
 
 def make_averager(p2p: FakeP2P, partners: Callable[[], list[PartnerInfo]] = list) -> GossipAverager:
-    averager = GossipAverager(
+    averager = gossip_averager(
         run_id=RUN,
         partner_source=partners,
         p2p_factory=p2p.factory,
@@ -112,7 +113,7 @@ def serve(
 
 def registered(averager: GossipAverager) -> dict[str, torch.Tensor]:
     with averager.paused():
-        return {name: t.clone() for name, t in averager._local.tensors.items()}
+        return {name: t.clone() for name, t in averager.held.tensors.items()}
 
 
 def assert_unchanged(averager: GossipAverager, before: dict[str, torch.Tensor], weight: float) -> None:

@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterator
 import pytest
 import torch
 
+from scripts._held import gossip_averager
 from swarm.compression import get_codec
 from swarm.gossip import GossipAverager, Offer, PartnerInfo, SyncOutcome
 from swarm.gossip._bases import MAX_BASES, BaseStore
@@ -50,7 +51,7 @@ def anchor() -> dict[str, torch.Tensor]:
 
 @pytest.fixture
 def pair() -> Iterator[Callable[..., tuple[GossipAverager, GossipAverager]]]:
-    """Two averagers in offer mode on their own daemons, each the other's only partner."""
+    """Two averagers on their own daemons, each the other's only partner."""
     from hivemind.p2p import P2P
 
     before = p2pd_pids()
@@ -58,7 +59,7 @@ def pair() -> Iterator[Callable[..., tuple[GossipAverager, GossipAverager]]]:
 
     def make(first_offers, second_offers, **options):
         settings = {"codec": "int8", "delta_codec": "int4", "chunk_bytes": 4096, **options}
-        first = GossipAverager(
+        first = gossip_averager(
             run_id="bases", partner_source=list, p2p_factory=P2P.create, offerer=first_offers, **settings
         )
         made.append(first)
@@ -67,7 +68,7 @@ def pair() -> Iterator[Callable[..., tuple[GossipAverager, GossipAverager]]]:
         async def connected() -> P2P:
             return await P2P.create(initial_peers=maddrs)
 
-        second = GossipAverager(
+        second = gossip_averager(
             run_id="bases", partner_source=list, p2p_factory=connected, offerer=second_offers, **settings
         )
         made.append(second)

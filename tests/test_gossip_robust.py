@@ -1,4 +1,4 @@
-"""swarm.gossip._robust: the pairwise centred clip, CenteredClip, and strikes for suspicious partners."""
+"""swarm.gossip._robust: the pairwise centred clip and strikes for suspicious partners."""
 
 from __future__ import annotations
 
@@ -12,13 +12,14 @@ import torch
 
 from swarm.compression import get_codec
 from swarm.gossip._exchange import ExchangeSpec, run_exchange
-from swarm.gossip._mixing import Mixed, robust_mix
+from swarm.gossip._mixing import Mixed
 from swarm.gossip._partners import BanList
 from swarm.gossip._protocol import Channel
-from swarm.gossip._robust import ClipPolicy, centered_clip, centered_clip_named, clip_scale
+from swarm.gossip._robust import ClipPolicy, clip_scale
 from swarm.gossip._validation import NormPolicy
 from tests._channels import channel_pair
 from tests._faults import TamperingChannel
+from tests._mixing import robust_mix
 
 POLICY = ClipPolicy(clip_ratio=2.0, hard_factor=10.0)
 INT8 = get_codec("int8")
@@ -167,44 +168,6 @@ def test_clip_policy_rejects_nonsense() -> None:
         ClipPolicy(clip_ratio=0.0)
     with pytest.raises(ValueError, match="hard_factor"):
         ClipPolicy(hard_factor=0.5)
-
-
-def test_centered_clip_ignores_a_far_minority() -> None:
-    g = torch.Generator().manual_seed(0)
-    center = torch.randn(1000, generator=g)
-    honest = [center + 0.05 * torch.randn(1000, generator=g) for _ in range(4)]
-    attacker = center * 1000
-    honest_mean = torch.stack(honest).mean(0)
-    robust = centered_clip([*honest, attacker])
-    plain = torch.stack([*honest, attacker]).mean(0)
-    spread = max(float((h - honest_mean).norm()) for h in honest)
-    assert float((robust - honest_mean).norm()) < spread  # within the honest cloud
-    assert float((plain - honest_mean).norm()) > 100 * spread  # the plain mean is not
-
-
-def test_centered_clip_of_honest_points_is_their_mean() -> None:
-    g = torch.Generator().manual_seed(1)
-    points = [torch.randn(50, generator=g) for _ in range(5)]
-    mean = torch.stack(points).mean(0)
-    assert torch.allclose(centered_clip(points, tau=1e6), mean, atol=1e-6)
-    two = centered_clip(points[:2], weights=[1.0, 3.0])
-    assert torch.allclose(two, (points[0] + 3 * points[1]) / 4, atol=1e-6)
-
-
-def test_centered_clip_checks_its_input() -> None:
-    with pytest.raises(ValueError, match="at least one"):
-        centered_clip([])
-    with pytest.raises(ValueError, match="same shape"):
-        centered_clip([torch.zeros(2), torch.zeros(3)])
-    with pytest.raises(ValueError, match="weights"):
-        centered_clip([torch.zeros(2)] * 3, weights=[1.0, -1.0, 1.0])
-
-
-def test_centered_clip_named_per_tensor_and_counters_from_the_first() -> None:
-    states = [{"w": torch.full((3,), float(i)), "n": torch.tensor(i)} for i in (1, 2, 3)]
-    states.append({"w": torch.full((3,), 1e6), "n": torch.tensor(9)})
-    out = centered_clip_named(states)
-    assert float(out["w"].max()) < 10 and int(out["n"]) == 1
 
 
 def test_a_model_offer_is_judged_against_our_progress_not_the_parameters_norm() -> None:

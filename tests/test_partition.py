@@ -6,10 +6,10 @@ broken internet path): the half without the bootstrap is a real partition, not o
 the swarm's entry point. Asserted while split: every trainer keeps stepping and completes exchanges,
 all with partners of its own half, until the halves have drifted apart (measured on the anchors in
 the trainers' checkpoints, written every second: some pair of the two halves is more than
-``averaging.max_drift`` apart). After ``lab.heal()``: trainers exchange across the former cut again,
-and every trainer's anchor comes back within ``max_drift`` of every trainer *of the other half*. (The
-drift a trainer prints is measured against whichever partner it last averaged anchors with, often
-one of its own half: it cannot tell whether the halves came back together.)
+``MAX_DRIFT`` apart). After ``lab.heal()``: trainers exchange across the former cut again, and every
+trainer's anchor comes back within ``MAX_DRIFT`` of every trainer *of the other half*. (The drift a
+trainer prints is measured against whichever partner it last averaged with, often one of its own
+half: it cannot tell whether the halves came back together.)
 """
 
 from __future__ import annotations
@@ -34,13 +34,12 @@ pytestmark = [
 
 HALVES = ([0, 1], [2, 3])
 MAX_DRIFT = 0.15
+"""Relative distance of two anchors that counts as drifted apart (and, after healing, as back)."""
 SPLIT_EXCHANGES = 3  # exchanges inside its half that every trainer completes while split, at least
 OVERRIDES = tiny(
     UNLIMITED,
     "train.checkpoint_every_s=1",
     "averaging.sync_every_steps=10",
-    "averaging.param_sync_every=3",
-    f"averaging.max_drift={MAX_DRIFT}",
     "averaging.exchange_timeout_s=5",
     "averaging.chunk_timeout_s=5",
 )

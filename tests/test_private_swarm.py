@@ -24,6 +24,7 @@ from typer.testing import CliRunner
 
 from peers import _common as common
 from peers.cli import app
+from scripts._held import gossip_averager
 from swarm import NodeInfo, SwarmNode
 from swarm._protocol import PROTOCOL_VERSION
 from swarm.config import RunConfig
@@ -365,7 +366,7 @@ def test_without_the_key_no_record_is_written(tmp_path: Path) -> None:
 def _averager(node_or_dht: object, tensor: torch.Tensor, partners: list[str], **kwargs) -> GossipAverager:
     """An fp32 averager on a node's DHT daemon whose partners are whatever ``partners`` holds at each sync."""
     dht = getattr(node_or_dht, "dht", node_or_dht)
-    averager = GossipAverager(
+    averager = gossip_averager(
         run_id=RUN,
         dht=dht,
         partner_source=lambda: [PartnerInfo(peer, PROTOCOL_VERSION, "ab12") for peer in partners],

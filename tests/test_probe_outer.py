@@ -27,7 +27,7 @@ def _peers(count: int) -> list[OuterOptimizer]:
 
 
 def _models(outers: list[OuterOptimizer]) -> list[dict[str, torch.Tensor]]:
-    return [{name: param.detach().clone() for name, param in outer._params.items()} for outer in outers]
+    return [outer.copy_parameters() for outer in outers]
 
 
 def _mean(tensors: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -90,15 +90,14 @@ def test_a_model_exchange_is_the_pair_s_model_average_and_a_late_one_keeps_local
     assert set(pending) == {0, 1} and _close(outers[0].anchor, _models(outers)[0]) is False  # not yet
     later = []
     for outer in outers:  # the next round's local progress, made while the exchange runs
-        step = {n: torch.full_like(p, 0.01) for n, p in outer._params.items()}
-        with torch.no_grad():
-            for n, p in outer._params.items():
-                p.add_(step[n])
+        params = outer.copy_parameters()
+        step = {n: torch.full_like(p, 0.01) for n, p in params.items()}
+        outer.load_parameters({n: p + step[n] for n, p in params.items()})
         later.append(step)
     _probe_run._sync(outers, probe, 2, random.Random(0), pending)  # lands, then the next exchange starts
     for outer, step in zip(outers, later, strict=True):
         assert _close(outer.anchor, _mean(models))  # outer lr 1: the pair's mean model
-        assert _close(dict(outer._params), {n: _mean(models)[n] + step[n] for n in step})
+        assert _close(outer.copy_parameters(), {n: _mean(models)[n] + step[n] for n in step})
 
 
 def test_the_hypercube_schedule_averages_four_models_exactly_in_two_rounds() -> None:

@@ -196,7 +196,7 @@ class _StopWatch:
         self.peer, self.stop = peer, stop
         self.after_stop: list[tuple[str, int]] = []
         self._wrap(peer.backend, "sync_round", "round", monkeypatch)
-        self._wrap(peer, "evaluate", "evaluation", monkeypatch)
+        self._wrap(peer.trainee, "evaluate", "evaluation", monkeypatch)
         self._wrap(checkpoints_module, "save_checkpoint", "checkpoint", monkeypatch)
 
     def _wrap(self, owner: object, name: str, what: str, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -8,8 +8,8 @@ from pathlib import Path
 
 from rich.console import Console
 
-from peers._local_summary import print_summary, swarm_summary
 from peers._trainer_output import TrainerOutput, format_sync_line
+from peers.local_summary import print_summary, swarm_summary
 from swarm import PROTOCOL_VERSION, PeerRecord
 from swarm.config import load_config
 from swarm.metrics import read_history
@@ -145,8 +145,8 @@ def test_every_peer_says_where_its_checkpoints_go() -> None:
 
 def test_the_local_demo_names_each_trainer_once(tmp_path) -> None:
     """The live table shows public names, the summary table the summary files' names: the same."""
-    from peers._local_summary import collect
     from peers.local import _trainer_args
+    from peers.local_summary import collect
 
     args = _trainer_args([], "/ip4/127.0.0.1/tcp/1/p2p/x", 2, tmp_path)
     name = args[args.index("--public-name") + 1]

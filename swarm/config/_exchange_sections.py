@@ -49,7 +49,11 @@ class AveragingSection(Section):
             "layout would not fit."
         ),
     )
-    outer_lr: float = Field(0.7, gt=0, description="Learning rate of the outer SGD on pseudo-gradients.")
+    outer_lr: float = Field(
+        0.7,
+        gt=0,
+        description="Learning rate of the outer SGD, which steps the anchor toward the pair's mean.",
+    )
     outer_momentum: float = Field(0.9, ge=0, lt=1, description="Momentum of the outer SGD.")
     nesterov: bool = Field(True, description="Use Nesterov momentum in the outer SGD.")
     exchange_timeout_s: float = per_peer_field(30.0, gt=0, description=_EXCHANGE_TIMEOUT)
@@ -65,18 +69,21 @@ class AveragingSection(Section):
     )
     robust_clip: bool = Field(
         True,
-        description="Clip a partner's pseudo-gradient difference to clip_ratio times the smaller norm "
-        "of the pair, and its anchor difference to param_clip_ratio times (docs/gossip.md, "
-        "'Malicious partners').",
+        description="Clip a partner's model difference to param_clip_ratio times the smaller "
+        "parameter norm of the pair (and to a few rounds' progress), and judge the partner by it "
+        "(docs/gossip.md, 'Malicious partners').",
     )
     clip_ratio: float = Field(
-        2.0, gt=0, description="Clip radius relative to the smaller pseudo-gradient norm of the pair."
+        2.0,
+        gt=0,
+        description="How far an honest partner's model may plausibly be from ours, in multiples of our "
+        "progress since the anchor: the radius a partner is judged against.",
     )
     param_clip_ratio: float = Field(
         0.1,
         gt=0,
-        description="Clip radius of the parameter exchange, relative to the smaller parameter norm "
-        "of the pair.",
+        description="Clip radius of an exchange (models, or a joiner's anchors), relative to the "
+        "smaller parameter norm of the pair.",
     )
     clip_hard_factor: float = Field(
         10.0,
@@ -92,61 +99,18 @@ class AveragingSection(Section):
     ban_max_s: float = per_peer_field(
         600.0, gt=0, validate_default=True, description="Longest ban; bans double up to it (per peer)."
     )
-    param_sync_every: int = Field(
-        10, ge=1, description="Average full parameters with a partner every this many syncs (drift control)."
-    )
-    max_drift: float = Field(
-        0.02,
-        gt=0,
-        description="Bound on relative L2 distance to a partner; above it parameters sync every round.",
-    )
     param_codec: Literal["fp32", "fp16", "bf16", "int8"] = Field(
         "fp32",
-        description="Codec of the anchor (full-parameter) exchange. int8 halves fp16's bytes and, in the "
-        "bench regime, cost no samples against exact averaging; 4-bit anchors are refused: NF4 noise on "
-        "raw weights stalled training there (docs/benchmarks.md).",
+        description="Codec of the anchor exchange a joiner takes a partner's state over with. 4-bit "
+        "anchors are refused: NF4 noise on raw weights stalled training (docs/benchmarks.md).",
     )
 
-    exchange: Literal["model", "pseudo-gradient"] = Field(
-        "model",
-        description="What a gossip exchange averages. 'model': the pair's models, in one tensor each "
-        "way (codec, param_clip_ratio); each side steps its anchor along anchor - mean, so with outer "
-        "lr 1 and no momentum the pair ends on its mean model and every exchange is a consensus step "
-        "(anchor_pull and the separate anchor exchange are then unused). 'pseudo-gradient': the pair's "
-        "mean pseudo-gradient, with anchor_pull closing the anchors' gap (docs/gossip.md, 'The rule').",
-    )
     partners: Literal["hypercube", "random"] = Field(
         "hypercube",
         description="Whom a gossip round dials. 'hypercube': dimension exchange over the live trainers "
         "in a shared hash order (round r: position i meets i XOR 2^(r mod log2 N)), a random live "
         "partner when the scheduled one is missing or busy; 'random': a random live partner.",
     )
-    anchor_pull: Literal["separate", "folded"] = Field(
-        "separate",
-        description="How anchors are pulled together (gossip backend). 'separate': an anchor exchange of "
-        "its own every param_sync_every rounds (and every round while drift > max_drift); 'folded': "
-        "every pseudo-gradient exchange carries the anchor too (param_codec, param_clip_ratio), in one "
-        "handshake, and reports the drift exactly; needs param_sync_every 1 (docs/gossip.md, 'Anchors "
-        "in the same exchange').",
-    )
-
-    @field_validator("anchor_pull")
-    @classmethod
-    def _folded_pull_needs_gossip_and_every_round(cls, value: str, info: ValidationInfo) -> str:
-        if value != "folded":
-            return value
-        backend, every = info.data.get("backend"), info.data.get("param_sync_every")
-        if backend is not None and backend != "gossip":
-            raise cross_field(
-                "backend", "'folded' needs backend 'gossip' (backend is '{backend}')", backend=backend
-            )
-        if every is not None and every != 1:
-            raise cross_field(
-                "param_sync_every",
-                "'folded' pulls the anchors in every exchange: set param_sync_every to 1 (it is {every})",
-                every=every,
-            )
-        return value
 
     @field_validator("ban_max_s")
     @classmethod
@@ -162,8 +126,8 @@ class CompressionSection(Section):
 
     codec: Literal["fp32", "fp16", "bf16", "int8", "int4"] = Field(
         "int8",
-        description="Codec of whole tensors on the wire: a model exchange without a shared base, the base "
-        "itself, pseudo-gradients; int8/int4 are blockwise quantized.",
+        description="Codec of whole tensors on the wire: a model exchange without a shared base, and "
+        "the base itself; int8/int4 are blockwise quantized.",
     )
     delta_codec: Literal["fp32", "fp16", "bf16", "int8", "int4"] = Field(
         "int4",

@@ -101,10 +101,23 @@ def _format(error: Any, tree: dict[str, Any], origins: dict[Loc, str]) -> str:
     return f"{dotted(loc) or 'top level'}: {message} [{origin}]"
 
 
+_MODELS_ONLY = "every exchange averages the pair's models, which keeps their anchors together"
+RETIRED_KEYS: dict[str, str] = {
+    "averaging.exchange": _MODELS_ONLY,
+    "averaging.anchor_pull": _MODELS_ONLY,
+    "averaging.param_sync_every": _MODELS_ONLY + ": there is no separate anchor exchange",
+    "averaging.max_drift": _MODELS_ONLY + ": there is no separate anchor exchange",
+}
+"""Keys that were removed, with why: a config that still sets one is told to delete it."""
+
+
 def _unknown_key_message(loc: Loc) -> str:
     moved = MOVED_KEYS.get(dotted(loc))
     if moved is not None:
         return f"unknown key: moved to {moved}"
+    retired = RETIRED_KEYS.get(dotted(loc))
+    if retired is not None:
+        return f"removed key: {retired} (docs/gossip.md); delete it"
     model: type[BaseModel] = RunConfig
     if len(loc) == 2:
         field = RunConfig.model_fields.get(str(loc[0]))

@@ -10,14 +10,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from pydantic import BaseModel
 
 from swarm.config._section import is_per_peer
-
-if TYPE_CHECKING:
-    from swarm.config._schema import RunConfig
 
 HASH_HEX_DIGITS = 16
 HASH_VERSION = 2
@@ -57,6 +54,13 @@ def config_hash(view: dict[str, Any]) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()[:HASH_HEX_DIGITS]
 
 
+class SwarmViewed(Protocol):
+    """What :func:`diff_configs` compares: a config with its swarm-wide part (``RunConfig``). Named here
+    by what it does, so that this module, which ``RunConfig`` is built on, never imports it."""
+
+    def swarm_view(self) -> dict[str, Any]: ...
+
+
 def _flatten(value: Any, prefix: str, out: dict[str, Any]) -> None:
     if isinstance(value, dict) and value:
         for key, item in value.items():
@@ -65,7 +69,7 @@ def _flatten(value: Any, prefix: str, out: dict[str, Any]) -> None:
         out[prefix] = value
 
 
-def diff_configs(a: RunConfig, b: RunConfig) -> list[str]:
+def diff_configs(a: SwarmViewed, b: SwarmViewed) -> list[str]:
     """Sorted dotted keys of the swarm-wide part whose values differ between ``a`` and ``b``.
 
     Nested mappings (``model.hf_config``) are compared key by key; an empty list means equal hashes.

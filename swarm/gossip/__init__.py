@@ -6,7 +6,7 @@ See docs/gossip.md for the protocol, the commit rule and the averaging semantics
 from swarm.gossip._averager import GossipAverager
 from swarm.gossip._metrics import FAILURES, ExchangeMetrics, SyncOutcome, SyncResult
 from swarm.gossip._mixing import MixedTensors
-from swarm.gossip._offer import Committed, MixedPart, Offer, Offerer, Part
+from swarm.gossip._offer import Committed, Offer, Offerer
 from swarm.gossip._options import GossipOptions
 from swarm.gossip._partners import (
     PartnerInfo,
@@ -15,7 +15,6 @@ from swarm.gossip._partners import (
     hypercube_partner,
 )
 from swarm.gossip._protocol import PROTOCOL_VERSION, handler_name
-from swarm.gossip._robust import centered_clip, centered_clip_named
 
 __all__ = [
     "FAILURES",
@@ -24,17 +23,13 @@ __all__ = [
     "ExchangeMetrics",
     "GossipAverager",
     "GossipOptions",
-    "MixedPart",
     "MixedTensors",
     "Offer",
     "Offerer",
-    "Part",
     "PartnerInfo",
     "PartnerSource",
     "SyncOutcome",
     "SyncResult",
-    "centered_clip",
-    "centered_clip_named",
     "consensus_order",
     "handler_name",
     "hypercube_partner",

@@ -1,9 +1,9 @@
-"""GossipAverager: quantized pairwise averaging with random live partners over hivemind P2P.
+"""GossipAverager: quantized pairwise averaging with scheduled or random live partners over hivemind P2P.
 
 Threads: the caller's thread (``sync``) and one private event-loop thread that owns the P2P client,
 serves incoming exchanges, and runs outgoing ones. The exchange lock
 (:class:`~swarm.gossip._gate.ExchangeGate`) is held only for local, short work: taking an offer,
-committing, and ``paused()``; never while a partner's data is awaited, so a slow partner cannot make
+and committing; never while a partner's data is awaited, so a slow partner cannot make
 our own sync wait. The gate's generation lets only one of overlapping exchanges commit.
 """
 
@@ -16,27 +16,18 @@ import logging
 import random
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
-
-import torch
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from swarm.compression import ErrorFeedback, Schema, schema_of
 from swarm.gossip._backoff import Backoff
 from swarm.gossip._base_push import BaseRoles
 from swarm.gossip._bases import Base, BaseStore
 from swarm.gossip._deadlines import Deadlines, payload_nbytes
-from swarm.gossip._exchange import (
-    as_named,
-    commit,
-    in_thread,
-    is_donation,
-    run_exchange,
-    settle,
-)
+from swarm.gossip._exchange import as_named, in_thread, is_donation, run_exchange, settle
 from swarm.gossip._gate import ExchangeGate, Turn
 from swarm.gossip._handshake import Handshake
-from swarm.gossip._local import Local, committed_of, companion_of, with_companion
+from swarm.gossip._local import Local, committed_of
 from swarm.gossip._metrics import ExchangeMetrics, MetricsRecorder, SyncOutcome, SyncResult, log_failure
 from swarm.gossip._mixing import Mixed
 from swarm.gossip._offer import Committed, Offerer
@@ -56,17 +47,14 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-Tensors = Mapping[str, torch.Tensor] | Sequence[torch.Tensor]
-
 
 class GossipAverager(ExchangeRoles, BaseRoles, StreamService):
-    """Averages the registered tensors with random partners; serves partners while alive.
+    """Averages its offerer's snapshots with live partners; serves partners while alive.
 
     Exactly one of ``dht`` (a running ``hivemind.DHT``; we open our own client to its daemon) or
     ``p2p_factory`` (an async callable returning a ``hivemind.p2p.P2P`` dedicated to this averager)
     must be given. The averager shuts the P2P client it obtained down on :meth:`close`.
-    ``options`` (:class:`GossipOptions`) tunes the exchanges; any of its fields may instead be given
-    by keyword (``codec="fp16"``), overriding ``options``. ``robust_clip`` turns on the pairwise centred
+    ``options`` (:class:`GossipOptions`) tunes the exchanges: ``robust_clip`` turns on the pairwise centred
     clip (``swarm.gossip._robust``) with its strikes; ``exclusive_with`` shares another averager's exchange
     lock (at most one exchange of the two at a time); ``respect_bans_of`` makes it also refuse the peers
     another averager has banned; ``preferred_partner`` names the partner to try first in each
@@ -75,11 +63,9 @@ class GossipAverager(ExchangeRoles, BaseRoles, StreamService):
     the key ``dht`` was started with) every stream starts with the swarm key handshake
     (:mod:`swarm.p2p`); a peer that fails it is dropped before its HELLO.
 
-    With an ``offerer`` the averager runs in offer mode (:mod:`swarm.gossip._offer`): each exchange,
-    initiated or served, uses a fresh snapshot from ``offerer.offer()`` and reports its committed
-    result to ``offerer.committed()``; nothing is registered and nothing is written in place. With a
-    ``companion_codec`` (offer mode only) every offer also carries a companion part, exchanged in the
-    same handshake and committed with the first part or not at all.
+    Each exchange, initiated or served, uses a fresh snapshot from ``offerer.offer()`` and reports its
+    committed result to ``offerer.committed()`` (:mod:`swarm.gossip._offer`); the averager writes
+    nothing in place.
 
     ``wrap_channel`` is the transport seam: each exchange's data phase (our frames, END, the ACKs) runs
     on ``wrap_channel(channel)``, a view of the stream with :class:`~swarm.gossip._protocol.Channel`'s
@@ -95,6 +81,7 @@ class GossipAverager(ExchangeRoles, BaseRoles, StreamService):
         *,
         run_id: str,
         partner_source: PartnerSource,
+        offerer: Offerer,
         dht: DHT | None = None,
         p2p_factory: P2PFactory | None = None,
         options: GossipOptions | None = None,
@@ -102,17 +89,12 @@ class GossipAverager(ExchangeRoles, BaseRoles, StreamService):
         respect_bans_of: GossipAverager | None = None,
         exclusive_with: GossipAverager | None = None,
         client_mode: bool = False,
-        offerer: Offerer | None = None,
-        initial_weight: float = 1.0,
         seed: int | None = None,
         swarm_key: SwarmKey | None = None,
         preferred_partner: Callable[[], str | None] | None = None,
         wrap_channel: Callable[[Channel], Channel] = lambda channel: channel,
-        **tuning: Any,
     ) -> None:
-        opts = self.options = dataclasses.replace(options or GossipOptions(), **tuning)
-        if opts.companion_codec is not None and offerer is None:
-            raise ValueError("a companion part (companion_codec) needs offer mode (offerer=)")
+        opts = self.options = options or GossipOptions()
         handler = handler_name(run_id)
         super().__init__(
             run_id,
@@ -139,7 +121,6 @@ class GossipAverager(ExchangeRoles, BaseRoles, StreamService):
         """An exchange with a partner that is pushing us a base waits at most this long for it to land
         (0: not at all); a trainer sets it to a share of its round."""
         self._wrap_channel = wrap_channel
-        self._companion_spec = opts.companion_spec()
         self._handshake = Handshake(run_id, config_hash, handler, self._swarm_key, opts)
         self._use_ef = opts.error_feedback and not self._spec.codec.lossless
         self._ef: ErrorFeedback | None = None
@@ -155,9 +136,7 @@ class GossipAverager(ExchangeRoles, BaseRoles, StreamService):
         # flight across them, and only one of overlapping exchanges commits
         self._gate: ExchangeGate = exclusive_with._gate if exclusive_with is not None else ExchangeGate()
         self._lock: threading.Lock = self._gate.lock
-        self._local: Local | None = None
         self._last_partner: str | None = None
-        self._weight = float(initial_weight)
         self._aborted = False
         self._aborting = threading.Event()  # wakes a sync backing off after failures
         self._backoff = Backoff(opts.retry_backoff_s, opts.max_retry_backoff_s, self._rng)
@@ -172,15 +151,9 @@ class GossipAverager(ExchangeRoles, BaseRoles, StreamService):
 
     # ------------------------------------------------------------------ public API
 
-    def sync(self, tensors: Tensors | None = None, weight: float | None = None) -> SyncResult:
-        """One exchange with a random eligible partner; blocking and thread-safe.
-
-        ``tensors`` (a mapping or a sequence) are registered as this peer's state, served to other
-        initiators until replaced, and updated in place only if the exchange commits; otherwise they
-        stay bit-identical. ``weight`` is their mass (work behind them); None keeps the current
-        weight, which each committed exchange (either role) replaces by the pair's mean weight.
-        ``tensors=None`` syncs the tensors registered earlier, or in offer mode a fresh offer (SKIPPED
-        when the offerer has nothing to offer).
+    def sync(self) -> SyncResult:
+        """One exchange of a fresh offer with an eligible partner (SKIPPED when the offerer has nothing
+        to offer); blocking and thread-safe. The schedule's partner is tried first, then random ones.
 
         If every partner tried is BUSY, the call backs off (randomized, exponential) without counting
         as an exchange, so partners can exchange with us meanwhile, and tries again for up to
@@ -194,15 +167,15 @@ class GossipAverager(ExchangeRoles, BaseRoles, StreamService):
         if self._closed:
             raise RuntimeError("the averager is closed")
         with self._gate.sync_lock:
-            return self._sync(tensors, weight)
+            return self._sync()
 
-    def _sync(self, tensors: Tensors | None, weight: float | None) -> SyncResult:
+    def _sync(self) -> SyncResult:
         self._aborting.wait(self._backoff.remaining())
-        result = self._sync_patiently(tensors, weight)
+        result = self._sync_patiently()
         self._backoff.after(result.outcome, result.reason)
         return result
 
-    def _sync_patiently(self, tensors: Tensors | None, weight: float | None) -> SyncResult:
+    def _sync_patiently(self) -> SyncResult:
         give_up_busy = time.monotonic() + self.options.busy_patience_s
         backoff, sent, received = 0.01, 0, 0
         while True:
@@ -211,10 +184,8 @@ class GossipAverager(ExchangeRoles, BaseRoles, StreamService):
             self._gate.begin_sync(max(0.0, give_up_busy - time.monotonic()))
             try:
                 with self._lock:
-                    offerer = self._offerer
-                    local = self._offered(offerer) if offerer is not None else self._register(tensors, weight)
+                    local = self._offered()
                     turn = Turn(self._gate, self._gate.generation())
-                tensors = weight = None
                 if local is None:
                     return self._result(SyncOutcome.SKIPPED, None, None, 0.0, "nothing to offer")
                 try:
@@ -234,40 +205,10 @@ class GossipAverager(ExchangeRoles, BaseRoles, StreamService):
             time.sleep(pause)
             backoff = min(2 * backoff, 0.25)
 
-    def set_tensors(self, tensors: Tensors, weight: float | None = None) -> None:
-        """Register (or replace) the tensors to serve to initiating partners, without syncing."""
-        if self._offerer is not None:
-            raise RuntimeError(
-                "an averager in offer mode serves its offerer's snapshots, not registered tensors"
-            )
-        with self._lock:
-            self._register(tensors, weight)
-
-    @contextlib.contextmanager
-    def paused(self) -> Iterator[None]:
-        """Hold off exchanges while the caller reads or mutates the tensors: partners get BUSY, and an
-        exchange already in flight does not commit (the tensors it began with may have changed)."""
-        with self._lock:
-            try:
-                yield
-            finally:
-                self._gate.changed()
-
-    @contextlib.contextmanager
-    def reading(self) -> Iterator[None]:
-        """Read the registered tensors consistently (no commit lands meanwhile) without changing them:
-        unlike :meth:`paused`, exchanges in flight may still commit afterwards."""
-        with self._lock:
-            yield
-
     def invalidate(self) -> None:
-        """The owner is about to change what its offers are computed from (offer mode with lazy
-        offers, :mod:`swarm.gossip._offer`): the exchanges in flight stop and do not commit."""
+        """The owner is about to change what its offers are computed from (lazy offers,
+        :mod:`swarm.gossip._offer`): the exchanges in flight stop and do not commit."""
         self._gate.changed()
-
-    @property
-    def weight(self) -> float:
-        return self._weight
 
     def metrics(self) -> ExchangeMetrics:
         return self._metrics.snapshot()
@@ -309,47 +250,26 @@ class GossipAverager(ExchangeRoles, BaseRoles, StreamService):
 
     # ------------------------------------------------------------------ state
 
-    def _register(self, tensors: Tensors | None, weight: float | None) -> Local:
-        """Called with the lock held."""
-        if weight is not None:
-            if not (weight > 0 and weight < float("inf")):
-                raise ValueError(f"weight must be a finite positive number, got {weight!r}")
-            self._weight = float(weight)
-        if tensors is None:
-            if self._local is None:
-                raise ValueError("no tensors registered yet: pass tensors to sync() or set_tensors()")
-            if self._local.weight != self._weight:
-                self._gate.changed()
-            self._local.weight = self._weight
-            return self._local
-        self._gate.changed()
-        self._local = self._local_of(tensors, self._weight)
-        return self._local
-
-    def _offered(self, offerer: Offerer) -> Local | None:
-        """Offer mode: a fresh snapshot from ``offerer``, or None. Called with the lock held."""
-        offer = offerer.offer()
+    def _offered(self) -> Local | None:
+        """A fresh snapshot from the offerer, or None. Called with the lock held."""
+        offer = self._offerer.offer()
         if offer is None:
             return None
         if not (offer.weight > 0 and offer.weight < float("inf")):
             raise ValueError(f"offered weight must be a finite positive number, got {offer.weight!r}")
-        local = dataclasses.replace(self._local_of(offer.tensors, float(offer.weight)), offer=offer)
-        return with_companion(local, offer, self._companion_spec)
+        named = as_named(offer.tensors)
+        self.expect_schema(schema_of(named))
+        nbytes = payload_nbytes(named, self._spec.codec)
+        return Local(named, float(offer.weight), self._schema_hash, nbytes, offer)
 
     def _release(self, local: Local) -> None:
         """The exchange that took ``local`` ended: hand its offer back (:meth:`Offerer.released`)."""
-        if local.offer is not None and self._offerer is not None:
-            self._offerer.released(local.offer)
-
-    def _local_of(self, tensors: Tensors, weight: float) -> Local:
-        named = as_named(tensors)
-        self.expect_schema(schema_of(named))
-        return Local(named, weight, self._schema_hash, payload_nbytes(named, self._spec.codec))
+        self._offerer.released(local.offer)
 
     def expect_schema(self, schema: Schema) -> None:
         """The tensors we exchange (and take bases of) from now on; error feedback restarts when they
-        change. Offer mode learns it from each offer; a caller that takes bases before its first offer
-        states it first."""
+        change. The averager learns it from each offer; a caller that takes bases before its first
+        offer states it first."""
         digest = schema_hash(schema)
         if self._schema_hash != digest:
             self._schema_hash, self._schema = digest, dict(schema)
@@ -374,20 +294,19 @@ class GossipAverager(ExchangeRoles, BaseRoles, StreamService):
         it) if ``turn`` got the reservation and both sides ACKed, or leave everything untouched.
         ``base``: the base both HELLOs named, which the tensors are sent relative to."""
         started, before = time.monotonic(), (channel.bytes_sent, channel.bytes_received)
-        own = local.offer.blame_norm if local.offer is not None else None
+        own = local.offer.blame_norm
         blame = Blame(self._reputation.norm_reference(partner), own)
         weights = (local.weight, theirs.weight)
         donation = is_donation(local.weight, theirs.weight)
         if donation:
             turn = turn.as_donation()
-        companion = companion_of(local, theirs, self._companion_spec)
         data = self._wrap_channel(channel)
         spec, feedback = (self._spec, self._ef) if base is None else (self._delta_spec, self._delta_ef)
         assert spec is not None  # a base is only agreed with a delta codec
         shared = base.tensors if base is not None else None
-        exchange = run_exchange(data, local.tensors, weights, spec, feedback, blame, companion, turn, shared)
+        exchange = run_exchange(data, local.tensors, weights, spec, feedback, blame, turn, shared)
         try:
-            deadline = self._deadlines.exchange_s(partner, local.total_nbytes)
+            deadline = self._deadlines.exchange_s(partner, local.nbytes)
             ended = await settle(exchange, deadline, partner)
             latency = time.monotonic() - started
             moved = max(channel.bytes_sent - before[0], channel.bytes_received - before[1])
@@ -395,12 +314,12 @@ class GossipAverager(ExchangeRoles, BaseRoles, StreamService):
             if ended.mixed is not None and donation:
                 return self._donated(partner, channel, latency, initiator)
             if ended.mixed is not None:
-                result = self._result(ended.outcome, partner, channel, latency, ended.reason)
-                done = None if local.offer is None else committed_of(ended.mixed, theirs, initiator, result)
+                result = self._result(ended.outcome, partner, channel, latency, ended.reason, local.weight)
+                done = committed_of(ended.mixed, theirs, initiator, result)
                 if base is not None:  # counted first: the offerer hears of the commit inside it
                     self._metrics.count("relative")
                 await in_thread(self._commit, partner, local, ended.mixed, latency, turn, done)
-                return dataclasses.replace(result, weight=self._weight)  # registered mode: the new one
+                return result
         finally:  # cancelled (abort() or shutdown), failed, or committed above: nothing more commits
             turn.release(committed=False)
         if (ended.bad_data or ended.bad_base) and base is not None:
@@ -421,29 +340,30 @@ class GossipAverager(ExchangeRoles, BaseRoles, StreamService):
         mixed: Mixed,
         latency: float,
         turn: Turn,
-        done: Committed | None,
+        done: Committed,
     ) -> None:
-        """Apply a fully ACKed exchange under the exchange lock (a worker thread): tensors in place and
-        weight, or the offerer's ``committed`` with ``done``; error-feedback residuals, unless the
-        offerer keeps the mix and folds them itself (:meth:`MixedTensors.keep`); the turn's
-        reservation ends committed. Then judge the partner (:meth:`Reputation.committed`)."""
+        """Hand a fully ACKed exchange to the offerer under the exchange lock (a worker thread); fold
+        the error-feedback residuals, unless the offerer keeps the mix and folds them itself
+        (:meth:`MixedTensors.keep`); the turn's reservation ends committed. Then judge the partner
+        (:meth:`Reputation.committed`)."""
         with self._lock:
             turn.release(committed=True)
-            if local.offer is None:
-                commit(local.tensors, mixed)
-                local.weight = self._weight = mixed.weight
-            elif self._offerer is not None and done is not None:
-                self._offerer.committed(local.offer, done)
-                if not mixed.tensors.kept:
-                    mixed.tensors.fold_all()
-            companion_clip = mixed.companion.clip if mixed.companion is not None else None
-            self._reputation.committed(partner, mixed.clip, companion_clip)
+            self._offerer.committed(local.offer, done)
+            if not mixed.tensors.kept:
+                mixed.tensors.fold_all()
+            self._reputation.committed(partner, mixed.clip)
         self._last_partner = partner
         self._metrics.record_ok(latency)
 
     def _result(
-        self, outcome: SyncOutcome, partner: str | None, channel: Channel | None, latency: float, reason: str
+        self,
+        outcome: SyncOutcome,
+        partner: str | None,
+        channel: Channel | None,
+        latency: float,
+        reason: str,
+        weight: float = 0.0,
     ) -> SyncResult:
         sent = channel.bytes_sent if channel is not None else 0
         received = channel.bytes_received if channel is not None else 0
-        return SyncResult(outcome, partner, sent, received, latency, self._weight, reason)
+        return SyncResult(outcome, partner, sent, received, latency, weight, reason)

@@ -16,10 +16,6 @@ With a :class:`~swarm.gossip._robust.ClipPolicy` in the spec the robust rule of
 ``swarm.gossip._robust`` replaces it: the partner's difference is clipped, weights stay, and the
 pair's mass is still conserved exactly.
 
-A companion part (:class:`Companion`: the trainer's anchor beside its pseudo-gradient) travels on the
-same stream right after the first part, and is validated and mixed by the same rules with its own
-weights, codec and clip; the one ACK each way covers both parts.
-
 Memory: nothing here holds a whole model's decoded tensors (:mod:`swarm.gossip._mixing`). Our frames
 are encoded from our tensors one tensor at a time as they are sent, and again whenever their decoded
 values are needed; the partner's payloads are kept in the agreed codec, no more of them than the
@@ -34,10 +30,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import math
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -98,18 +93,8 @@ class ExchangeSpec:
 
 
 @dataclass(frozen=True)
-class Companion:
-    """The second part of an exchange: our tensors, (our weight, the partner's), and its own spec
-    (codec, clip). It never uses error feedback, and the robust clip blames it on its own norm."""
-
-    tensors: Mapping[str, torch.Tensor]
-    weights: tuple[float, float]
-    spec: ExchangeSpec
-
-
-@dataclass(frozen=True)
 class _Part:
-    """One part of an exchange in its data phase: what we send, how, and what our frames decode to.
+    """Our side of an exchange in its data phase: what we send, how, and what our frames decode to.
 
     ``base``: the shared base of the pair (:mod:`swarm.gossip._bases`): our frames carry ``local -
     base`` (``wire``), the partner's are read with the base added back, and ``sent`` is what the
@@ -185,35 +170,27 @@ async def run_exchange(
     spec: ExchangeSpec,
     error_feedback: ErrorFeedback | None,
     blame: Blame = NO_BLAME,
-    companion: Companion | None = None,
     turn: Turn | None = None,
     base: Mapping[str, torch.Tensor] | None = None,
 ) -> Mixed:
     """Send ours and receive theirs concurrently, validate, mix, then swap ACKs.
 
     ``blame`` (robust mixing only): the norms the partner's difference is judged against.
-    ``companion``: a second part, sent and received after the first on the same stream.
     ``turn``: reserved before our ACK (:mod:`swarm.gossip._gate`); the caller releases it.
-    ``base``: the pair's shared base, which the first part is sent relative to (:mod:`swarm.gossip._bases`).
+    ``base``: the pair's shared base, which our tensors are sent relative to (:mod:`swarm.gossip._bases`).
 
     Returns only when both sides have ACKed; raises ValidationError (we rejected their data, NACK
     already sent), PartnerRejected, NotCommitted, ProtocolError, or a connection/timeout error.
     """
-    parts = [_Part.of(local, spec, error_feedback, base)]
-    if companion is not None:
-        parts.append(_Part.of(companion.tensors, companion.spec, None))
+    part = _Part.of(local, spec, error_feedback, base)
     negligible = is_donation(*weights)
     sending = Sending()
-    sender = asyncio.create_task(_send_parts(channel, parts, sending, turn))
+    sender = asyncio.create_task(_send(channel, part, sending, turn))
     try:
-        receiver = asyncio.create_task(_receive_parts(channel, parts, keep=not negligible))
+        receiver = asyncio.create_task(_receive_all(channel, part.schema, spec, keep=not negligible))
         floor = (spec.min_rate_bytes_s, spec.rate_window_s)
         received = await rate_floor(channel, sender, receiver, *floor, sending)
-        norms = [
-            await in_thread(part.measure, theirs)
-            for part, theirs in zip(parts, received, strict=True)
-            if theirs.keep
-        ]
+        norms = await in_thread(part.measure, received) if received.keep else {}
         _check_turn(turn)  # what the checks read did not change under them
     except ValidationError as exc:
         await _cancel(sender)
@@ -233,10 +210,7 @@ async def run_exchange(
     if negligible:  # a joiner taking over our tensors: it moves us by at most NEGLIGIBLE_SHARE
         mixed = Mixed(MixedTensors.identity(local), weights[0])
     else:
-        mixed = _mix(parts[0], received[0], norms[0], weights, blame)
-    if companion is not None and not negligible:
-        other = _mix(parts[1], received[1], norms[1], companion.weights, NO_BLAME)
-        mixed = dataclasses.replace(mixed, companion=other)
+        mixed = _mix(part, received, norms, weights, blame)
     refusal = turn.reserve() if turn is not None else None
     if refusal is not None:
         await _refuse(channel, refusal)
@@ -278,10 +252,6 @@ def _nack_error(payload: bytes) -> Exception:
     if reason.startswith(NOT_COMMITTED_REASON):
         return NotCommitted(f"the partner: {reason}")
     return PartnerRejected(reason)
-
-
-async def _receive_parts(channel: Channel, parts: Sequence[_Part], keep: bool) -> list[FrameStore]:
-    return [await _receive_all(channel, part.schema, part.spec, keep) for part in parts]
 
 
 @dataclass(frozen=True)
@@ -340,26 +310,25 @@ async def _cancel(task: asyncio.Task[Any]) -> None:
         await task
 
 
-async def _send_parts(channel: Channel, parts: Sequence[_Part], sending: Sending, turn: Turn | None) -> None:
-    """Each part's frames and END, one part after the other; a stale ``turn`` stops us (NotCommitted)
-    before the next frame goes out, so nothing computed while our tensors changed is ever sent."""
-    for part in parts:
-        named, spec = part.wire, part.spec
-        frames = iter(
-            encode_tensors(
-                named, spec.codec, spec.chunk_bytes, error_feedback=part.error_feedback, keep_residuals=False
-            )
+async def _send(channel: Channel, part: _Part, sending: Sending, turn: Turn | None) -> None:
+    """Our frames and END; a stale ``turn`` stops us (NotCommitted) before the next frame goes out, so
+    nothing computed while our tensors changed is ever sent."""
+    spec = part.spec
+    frames = iter(
+        encode_tensors(
+            part.wire, spec.codec, spec.chunk_bytes, error_feedback=part.error_feedback, keep_residuals=False
         )
-        count = 0
-        while (frame := await in_thread(next, frames, None)) is not None:
-            _check_turn(turn)
-            sending.writing = True
-            try:
-                await channel.send(MsgKind.DATA, frame)
-            finally:
-                sending.writing = False
-            count += 1
-        await channel.send_json(MsgKind.END, {"frames": count})
+    )
+    count = 0
+    while (frame := await in_thread(next, frames, None)) is not None:
+        _check_turn(turn)
+        sending.writing = True
+        try:
+            await channel.send(MsgKind.DATA, frame)
+        finally:
+            sending.writing = False
+        count += 1
+    await channel.send_json(MsgKind.END, {"frames": count})
 
 
 MIN_CHUNK_BYTES = 4096
@@ -418,19 +387,15 @@ def _mix(
     return Mixed(tensors, weights[0], clip=stats)
 
 
-def commit(local: Mapping[str, torch.Tensor], mixed: Mixed) -> None:
-    """Write the mixed values into the caller's tensors, in place, folding the error feedback."""
-    with torch.no_grad():
-        for name, tensor in local.items():
-            tensor.copy_(mixed.tensors.take(name))
-
-
-def as_named(tensors: Mapping[str, torch.Tensor] | Sequence[torch.Tensor]) -> Mapping[str, torch.Tensor]:
-    """Accept a mapping or a plain sequence (named "0", "1", ...); reject non-dense or duplicate input.
-    A :class:`~swarm.compression.LazyTensors` is taken as it is (its tensors are computed when read)."""
+def as_named(tensors: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
+    """Check an offer's tensors: dense floating-point tensors by name. A
+    :class:`~swarm.compression.LazyTensors` is taken as it is (its tensors are computed when read)."""
     if isinstance(tensors, LazyTensors):
         return tensors
-    named = dict(tensors) if isinstance(tensors, Mapping) else {str(i): t for i, t in enumerate(tensors)}
+    if not isinstance(tensors, Mapping):
+        kind = type(tensors).__name__
+        raise TypeError(f"an offer's tensors must be a mapping of names to tensors, got {kind}")
+    named = dict(tensors)
     for name, t in named.items():
         if not isinstance(t, torch.Tensor) or t.is_sparse or not t.is_floating_point():
             raise TypeError(f"tensor {name!r} must be a dense floating-point torch.Tensor")

@@ -2,13 +2,13 @@
 
 An exchange's data phase waits on the partner's network, so it runs without the exchange lock: a
 slow or trickling partner must never make our own sync, or our training, wait for it (docs/gossip.md,
-"Threads and locking"). The lock covers only what is local and short: taking an offer, committing,
-and a caller's ``paused()``. What the lock used to guarantee by being held throughout, that an offer is
+"Threads and locking"). The lock covers only what is local and short: taking an offer and
+committing. What the lock used to guarantee by being held throughout, that an offer is
 committed only if nothing was committed since it was taken, the gate guarantees with a generation:
 
-* every offer (or registered state) is taken with the generation then current;
+* every offer is taken with the generation then current;
 * before sending its ACK an exchange *reserves* the commit (:meth:`Turn.reserve`): refused if the
-  generation moved (another exchange committed, or the caller changed the tensors) or another
+  generation moved (another exchange committed, or the owner invalidated its offers) or another
   exchange holds a reservation. Then it NACKs with :data:`NOT_COMMITTED_REASON`, and neither side
   commits, nor blames the other;
 * a committed exchange moves the generation on; a reservation is released either way.
@@ -31,7 +31,7 @@ class ExchangeGate:
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        """Local critical sections only: offers, commits, ``paused()``."""
+        """Local critical sections only: offers and commits."""
         self.sync_lock = threading.Lock()
         """Our own syncs, one at a time (only our own threads wait on it)."""
         self._state = threading.Condition(threading.Lock())
@@ -45,7 +45,7 @@ class ExchangeGate:
             return self._generation
 
     def changed(self) -> None:
-        """The tensors changed outside an exchange (registered anew, or a ``paused()`` caller)."""
+        """What offers are computed from changed outside an exchange (the owner invalidated them)."""
         with self._state:
             self._generation += 1
 

@@ -18,7 +18,6 @@ from swarm.gossip._protocol import (
     Channel,
     Hello,
     MsgKind,
-    PartHello,
     ProtocolError,
     parse_json,
 )
@@ -55,7 +54,6 @@ class Handshake:
         self._run_id, self._config_hash = run_id, config_hash
         self._handler, self._swarm_key = handler, swarm_key
         self._codec, self._block_size = options.codec, options.block_size
-        self._companion_codec = options.companion_codec
         self._timeout, self._max_data_bytes = options.chunk_timeout_s, options.max_data_bytes
 
     def hello(
@@ -63,17 +61,12 @@ class Handshake:
         schema_hash: str,
         weight: float,
         probe: tuple[float, ...] = (),
-        companion: tuple[str, float] | None = None,
         *,
         base: str = "",
         push: bool = False,
     ) -> Hello:
         """What we state about the tensors we are about to exchange (HELLO, or ACCEPT's body);
-        ``companion``: the companion part's schema hash and weight; ``base``: the shared base we
-        propose (or take); ``push``: a base push instead of an exchange."""
-        part = None
-        if companion is not None and self._companion_codec is not None:
-            part = PartHello(schema_hash=companion[0], codec=self._companion_codec, weight=companion[1])
+        ``base``: the shared base we propose (or take); ``push``: a base push instead of an exchange."""
         return Hello(
             version=PROTOCOL_VERSION,
             run_id=self._run_id,
@@ -83,7 +76,6 @@ class Handshake:
             block_size=self._block_size,
             weight=weight,
             probe=probe,
-            companion=part,
             base=base,
             push=push,
         )

@@ -40,7 +40,8 @@ class SyncOutcome(enum.Enum):
 
 @dataclass(frozen=True)
 class SyncResult:
-    """What one :meth:`GossipAverager.sync` call did. ``weight`` is the local weight after it."""
+    """What one :meth:`GossipAverager.sync` call did. ``weight`` is the weight we offered to the
+    exchange that ended it (0 when none took our offer)."""
 
     outcome: SyncOutcome
     partner: str | None

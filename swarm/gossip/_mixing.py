@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from swarm.compression import Codec, ErrorFeedback, FrameError, LazyTensors, schema_of
-from swarm.gossip._robust import ClipPolicy, ClipStats, PairNorms, clip_stats
+from swarm.gossip._robust import ClipStats, PairNorms
 from swarm.gossip._validation import TensorNorms, ValidationError, check_finite, tensor_norm
 
 Tensors = Mapping[str, torch.Tensor]
@@ -107,12 +107,6 @@ class MixedTensors(LazyTensors):
         mixed = cls(local, local, local, (1.0, 0.0))
         mixed.unchanged = True
         return mixed
-
-    @classmethod
-    def of_values(cls, local: Tensors, values: Tensors) -> MixedTensors:
-        """A mix whose result was computed elsewhere: ``values`` (the plain rule at weights 0 and 1);
-        it owes no error feedback."""
-        return cls(local, local, values, (0.0, 1.0))
 
     def scaled(self, pull: float) -> MixedTensors:
         """The same mix with the pull ``x' - x`` scaled by ``pull`` (its error feedback moves with it)."""
@@ -194,35 +188,8 @@ def sent_values(local: Tensors, codec: Codec, feedback: ErrorFeedback | None) ->
 @dataclass(frozen=True)
 class Mixed:
     """An exchange's validated result, ready to be committed: the mix (:class:`MixedTensors`), our
-    weight after it, the robust clip's statistics where it ran, and the companion part's own result
-    where the exchange had one."""
+    weight after it, and the robust clip's statistics where it ran."""
 
     tensors: MixedTensors
     weight: float
     clip: ClipStats | None = None
-    companion: Mixed | None = None
-
-
-def mix(local: Tensors, sent: Tensors, local_weight: float, remote: Tensors, remote_weight: float) -> Mixed:
-    """The plain rule (module docstring), as a lazy :class:`MixedTensors`; the pair's weight is the
-    mean of theirs."""
-    tensors = MixedTensors(local, sent, remote, (local_weight, remote_weight))
-    return Mixed(tensors, (local_weight + remote_weight) / 2)
-
-
-def robust_mix(
-    local: Tensors,
-    sent: Tensors,
-    local_weight: float,
-    remote: Tensors,
-    remote_weight: float,
-    policy: ClipPolicy,
-    reference: float = 0.0,
-    blame_norm: float | None = None,
-) -> tuple[dict[str, torch.Tensor], ClipStats]:
-    """The robust rule of dict inputs, computed at once; ``reference`` and ``blame_norm``: what the
-    partner is judged against (:func:`~swarm.gossip._robust.clip_scale`). Weights are unchanged."""
-    norms = pair_norms(measure(local, sent, remote))
-    stats = clip_stats(norms, policy, reference, (local_weight, remote_weight), blame_norm)
-    mixed = MixedTensors(local, sent, remote, (local_weight, remote_weight), clip=stats.scale)
-    return dict(mixed), stats

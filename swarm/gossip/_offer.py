@@ -1,8 +1,7 @@
-"""Offer mode: the averager asks its owner for a fresh snapshot per exchange and hands the result back.
+"""The averager's offerer: it asks its owner for a fresh snapshot per exchange and hands the result back.
 
-In the default mode an averager mixes *registered* tensors in place. That suits a caller that does
-nothing else with them. A trainer keeps training while its exchanges run, so it gives the averager an
-:class:`Offerer` instead (docs/gossip.md, "Offer mode"):
+A trainer keeps training while its exchanges run, so its averager never writes into live tensors; it
+asks an :class:`Offerer` instead (docs/gossip.md, "Offerers"):
 
 * for every exchange, initiated or served, the averager calls :meth:`Offerer.offer` with its exchange
   lock held; the offer's tensors belong to the averager for that exchange: a copy, or a
@@ -11,14 +10,11 @@ nothing else with them. A trainer keeps training while its exchanges run, so it 
   :meth:`~swarm.gossip.GossipAverager.invalidate` first). An exchange whose offer went stale that way
   never commits and stops sending at once. ``None`` means nothing to offer now: a partner gets BUSY,
   our own ``sync`` returns SKIPPED;
-* when the exchange commits (both ACKs, the same rule as always), the averager calls
-  :meth:`Offerer.committed` with the mixed tensors, the partner's weight and which side we were;
-  nothing is written anywhere else. An exchange that does not commit calls nothing;
+* when the exchange commits (both ACKs), the averager calls :meth:`Offerer.committed` with the mixed
+  tensors, the partner's weight and which side we were; nothing is written anywhere else. An exchange
+  that does not commit calls nothing;
 * whichever way it ended (committed, failed, refused, or never begun), the averager calls
-  :meth:`Offerer.released` for every offer it took, once;
-* an averager given a companion codec (``GossipOptions.companion``) exchanges a second part with
-  every offer (:class:`Part`, the trainer's anchor beside its pseudo-gradient), mixed on its own
-  (its own weight, codec and clip) in the same handshake, and committed with the first or not at all.
+  :meth:`Offerer.released` for every offer it took, once.
 """
 
 from __future__ import annotations
@@ -30,25 +26,7 @@ from typing import Any, Protocol
 import torch
 
 from swarm.gossip._metrics import SyncResult
-
-
-@dataclass(frozen=True)
-class Part:
-    """The companion part of an offer: tensors (the averager's for the exchange) and their weight."""
-
-    tensors: Mapping[str, torch.Tensor]
-    weight: float
-
-
-@dataclass(frozen=True)
-class MixedPart:
-    """The companion part of a committed exchange: its mixed values (fresh tensors, computed as they
-    are read), the partner's stated weight for it, and the robust clip's factor on the partner's pull
-    (1.0: not clipped)."""
-
-    mixed: Mapping[str, torch.Tensor]
-    partner_weight: float
-    clip_scale: float = 1.0
+from swarm.gossip._mixing import MixedTensors
 
 
 @dataclass(frozen=True)
@@ -62,8 +40,6 @@ class Offer:
     weight: float
     token: Any = None
     probe: tuple[float, ...] = ()
-    companion: Part | None = None
-    """Required by an averager with a companion codec, refused by one without."""
     blame_norm: float | None = None
     """How far an honest partner's tensors may plausibly be from ours, in norm, per unit of the clip's
     blame ratio (None: the norm of ours); see :mod:`swarm.gossip._robust`. Our own measurement."""
@@ -74,23 +50,21 @@ class Committed:
     """A committed exchange: the mixed values, the partner's stated weight and probe, whether we
     initiated, and the exchange's result.
 
-    ``mixed`` computes each tensor when it is read (a :class:`~swarm.gossip._mixing.MixedTensors`, fresh
-    tensors each time): read what you need in :meth:`Offerer.committed`, or call ``mixed.keep()`` there
-    and read each tensor once later with ``mixed.take(name)``, which also folds our error feedback."""
+    ``mixed`` computes each tensor when it is read (fresh tensors each time): read what you need in
+    :meth:`Offerer.committed`, or call ``mixed.keep()`` there and read each tensor once later with
+    ``mixed.take(name)``, which also folds our error feedback."""
 
-    mixed: Mapping[str, torch.Tensor]
+    mixed: MixedTensors
     partner_weight: float
     initiator: bool
     result: SyncResult
     partner_probe: tuple[float, ...] = ()
     clip_scale: float = 1.0
     """The robust clip's factor on the partner's pull (1.0: not clipped, or no clip)."""
-    companion: MixedPart | None = None
-    """The companion part's result, when the offer had one."""
 
 
 class Offerer(Protocol):
-    """What an averager in offer mode asks of its owner. Both calls may come from any thread."""
+    """What an averager asks of its owner. Both calls may come from any thread."""
 
     def offer(self) -> Offer | None: ...
 

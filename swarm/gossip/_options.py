@@ -12,8 +12,8 @@ from swarm.gossip._validation import NormPolicy
 
 @dataclass(frozen=True)
 class GossipOptions:
-    """The tuning of a :class:`~swarm.gossip.GossipAverager`; every field can also be given to the
-    averager by keyword. The trainer maps ``RunConfig.averaging`` / ``.compression`` onto these."""
+    """The tuning of a :class:`~swarm.gossip.GossipAverager`, its one way to be configured. The trainer
+    maps ``RunConfig.averaging`` / ``.compression`` onto these."""
 
     codec: str = "int8"
     """Wire codec of the tensors (any :mod:`swarm.compression` codec); both sides must use the same."""
@@ -66,19 +66,13 @@ class GossipOptions:
     """The longest of those waits."""
     serve_interval_s: float = 0.0
     """A partner is served at most once per this many seconds, whatever the outcome (0: no limit)."""
-    companion_codec: str | None = None
-    """Offer mode: every offer carries a companion part (:class:`~swarm.gossip.Part`) in this codec,
-    exchanged in the same handshake, mixed on its own and never with error feedback (None: no part)."""
-    companion_clip_ratio: float = 0.1
-    """The robust clip's ratio for the companion part (``clip_ratio`` is the first part's)."""
     delta_codec: str | None = None
-    """Offer mode: an exchange between two peers that share a base (one pushed the other its tensors
+    """An exchange between two peers that share a base (one pushed the other its tensors
     earlier, :meth:`~swarm.gossip.GossipAverager.push_base`) sends each side's tensors relative to it in
     this codec, with error feedback; ``codec`` is then the base's (None: no bases, whole tensors)."""
     blame_ratio: float | None = None
-    """The first part's radius multiple when judging the partner (None: ``clip_ratio``); a model
-    exchange clips by the parameters' ratio but judges by the pseudo-gradients'
-    (:mod:`swarm.gossip._robust`)."""
+    """The radius multiple when judging the partner (None: ``clip_ratio``); a model exchange clips by
+    the parameters' ratio but judges by its progress since the anchor (:mod:`swarm.gossip._robust`)."""
 
     def __post_init__(self) -> None:
         if self.chunk_bytes < 4096:
@@ -108,12 +102,6 @@ class GossipOptions:
         if self.delta_codec is None:
             return None
         return self._spec(self.delta_codec, self.clip_ratio, self.blame_ratio)
-
-    def companion_spec(self) -> ExchangeSpec | None:
-        """The same for the companion part (its codec and clip ratio), or None."""
-        if self.companion_codec is None:
-            return None
-        return self._spec(self.companion_codec, self.companion_clip_ratio)
 
     def _spec(self, codec: str, clip_ratio: float, blame_ratio: float | None = None) -> ExchangeSpec:
         clip = None

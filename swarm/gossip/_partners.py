@@ -49,8 +49,8 @@ class BanList:
     A successful exchange with a peer forgives its strikes. :meth:`suspect` counts softer evidence
     (an exchange that committed but had to be clipped hard): ``limit`` suspicions in a row make one
     strike. ``also`` is another list whose bans this one respects (read only: its strikes and
-    forgiveness stay its own), e.g. a trainer's parameter exchange honouring the bans of its
-    pseudo-gradient exchange. Thread-safe: the serving side (event loop thread) and the initiating
+    forgiveness stay its own), e.g. a trainer's anchor exchange honouring the bans of its
+    model exchange. Thread-safe: the serving side (event loop thread) and the initiating
     side (caller's thread) both consult it.
     """
 

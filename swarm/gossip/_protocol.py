@@ -15,9 +15,7 @@ Sequence (both sides run the data phase concurrently, in both directions at once
            ◀─────────────────────── ACK | NACK
 
 A side commits only after it validated everything it received, sent its ACK, and received the
-partner's ACK (see docs/gossip.md, "Commit rule"). An exchange with a companion part (both HELLOs
-describe it) sends the companion's ``DATA* , END`` right after the first part's, on the same stream;
-there is still one ACK each way, for both parts.
+partner's ACK (see docs/gossip.md, "Commit rule").
 
 In a private swarm (a swarm key is set) both sides first run the swarm key handshake of
 :mod:`swarm.p2p` on the stream; HELLO is only sent and read once both proved the key.
@@ -42,7 +40,6 @@ __all__ = [
     "Channel",
     "Hello",
     "MsgKind",
-    "PartHello",
     "ProtocolError",
     "handler_name",
     "parse_json",
@@ -137,29 +134,6 @@ class Channel:
 
 
 @dataclass(frozen=True)
-class PartHello:
-    """What a HELLO states about the companion part: its schema, codec and weight."""
-
-    schema_hash: str
-    codec: str
-    weight: float
-
-    @classmethod
-    def from_json(cls, obj: Any) -> PartHello:
-        if not isinstance(obj, dict):
-            raise ProtocolError("handshake field 'companion' must be an object")
-        try:
-            part = cls(
-                schema_hash=_typed(obj, "schema_hash", str),
-                codec=_typed(obj, "codec", str),
-                weight=_weight(_typed(obj, "weight", (int, float)), "companion weight"),
-            )
-        except KeyError as exc:
-            raise ProtocolError(f"handshake field 'companion' lacks {exc}") from None
-        return part
-
-
-@dataclass(frozen=True)
 class Hello:
     """What each side states about itself before any tensor data moves (HELLO and ACCEPT)."""
 
@@ -171,7 +145,6 @@ class Hello:
     block_size: int
     weight: float
     probe: tuple[float, ...] = ()
-    companion: PartHello | None = None
     base: str = ""
     """The shared base (:mod:`swarm.gossip._bases`) this side holds with the partner and proposes to
     send relative to ("": none); the exchange uses one only when both HELLOs name the same."""
@@ -181,8 +154,6 @@ class Hello:
     def to_json(self) -> dict[str, Any]:
         body = asdict(self)
         body["probe"] = list(self.probe)
-        if self.companion is None:  # a one-part HELLO is what it always was
-            del body["companion"]
         return body
 
     @classmethod
@@ -197,7 +168,6 @@ class Hello:
                 block_size=_typed(obj, "block_size", int),
                 weight=float(_typed(obj, "weight", (int, float))),
                 probe=_probe(obj.get("probe", [])),
-                companion=PartHello.from_json(obj["companion"]) if "companion" in obj else None,
                 base=_base_id(obj.get("base", "")),
                 push=_flag(obj.get("push", False), "push"),
             )
@@ -219,15 +189,6 @@ class Hello:
                 return f"{name} differs (ours {mine!r}, theirs {theirs!r})"
         if self.push != other.push:
             return "one side pushes a base, the other exchanges"
-        ours, other_part = self.companion, other.companion
-        if (ours is None) != (other_part is None):
-            mine, theirs = ("one", "none") if ours is not None else ("none", "one")
-            return f"companion part differs (ours {mine}, theirs {theirs})"
-        if ours is not None and other_part is not None:
-            for name in ("schema_hash", "codec"):
-                mine, theirs = getattr(ours, name), getattr(other_part, name)
-                if mine != theirs:
-                    return f"companion {name} differs (ours {mine!r}, theirs {theirs!r})"
         return None
 
 

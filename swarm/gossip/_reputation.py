@@ -53,7 +53,7 @@ class Reputation:
     """Bans, strikes and forgiveness for one averager; counts its verdicts in ``metrics``.
 
     ``also`` is another averager's ban list that this one honours (read only), e.g. a trainer's
-    parameter exchange honouring the bans of its pseudo-gradient exchange. Thread-safe as the ban
+    anchor exchange honouring the bans of its model exchange. Thread-safe as the ban
     list is, except :meth:`committed`, which runs under the averager's exchange lock.
     """
 
@@ -127,34 +127,28 @@ class Reputation:
         """``peer``'s hard clips' worth now (0: none); a ban comes at ``clip_strikes``."""
         return self._suspicions.hard_count(peer)
 
-    def committed(self, peer: str, clip: ClipStats | None, companion: ClipStats | None = None) -> None:
-        """An exchange with ``peer`` committed: judge its parts (module docstring).
-
-        ``companion``: the clip of the exchange's companion part, judged alike (a hard part counts,
-        once; else the larger excess); only the first part's norm is remembered as ours. No blame
+    def committed(self, peer: str, clip: ClipStats | None) -> None:
+        """An exchange with ``peer`` committed: judge it by its clip (module docstring). No blame
         before we know our own usual norm: a first, tiny warm-up update looks like a victim.
         """
         knows_own_norm = bool(self._own_norms)
         self._held.cleared(peer)
-        if clip is not None and clip.judged:
-            self._own_norms.append((peer, clip.own_norm, clip.moved))
-        clips = [(what, c) for what, c in (("update", clip), ("companion part", companion)) if c is not None]
-        if not clips:
+        if clip is None:
             self.bans.forgive(peer)
             return
-        if any(c.clipped for _, c in clips):
+        if clip.judged:
+            self._own_norms.append((peer, clip.own_norm, clip.moved))
+        if clip.clipped:
             self._metrics.count("clipped")
-        judged = [(what, c) for what, c in clips if c.judged]
-        if not judged:
+        if not clip.judged:
             return
-        what, worst = max(judged, key=lambda part: (part[1].hard, part[1].excess))
-        if worst.hard and knows_own_norm:
+        if clip.hard and knows_own_norm:
             self._metrics.count("suspect")
-            excess = worst.excess
-            logger.warning("suspicious partner %s: its %s was %.3gx our plausible radius", peer, what, excess)
-        verdict, why = self._suspicions.judge(peer, worst.excess, worst.hard, blame=knows_own_norm)
+            excess = clip.excess
+            logger.warning("suspicious partner %s: its update was %.3gx our plausible radius", peer, excess)
+        verdict, why = self._suspicions.judge(peer, clip.excess, clip.hard, blame=knows_own_norm)
         if verdict is Verdict.BAN:
-            last = f"its {what} was {worst.excess:.3g}x our plausible radius (clipped to {worst.scale:.3g})"
+            last = f"its update was {clip.excess:.3g}x our plausible radius (clipped to {clip.scale:.3g})"
             self.bans.ban(peer, f"suspicious exchanges: {why}; the last: {last}")
         elif verdict is Verdict.FORGIVE:
             self.bans.forgive(peer)

@@ -1,4 +1,4 @@
-"""Robust aggregation: a pairwise centred clip for gossip exchanges, and CenteredClip for many inputs.
+"""Robust mixing: the pairwise centred clip of a gossip exchange, and how it judges the partner.
 
 Pairwise rule (see docs/gossip.md, "Malicious partners"). A side holds ``x`` with weight ``w``, sent
 ``q`` (what its frames decode to) and received the partner's ``p`` with weight ``v``::
@@ -35,27 +35,22 @@ and honest partners are as far from us as those steps say; in consensus they are
 progress rules. A partner never raises the reference it is judged against itself, so pushes
 interleaved with tiny-weight "pumps" or with quiet exchanges gain it nothing.
 
-Both tensors are per-sample means; the noise of a mean over ``n`` samples shrinks as ``1 / sqrt(n)``, so
-with ``||q||^2 >= noise^2 / w`` the difference of two honest means is at most about
-``||q|| sqrt(1 + w / v)``. A partner stating few samples (it synced a step ago) may differ more; one
-stating many must be close to us. The last factor is 1 for equal weights. ``reference`` is the largest
-``own`` (or, for a model exchange, step) of recent exchanges. The partner is *suspect* when ``excess``
-exceeds ``hard_factor``; smaller excesses count too, accumulated over exchanges
-(``swarm.gossip._reputation``).
-
-:func:`centered_clip` is the iterative CenteredClip of Karimireddy, He and Jaggi (2021) for three or
-more contributions (e.g. several donors' state snapshots).
+The last factor widens the radius for a partner stating fewer samples than ours (the noise of a mean
+over ``n`` samples shrinks as ``1 / sqrt(n)``); a model offer states weight 1 like ours, so it is 1.
+``reference`` is the largest ``own`` (or, for a model exchange, step) of recent exchanges. The
+partner is *suspect* when ``excess`` exceeds ``hard_factor``; smaller excesses count too, accumulated
+over exchanges (``swarm.gossip._reputation``).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 
-from swarm.gossip._validation import distance, norm_of, tensor_norm
+from swarm.gossip._validation import distance, norm_of
 
 
 @dataclass(frozen=True)
@@ -90,7 +85,7 @@ class ClipStats:
     the stated sample counts make plausible (module docstring); ``hard`` is ``excess > hard_factor``:
     the partner is suspect. ``own_norm`` is the norm blamed against (``||q||`` or the offer's
     ``blame_norm``), for the caller's reference. ``judged`` is False
-    when no clip was computed (a joiner's weight, :func:`robust_mix`): then the exchange says nothing
+    when no clip was computed (a joiner's weight): then the exchange says nothing
     about the partner either way.
     """
 
@@ -198,73 +193,3 @@ def capped_share(weights: tuple[float, float]) -> float:
     ours, theirs = weights
     capped = min(ours, theirs)
     return capped / (ours + capped) if ours + capped > 0 else 0.0
-
-
-def centered_clip(
-    points: Sequence[torch.Tensor],
-    weights: Sequence[float] | None = None,
-    *,
-    tau: float | None = None,
-    iterations: int = 20,
-    tol: float = 1e-7,
-) -> torch.Tensor:
-    """Iterative CenteredClip: ``v <- v + sum_i w_i clip_tau(x_i - v) / sum_i w_i``, from the median.
-
-    Starts at the coordinate-wise median. ``tau=None`` takes the median distance of the points to
-    that start, so that at most about half the points are clipped in the first iteration: with
-    honest points close together and a minority far away, the far ones move the result by at most
-    ``tau`` times their weight share. With two points (no majority) it returns their weighted mean.
-    Computes in float32 (no float64: MPS has none) and returns values in the points' dtype.
-    """
-    if not points:
-        raise ValueError("centered_clip needs at least one point")
-    shape, dtype = points[0].shape, points[0].dtype
-    if any(p.shape != shape for p in points):
-        raise ValueError("centered_clip: all points must have the same shape")
-    stacked = torch.stack([p.detach().float().reshape(-1) for p in points])
-    w = torch.tensor([1.0] * len(points) if weights is None else list(weights), dtype=torch.float32)
-    if w.shape != (len(points),) or not bool((w > 0).all()) or not bool(torch.isfinite(w).all()):
-        raise ValueError("centered_clip: weights must be one finite positive number per point")
-    w = (w / w.sum()).to(stacked.device)
-    if len(points) <= 2:
-        return (w @ stacked).reshape(shape).to(dtype)
-    center = stacked.median(dim=0).values
-    if tau is None:
-        tau = float(_row_norms(stacked - center).median())
-    for _ in range(iterations):
-        diffs = stacked - center
-        norms = _row_norms(diffs)
-        factors = torch.where(norms > tau, tau / norms.clamp_min(1e-30), torch.ones_like(norms))
-        step = (w * factors) @ diffs
-        center = center + step
-        if tensor_norm(step) <= tol * max(tensor_norm(center), 1e-12):
-            break
-    return center.reshape(shape).to(dtype)
-
-
-def _row_norms(rows: torch.Tensor) -> torch.Tensor:
-    """The L2 norm of each row, accumulated in blocks (:func:`tensor_norm`)."""
-    return torch.tensor([tensor_norm(row) for row in rows], dtype=torch.float32, device=rows.device)
-
-
-def centered_clip_named(
-    states: Sequence[Mapping[str, torch.Tensor]],
-    weights: Sequence[float] | None = None,
-    *,
-    tau: float | None = None,
-    iterations: int = 20,
-    tol: float = 1e-7,
-) -> dict[str, torch.Tensor]:
-    """:func:`centered_clip` per tensor name (scales differ between tensors, e.g. weights and momenta).
-
-    Non-floating-point tensors (counters) are taken from the first state.
-    """
-    if not states:
-        raise ValueError("centered_clip_named needs at least one state")
-    out = {}
-    for name, first in states[0].items():
-        if not first.is_floating_point():
-            out[name] = first.clone()
-            continue
-        out[name] = centered_clip([s[name] for s in states], weights, tau=tau, iterations=iterations, tol=tol)
-    return out

@@ -44,8 +44,7 @@ class ExchangeRoles:
         _reputation: Reputation
         _gate: ExchangeGate
         _lock: threading.Lock
-        _local: Local | None
-        _offerer: Offerer | None
+        _offerer: Offerer
         _last_partner: str | None
         _preferred_partner: Callable[[], str | None] | None
         _rng: random.Random
@@ -57,7 +56,7 @@ class ExchangeRoles:
         _inflight: asyncio.Task[SyncResult] | None
         _serving: asyncio.Task[None] | None
 
-        def _offered(self, offerer: Offerer) -> Local | None: ...
+        def _offered(self) -> Local | None: ...
         def _release(self, local: Local) -> None: ...
         async def _exchange(
             self,
@@ -79,6 +78,7 @@ class ExchangeRoles:
             channel: Channel | None,
             latency: float,
             reason: str,
+            weight: float = 0.0,
         ) -> SyncResult: ...
 
     # ------------------------------------------------------------------ serving side
@@ -140,11 +140,11 @@ class ExchangeRoles:
 
     async def _serving_offer(self) -> tuple[Local, Turn] | None:
         """What we serve and its turn, taken under the exchange lock; None if there is nothing to
-        offer or the lock is held (``paused()``, or a commit: the partner gets BUSY)."""
+        offer or the lock is held (a commit: the partner gets BUSY)."""
         if not self._lock.acquire(blocking=False):
             return None
         try:
-            local = self._local if self._offerer is None else await in_thread(self._offered, self._offerer)
+            local = await in_thread(self._offered)
             return None if local is None else (local, Turn(self._gate, self._gate.generation()))
         finally:
             self._lock.release()

@@ -6,10 +6,10 @@ Norm check (per tensor ``t``)::
     floor_t = max(local_rms * sqrt(numel_t), norm_floor * sqrt(numel_t / numel_total))
 
 ``local_rms`` is the RMS over all local tensors. The floor exists because a local norm of (nearly)
-zero is legitimate: a zero-initialised bias, or a peer that has done no work yet and averages a zero
-pseudo-gradient. Without it such a peer would reject every honest partner. The first term lets a
-tensor that is zero locally accept what is typical for the model as a whole; the second, with the
-absolute ``norm_floor`` (L2 over the whole model), covers an all-zero local state.
+zero is legitimate: a zero-initialised bias, or an all-zero tensor that training has not moved yet.
+Without it such a peer would reject every honest partner. The first term lets a tensor that is zero
+locally accept what is typical for the model as a whole; the second, with the absolute
+``norm_floor`` (L2 over the whole model), covers an all-zero local state.
 
 No float64 anywhere (Apple's MPS has none): norms are float32, accumulated in blocks of
 :data:`NORM_BLOCK` elements (one float32 sum over millions of elements drifts by a percent), and

@@ -118,11 +118,9 @@ class PeerEstimate:
     activations: int
     activations_checkpointed: int
     wire_delta: int
-    wire_params: int
-    param_sync_every: int
-    anchor_pull: str = "separate"
+    """A whole model in ``compression.codec``: an exchange without a shared base, or the base itself."""
     wire_change: int = 0
-    """A model exchange through a shared base: each model's change, in ``compression.delta_codec``."""
+    """An exchange through a shared base: each model's change, in ``compression.delta_codec``."""
     autocast_weights: int = 0
     autocast_weights_checkpointed: int = 0
     accumulation: int = 0
@@ -170,20 +168,11 @@ class PeerEstimate:
 
     @property
     def wire_per_sync(self) -> float:
-        """What a peer sends per round: one pseudo-gradient exchange (a round is one exchange, whether
-        the peer started it or was dialled), plus the anchor exchange amortised over its period (a peer
-        starts one every ``param_sync_every`` of its own rounds, about every other round is its own, and
-        it is dialled for about as many as it starts). With a folded anchor pull every exchange carries
-        the anchor: both, every round, and no exchange of its own for the anchors. A model exchange
-        (``anchor_pull`` "model", ``averaging.exchange: model``) sends each model's change from the
-        pair's shared base in ``compression.delta_codec`` after the round, and the base itself (the
-        model in ``compression.codec``) while it trains, pushed by one of the pair: about every other
-        round for each peer."""
-        if self.anchor_pull == "model":  # the change after each round; the base every other round
-            return self.wire_change + self.wire_delta / 2
-        if self.anchor_pull == "folded":
-            return self.wire_delta + self.wire_params
-        return self.wire_delta + self.wire_params / self.param_sync_every
+        """What a peer sends per round (a round is one exchange, whether the peer started it or was
+        dialled): each model's change from the pair's shared base in ``compression.delta_codec`` after
+        the round, and the base itself (the model in ``compression.codec``) while it trains, pushed
+        by one of the pair: about every other round for each peer."""
+        return self.wire_change + self.wire_delta / 2
 
 
 TEMPORARY_COPIES = 8
@@ -191,37 +180,22 @@ TEMPORARY_COPIES = 8
 one tensor (ours, what our frames decode to, the partner's, the mix, the gradient, the move...)."""
 
 
-def sync_buffer_bytes(params: int, largest: int, *, model: bool, folded: bool = False) -> int:
+def sync_buffer_bytes(params: int, largest: int) -> int:
     """Peak bytes, beyond the steady state, of a gossip trainer's sync path on the state's device
     (the partners' frames, host memory, are :func:`frame_bytes`).
 
-    A model exchange (``averaging.exchange: model``) offers our parameters as the anchor plus their
-    progress in bfloat16 (``2 P``), computed per tensor when read; an exchange that overlaps it (our
-    own beside a served one) offers the same snapshot, and one that serves a joiner reads the live
-    anchor; the update is applied tensor by tensor. So: ``2 P`` plus one tensor's temporaries.
-
-    A pseudo-gradient exchange offers a float32 copy of the pseudo-gradient (``4 P``; a folded anchor
-    pull adds a copy of the anchor), for each of two exchanges in flight; once one committed (which
-    stops the other at once), its update waits with the pair's gradient and our consumed snapshot and
-    is applied with the outer step's move, and either a folded pull's shift or the copy of an anchor
-    exchange that is stopping: ``16 P`` either way, the larger, plus the temporaries.
-    """
-    temporaries = TEMPORARY_COPIES * 4 * largest
-    if model:
-        return 2 * params + temporaries
-    in_flight = 2 * (8 if folded else 4) * params
-    return max(in_flight, 16 * params) + temporaries
+    An exchange offers our parameters as the anchor plus their progress in bfloat16 (``2 P``),
+    computed per tensor when read; an exchange that overlaps it (our own beside a served one) offers
+    the same snapshot, and one that serves a joiner reads the live anchor; the update is applied
+    tensor by tensor. So: ``2 P`` plus one tensor's temporaries."""
+    return 2 * params + TEMPORARY_COPIES * 4 * largest
 
 
-def frame_bytes(wire_delta: int, wire_params: int, *, model: bool, folded: bool = False) -> int:
+def frame_bytes(wire_delta: int) -> int:
     """Host bytes of the partners' frames that the exchanges in flight keep (our own are re-encoded
-    when needed): two exchanges at once (our own beside a served one), each the wire size of one
-    direction; a pseudo-gradient peer's anchor exchange has its own. A joiner's anchor exchange with
-    us keeps none of its frames."""
-    per_exchange = wire_delta + (wire_params if folded else 0)
-    if model or folded:
-        return 2 * per_exchange
-    return max(2 * per_exchange, per_exchange + wire_params)
+    when needed): two exchanges at once (our own beside a served one), each at most the wire size of
+    a whole model in one direction. A joiner's anchor exchange with us keeps none of its frames."""
+    return 2 * wire_delta
 
 
 def pinned_bytes(batch_size: int, block_size: int, cuda: bool) -> int:
@@ -235,11 +209,10 @@ def pinned_bytes(batch_size: int, block_size: int, cuda: bool) -> int:
 
 
 def base_bytes(config: RunConfig, wire_whole: int) -> int:
-    """Host bytes of the shared bases (:mod:`swarm.gossip._bases`): a gossip trainer of model exchanges
-    keeps at most :data:`BASES_KEPT`, each the frames of a whole model in ``compression.codec``
-    (``wire_whole``, the wire size of one). Other exchanges and backends keep none."""
-    avg = config.averaging
-    return BASES_KEPT * wire_whole if avg.backend == "gossip" and avg.exchange == "model" else 0
+    """Host bytes of the shared bases (:mod:`swarm.gossip._bases`): a gossip trainer keeps at most
+    :data:`BASES_KEPT`, each the frames of a whole model in ``compression.codec`` (``wire_whole``, the
+    wire size of one). Other backends keep none."""
+    return BASES_KEPT * wire_whole if config.averaging.backend == "gossip" else 0
 
 
 def joining_bytes(params: int, momentum: bool) -> tuple[int, int]:
@@ -354,11 +327,8 @@ def estimate_peer(config: RunConfig, device: str = "cuda", *, eight_bit: bool | 
     largest = max(p.numel() for p in model.parameters())
     autocast, autocast_checkpointed = autocast_copy_bytes(model, half)
     comp, avg = config.compression, config.averaging
-    models = avg.exchange == "model"
-    folded = avg.anchor_pull == "folded" and not models
     residuals = 4 * params if comp.codec != "fp32" and comp.error_feedback else 0  # anchors keep none
     wire_delta = wire_bytes(model, comp.codec, comp.block_size)
-    wire_params = wire_bytes(model, avg.param_codec, comp.block_size)
     return PeerEstimate(
         parameters=params,
         device=device,
@@ -367,14 +337,11 @@ def estimate_peer(config: RunConfig, device: str = "cuda", *, eight_bit: bool | 
         inner_optimizer=optimizer_state_bytes(model, eight_bit),
         outer_state=(8 if avg.outer_momentum else 4) * params,
         residuals=residuals,
-        exchange_buffers=sync_buffer_bytes(params, largest, model=models, folded=folded),
-        exchange_frames=frame_bytes(wire_delta, wire_params, model=models, folded=folded),
+        exchange_buffers=sync_buffer_bytes(params, largest),
+        exchange_frames=frame_bytes(wire_delta),
         activations=activations,
         activations_checkpointed=checkpointed,
         wire_delta=wire_delta,
-        wire_params=wire_params,
-        param_sync_every=avg.param_sync_every,
-        anchor_pull="model" if avg.exchange == "model" else avg.anchor_pull,
         wire_change=wire_bytes(model, comp.delta_codec, comp.block_size),
         autocast_weights=autocast,
         autocast_weights_checkpointed=autocast_checkpointed,

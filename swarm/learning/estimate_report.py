@@ -40,12 +40,6 @@ def describe_estimate(estimate: PeerEstimate, checkpointing: bool = False) -> li
 
 
 def _exchange_wire(e: PeerEstimate) -> str:
-    per_round = f"{format_bytes(e.wire_delta)} per round, initiated or served"
-    if e.anchor_pull == "model":
-        change = f"{format_bytes(e.wire_change)} per round, initiated or served, after its last step"
-        base = f"the base {format_bytes(e.wire_delta)} while it trains, about every other round"
-        return f"the model's change from the pair's base {change}; {base}"
-    if e.anchor_pull == "folded":
-        return f"pseudo-gradient {per_round}; anchors {format_bytes(e.wire_params)} in the same exchange"
-    every = f"anchors {format_bytes(e.wire_params)} every {e.param_sync_every} own rounds"
-    return f"pseudo-gradient {per_round}; {every}"
+    change = f"{format_bytes(e.wire_change)} per round, initiated or served, after its last step"
+    base = f"the base {format_bytes(e.wire_delta)} while it trains, about every other round"
+    return f"the model's change from the pair's base {change}; {base}"

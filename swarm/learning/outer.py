@@ -104,6 +104,31 @@ class OuterOptimizer:
         return True
 
     @torch.no_grad()
+    def copy_parameters(self) -> dict[str, torch.Tensor]:
+        """A copy of the model's parameters by name (detached, in their own dtype and device)."""
+        return {name: param.detach().clone() for name, param in self._params.items()}
+
+    @torch.no_grad()
+    def load_parameters(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Copy ``tensors`` into the model's parameters of the same names; the others stay as they are.
+
+        The anchor and the momentum are left alone, so the next :meth:`pseudo_gradient` measures the
+        new parameters from the old anchor: this is how a caller moves the model outside the inner loop
+        and the outer step (an experiment pulling two peers' models together, or a late update landing
+        on top of the progress made since). :meth:`reset_anchor` afterwards re-anchors there instead.
+        Raises ValueError, changing nothing, on a name the model lacks or a shape that differs.
+        """
+        unknown = sorted(set(tensors) - set(self._params))
+        if unknown:
+            raise ValueError(f"no parameters named {unknown} in the model")
+        for name, tensor in tensors.items():
+            want = tuple(self._params[name].shape)
+            if tuple(tensor.shape) != want:
+                raise ValueError(f"parameter {name!r} has shape {want}, got {tuple(tensor.shape)}")
+        for name, tensor in tensors.items():
+            self._params[name].copy_(tensor)
+
+    @torch.no_grad()
     def pseudo_gradient(self) -> dict[str, torch.Tensor]:
         """``anchor - params`` per parameter name, float32, on the anchor's device."""
         return {

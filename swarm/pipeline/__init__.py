@@ -1,11 +1,12 @@
 """Pipeline stages across peers, SWARM-style: models larger than one peer's device (docs/pipeline.md).
 
 The model is cut into ``pipeline.num_stages`` contiguous stages (:func:`plan_stages`, the same on every
-peer). A peer serves one stage (:class:`StagePeer`): stage 0 peers hold the data and the embeddings and
-route each micro-batch through one live peer per later stage, chosen at random by measured throughput
-and queue (:class:`Router`); the others answer FORWARD and BACKWARD requests on a P2P stream
-(:class:`StageServer`). Peers of one stage keep it in agreement with the gossip trainer's machinery,
-namespaced by stage, and move to an under-served stage when the imbalance persists (:class:`Rebalancer`).
+peer). A peer serves one stage (:class:`StagePeer`, the trainer's core with :class:`OneStage`): stage 0
+peers hold the data and the embeddings and route each micro-batch through one live peer per later stage,
+chosen at random by measured throughput and queue (:class:`Router`); the others answer FORWARD and
+BACKWARD requests on a P2P stream (:class:`StageServer`). Peers of one stage keep it in agreement with
+the gossip trainer's machinery, namespaced by stage, and move to an under-served stage when the
+imbalance persists (:class:`Rebalancer`).
 
 Names are exported lazily (PEP 562): the config hash of ``num_stages: auto`` needs only the planner, and
 ``import swarm.pipeline`` loads neither torch nor hivemind.
@@ -44,6 +45,7 @@ _EXPORTS = {
     "Rebalancer": "swarm.pipeline._balance",
     "choose_stage": "swarm.pipeline._balance",
     "stage_loads": "swarm.pipeline._balance",
+    "OneStage": "swarm.pipeline._peer",
     "StagePeer": "swarm.pipeline._peer",
 }
 

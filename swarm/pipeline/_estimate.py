@@ -81,8 +81,7 @@ def estimate_stage(config: RunConfig, spec: StageSpec, device: str = "cuda") -> 
     lossy = comp.codec != "fp32"
     avg = config.averaging
     outer = (8 if avg.outer_momentum else 4) * params + (4 * params if lossy and comp.error_feedback else 0)
-    folded = avg.anchor_pull == "folded" and avg.exchange != "model"
-    outer += sync_buffer_bytes(params, max(stage.sizes), model=avg.exchange == "model", folded=folded)
+    outer += sync_buffer_bytes(params, max(stage.sizes))
     boundary = pipe.microbatch_size * m.block_size * m.n_embd * 4
     cache = 0 if spec.embeddings else MAX_CACHED * boundary
     return StageEstimate(

@@ -1,9 +1,10 @@
 """A training peer: the library's composition of network, membership, averaging and training.
 
-:class:`PeerCore` is the shell every trainer shares (device, data, progress, node, status, stop
-path, phase timers, round booking, summary); :class:`TrainingPeer` trains the whole model on it
-(inner loop, checkpoints, rollback), and pipeline stage peers (:mod:`swarm.pipeline`) one stage. An
-:class:`AveragingBackend` (gossip, the hivemind baseline, solo) keeps a peer in agreement with the swarm.
+:class:`PeerCore` is every trainer (device, data, progress, node, status, stop path, phase timers,
+the loop, round booking, checkpoints, summary); what it trains is a :class:`Trainee` handed to it: the
+whole model (:class:`WholeModel`, with :class:`TrainingPeer` the core built with it) or one pipeline
+stage (:mod:`swarm.pipeline`). An :class:`AveragingBackend` (gossip, the hivemind baseline, solo) keeps
+a peer in agreement with the swarm.
 """
 
 from swarm.trainer._backend import (
@@ -16,10 +17,10 @@ from swarm.trainer._backend import (
     RoundRole,
 )
 from swarm.trainer._checkpoints import AUTO, checkpoint_dir_of, claim_checkpoint_dir, config_yaml
-from swarm.trainer._core import PeerCore
+from swarm.trainer._core import PeerCore, Trainee
 from swarm.trainer._factory import make_backend
 from swarm.trainer._ledger import SwarmLedger
-from swarm.trainer._peer import TrainingPeer
+from swarm.trainer._peer import TrainingPeer, WholeModel
 from swarm.trainer._phases import PHASES, PhaseTimers
 from swarm.trainer._progress import Progress
 from swarm.trainer._report import SyncReport
@@ -40,7 +41,9 @@ __all__ = [
     "RoundRole",
     "SwarmLedger",
     "SyncReport",
+    "Trainee",
     "TrainingPeer",
+    "WholeModel",
     "checkpoint_dir_of",
     "claim_checkpoint_dir",
     "config_yaml",

@@ -7,18 +7,15 @@ round; the result is applied when it lands, keeping the local progress made mean
 (:mod:`swarm.trainer._offers`): every exchange is a round for both sides. The device waits only when
 our own exchange lags more than ``averaging.max_lag_rounds`` rounds behind (0: a blocking sync).
 
-With ``averaging.exchange: model`` (the default) an exchange averages the pair's models in one
-tensor each way, so every exchange is a consensus step, and ``averaging.partners: hypercube`` picks
-the partner by dimension exchange over the live trainers (docs/gossip.md, "The rule"): of a scheduled
-pair, the member earlier in the shared order dials and the other waits a moment to be dialled before
-it dials anyone itself.
+An exchange averages the pair's models in one tensor set each way, so every exchange is a consensus
+step, and ``averaging.partners: hypercube`` picks the partner by dimension exchange over the live
+trainers (docs/gossip.md, "The rule"): of a scheduled pair, the member earlier in the shared order
+dials and the other waits a moment to be dialled before it dials anyone itself. While a round
+trains, one member of the next pair pushes its anchor to the other as their shared base, so that the
+round's exchange sends only each model's change from it.
 
-With ``averaging.exchange: pseudo-gradient`` the pair averages pseudo-gradients; every
-``param_sync_every`` rounds, and every round while drifting, the worker also averages anchors with a
-partner, which measures the drift and pulls it back; with ``averaging.anchor_pull: folded`` every
-pseudo-gradient exchange carries the anchors instead, and that second exchange is never run. The
-anchor averager stays in every mode, for a joiner that adopts a partner's anchor. The backend also
-owns the state server that joiners download from, and joining itself.
+A second averager exchanges anchors: only for a joiner that adopts a partner's state. The backend
+also owns the state server that joiners download from, and joining itself.
 """
 
 from __future__ import annotations
@@ -45,9 +42,9 @@ from swarm.trainer._checkpoints import checkpoint_dir_of
 from swarm.trainer._joining import JOIN_WEIGHT, adopt_a_partner, download_swarm_state, publish_state
 from swarm.trainer._joining import other_trainers as others
 from swarm.trainer._live import LiveModel, Update
-from swarm.trainer._offers import ANCHOR_WEIGHT, AnchorOffers, DeltaOffers, ModelOffers
+from swarm.trainer._offers import ANCHOR_WEIGHT, AnchorOffers, ModelOffers
 from swarm.trainer._report import add_metrics, round_of
-from swarm.trainer._schedule import Pace, Slot, slot_of
+from swarm.trainer._schedule import Pace, Slot, slot_of, trainer_partners
 from swarm.trainer._sync import SyncWorker, make_averager
 
 logger = logging.getLogger(__name__)
@@ -64,7 +61,7 @@ without it the pair sends whole models, which crowd the links the base is on."""
 
 
 class GossipBackend:
-    """Model (or pseudo-gradient) gossip with scheduled partners, outer Nesterov steps, consensus."""
+    """Model gossip with scheduled partners and shared bases; the outer step moves to the pair's mean."""
 
     def __init__(self, context: BackendContext) -> None:
         self._context, self._config, self._node = context, context.config, context.node
@@ -76,11 +73,8 @@ class GossipBackend:
         self.live = LiveModel(
             context.model, self.outer, context.config.train.batch_size, before_change=self._invalidate_offers
         )
-        self._models = avg.exchange == "model"
-        self._folded = avg.anchor_pull == "folded" and not self._models
         self._model_offers = ModelOffers(self.live)
-        self._delta_offers = DeltaOffers(self.live, with_anchor=self._folded)
-        self._anchor_offers = AnchorOffers(self.live, lazy=self._models)  # it only serves joiners
+        self._anchor_offers = AnchorOffers(self.live)  # it only serves joiners
         self._every_steps, self._every_seconds = avg.sync_every_steps, avg.sync_every_seconds
         self._max_lag = avg.max_lag_rounds
         self._last_request = time.monotonic()
@@ -93,8 +87,8 @@ class GossipBackend:
         self._state_hash = ""
         self._joined_meta: dict[str, int] = {}
         self._publish_due = False
-        self.deltas: GossipAverager | None = None
-        self.params: GossipAverager | None = None
+        self.models: GossipAverager | None = None
+        self.anchors: GossipAverager | None = None
         self.state_server: StateServer | None = None
         self._worker: SyncWorker | None = None
         self._push_worker: SyncWorker | None = None
@@ -105,7 +99,7 @@ class GossipBackend:
             keep_s = self._config.network.record_ttl_s + 5.0
             self.state_server = StateServer(self._node.dht, self._run_id, keep_replaced_s=keep_s)
             self._worker = SyncWorker(self._own_round)
-            self._pushes = self._models and avg.partners == "hypercube"
+            self._pushes = avg.partners == "hypercube"
             self._push_worker = SyncWorker(self._push_next_base, name="gossip-base") if self._pushes else None
             schema = {name: (tuple(p.shape), torch.float32) for name, p in context.model.named_parameters()}
             self._averagers()[0].expect_schema(schema)  # bases may be pushed to us before our first offer
@@ -117,18 +111,16 @@ class GossipBackend:
         config, dht = self._config, self._node.dht
         space = self._namespace
         scheduled = config.averaging.partners == "hypercube"
-        self.deltas = make_averager(
+        self.models = make_averager(
             config,
             dht,
             self._partners,
-            self._model_offers if self._models else self._delta_offers,
+            self._model_offers,
             namespace=space,
             client_mode=client_mode,
-            with_anchor=self._folded,
-            models=self._models,
             preferred_partner=(lambda: self._scheduled) if scheduled else None,
         )
-        self.params = make_averager(
+        self.anchors = make_averager(
             config,
             dht,
             self._partners,
@@ -137,21 +129,20 @@ class GossipBackend:
             namespace=space,
             codec=config.averaging.param_codec,
             client_mode=client_mode,
-            respect_bans_of=self.deltas,  # a peer banned for its updates is not trusted with parameters
+            respect_bans_of=self.models,  # a peer banned for its updates is not trusted with parameters
         )
 
     def _invalidate_offers(self) -> None:
-        """Our anchor is about to change: the exchanges still reading a snapshot of it stop (the two
-        averagers share one gate). Only model offers read it in place; pseudo-gradient offers are
-        copies, and a late one is applied as a correction."""
-        if self.deltas is not None and self._models:
-            self.deltas.invalidate()
+        """Our anchor is about to change: the exchanges still reading it in place stop (the two
+        averagers share one gate)."""
+        if self.models is not None:
+            self.models.invalidate()
 
     def _averagers(self) -> tuple[GossipAverager, GossipAverager]:
-        """The pseudo-gradient and parameter averagers, which exist from construction until :meth:`close`."""
-        if self.deltas is None or self.params is None:
+        """The model and anchor averagers, which exist from construction until :meth:`close`."""
+        if self.models is None or self.anchors is None:
             raise RuntimeError("the gossip backend's averagers are closed")
-        return self.deltas, self.params
+        return self.models, self.anchors
 
     def _pusher(self) -> SyncWorker:
         if self._push_worker is None:
@@ -164,20 +155,7 @@ class GossipBackend:
         return self._worker
 
     def _partners(self) -> list[PartnerInfo]:
-        return [
-            PartnerInfo(
-                m.peer_id,
-                m.record.protocol_version,
-                m.record.config_hash,
-                m.record.client_mode,
-                leaving=m.record.state == "leaving",
-                joining=m.record.state == "joining",
-                relayed=m.record.reachability == "relay",
-                expires_at=m.expires_at,
-            )
-            for m in self._members()
-            if m.record.role == "trainer"
-        ]
+        return trainer_partners(self._members())
 
     def _members(self) -> list[Any]:
         """The live members we average with: all of them, or those of our group (``BackendContext.group``)."""
@@ -282,7 +260,7 @@ class GossipBackend:
         """Whether we hold the swarm's state. Until we do, partners get nothing from us (they would
         judge our seed an attacker's push, and we theirs), and each round tries the adoption again."""
         self._adopted = adopted
-        self._model_offers.accepting = self._delta_offers.accepting = adopted
+        self._model_offers.accepting = adopted
 
     def _adopt_again(self) -> None:
         """One more try to take over a partner's state, as joining does; the anchor update it queues is
@@ -335,8 +313,8 @@ class GossipBackend:
         if result.outcome is SyncOutcome.SKIPPED:
             logger.debug("own round skipped: %s", result.reason)  # a partner's exchange used our steps
         elif result.outcome is not SyncOutcome.OK and result.outcome is not SyncOutcome.CANCELLED:
-            # an exchange reading our anchor in place (model mode) would stop if a solo step moved it
-            reading = self._models and (self._model_offers.in_flight() or self._anchor_offers.in_flight())
+            # an exchange reading our anchor in place would stop if a solo step moved it
+            reading = self._model_offers.in_flight() or self._anchor_offers.in_flight()
             if self.live.has_pending() or reading:
                 logger.info(
                     "sync without a partner (%s): a partner's exchange with us is this round",
@@ -348,8 +326,6 @@ class GossipBackend:
                 )
                 info = {"outcome": "solo", "reason": result.outcome.value, "role": "local"}
                 self.live.queue(Update("solo", info={**info, "bytes_sent": result.bytes_sent}))
-        if self._anchor_exchange_due():
-            self._averagers()[1].sync()
 
     def _push_next_base(self) -> None:
         """If we push the base of our next scheduled pair (:class:`~swarm.trainer._schedule.Slot`), push
@@ -373,17 +349,7 @@ class GossipBackend:
     def _slot(self) -> Slot:
         """Our place in this round of the schedule, over the dialable live trainers."""
         ids = [p.peer_id for p in self._partners() if not (p.client_mode or p.leaving or p.joining)]
-        schedule_round = self._model_offers.round if self._models else self._own_rounds
-        return slot_of(ids, self._node.peer_id, self._run_id, schedule_round)
-
-    def _anchor_exchange_due(self) -> bool:
-        """A separate anchor exchange: every ``param_sync_every`` own rounds, and every round while the
-        drift exceeds ``max_drift``; never with a folded pull or a model exchange (every exchange
-        pulled the anchors)."""
-        if self._folded or self._models:
-            return False
-        avg, drift = self._config.averaging, self._context.progress.drift
-        return (drift is not None and drift > avg.max_drift) or self._own_rounds % avg.param_sync_every == 0
+        return slot_of(ids, self._node.peer_id, self._run_id, self._model_offers.round)
 
     # ------------------------------------------------------------------ status and lifecycle
 
@@ -392,7 +358,7 @@ class GossipBackend:
 
     def on_client_mode(self) -> None:
         """Recreate the averagers without a handler, and stop serving state."""
-        for service in (self.state_server, self.params, self.deltas):
+        for service in (self.state_server, self.anchors, self.models):
             if service is not None:
                 service.close()
         self.state_server = None
@@ -403,16 +369,16 @@ class GossipBackend:
         return {"state_hash": self._state_hash}
 
     def metrics(self) -> ExchangeMetrics:
-        """Both averagers' counters added up (latencies are the pseudo-gradient averager's)."""
-        parts = [a.metrics() for a in (self.deltas, self.params) if a is not None]
+        """Both averagers' counters added up (latencies are the model averager's)."""
+        parts = [a.metrics() for a in (self.models, self.anchors) if a is not None]
         return add_metrics(parts) if parts else ExchangeMetrics()
 
     def details(self) -> dict[str, Any]:
-        deltas = self.deltas
+        models = self.models
         return {
-            "exchange_metrics": deltas.metrics() if deltas is not None else ExchangeMetrics(),
-            "banned_peers": deltas.banned_peers() if deltas is not None else {},
-            "ban_strikes": deltas.ban_strikes() if deltas is not None else {},
+            "exchange_metrics": models.metrics() if models is not None else ExchangeMetrics(),
+            "banned_peers": models.banned_peers() if models is not None else {},
+            "ban_strikes": models.ban_strikes() if models is not None else {},
             "rounds_by_role": dict(self._rounds),
             "stalled_seconds": self.stalled_seconds,
         }
@@ -427,7 +393,7 @@ class GossipBackend:
         self.live.steps = int(state.get("steps", 0))
 
     def abort(self) -> None:
-        for averager in (self.deltas, self.params):
+        for averager in (self.models, self.anchors):
             if averager is not None:
                 averager.abort()
 
@@ -442,7 +408,7 @@ class GossipBackend:
         for worker in (self._worker, self._push_worker):
             if worker is not None:
                 worker.stop()
-        for service in (self.state_server, self.params, self.deltas):
+        for service in (self.state_server, self.anchors, self.models):
             if service is not None:
                 with contextlib.suppress(Exception):
                     service.close()

@@ -3,21 +3,23 @@
 Two threads meet here. The training thread runs inner steps; exchanges (ours, started by the sync
 worker, and partners' that dial us) run on the averagers' threads. The rules:
 
-* **Snapshots, never live tensors.** An exchange gets a *copy* of our pseudo-gradient
-  (``anchor - params``) or of our anchor, taken under :attr:`LiveModel.lock`. The training thread
-  holds that lock only around the inner optimizer's in-place update (:meth:`updating`), so a
-  partner that dials us never stops our training, and we never wait for it.
+* **Snapshots, never live tensors.** An exchange gets a snapshot of our parameters
+  (:class:`ModelSnapshot`: the anchor read in place plus a compact copy of our progress since it),
+  taken under :attr:`LiveModel.lock`. The training thread holds that lock only around the inner
+  optimizer's in-place update (:meth:`updating`), so a partner that dials us never stops our
+  training, and we never wait for it.
 * **The training thread is the only writer.** A committed exchange only queues an :class:`Update`;
   the training thread applies it at its next step boundary (:meth:`apply_pending`), under the lock.
   Anchor, momentum and parameters therefore always change together, between two steps.
-* **Every step is used once.** A pseudo-gradient snapshot carries the steps it holds. While an
-  update is queued and not yet applied, no new pseudo-gradient snapshot is given out (it would
-  contain steps already used); once applied, the steps it consumed leave the count, and the steps
-  taken since the snapshot stay in the model as the start of the next round (kept local progress).
+* **Every step is used once.** A snapshot carries the steps it holds. While an update is queued and
+  not yet applied, no new snapshot is given out (its exchange already averaged these parameters);
+  once applied, the steps it consumed leave the count, and the steps taken since the snapshot stay
+  in the model as the start of the next round (kept local progress).
 
-The update rule (docs/training.md): with anchor ``θ``, parameters ``φ`` and a snapshot ``Δs = θ - φs``
-mixed into the outer gradient ``g``, the training thread sets ``θ' = outer(θ, g)`` and
-``φ' = φ + (θ' - θ) + Δs``, i.e. ``φ' = θ' + (φ - φs)``: the new anchor plus whatever it trained since.
+The update rule (docs/training.md): with anchor ``θ``, parameters ``φ``, a snapshot ``φs`` and the
+pair's mean model ``m``, the training thread sets ``θ' = outer(θ, θ - m)`` and
+``φ' = φ + (θ' - θ) - (φs - θ)``, i.e. ``φ' = θ' + (φ - φs)``: the new anchor plus whatever it trained
+since.
 """
 
 from __future__ import annotations
@@ -39,28 +41,10 @@ from swarm.learning import OuterOptimizer, all_finite, half_dtype
 Tensors = dict[str, torch.Tensor]
 
 
-PROBE_SIZE = 128
-"""Anchor values sampled into every pseudo-gradient offer, at positions every peer of a run shares."""
-
-
-@dataclass(frozen=True)
-class DeltaSnapshot:
-    """Our pseudo-gradient per sample (``(anchor - params) / samples``), the steps it holds, and a
-    fixed sample of our anchor (``probe``) that tells a partner how far apart our models are; or
-    instead of the probe, ``anchor``: a copy of the anchor itself, taken in the same instant
-    (``averaging.anchor_pull: folded``)."""
-
-    mean: Tensors
-    steps: int
-    samples: int
-    probe: tuple[float, ...] = ()
-    anchor: Tensors | None = None
-
-
 @dataclass(frozen=True)
 class ModelSnapshot:
-    """Our parameters as a model exchange (``averaging.exchange: model``) averages them, and the inner
-    steps since the anchor that they hold.
+    """Our parameters as an exchange averages them, and the inner steps since the anchor that they
+    hold.
 
     Stored compactly: ``progress``, the parameters minus the anchor in bfloat16 (float16 on an MPS
     device without it; 2 bytes per
@@ -84,9 +68,7 @@ class ModelSnapshot:
 class Update:
     """A committed exchange's result, waiting for the training thread.
 
-    ``kind="delta"``: ``gradient`` is the outer gradient (the pair's mean pseudo-gradient in sum units)
-    and ``consumed`` our snapshot's pseudo-gradient with its ``steps``; with a folded anchor pull also
-    ``shift``, applied after the outer step. ``kind="anchor"``: ``shift`` is how far the exchange moved
+    ``kind="anchor"``: ``shift`` is how far the exchange moved
     our anchor snapshot. ``kind="model"``: ``gradient`` is the pair's mean model (a
     :class:`~swarm.gossip.MixedTensors`, read tensor by tensor) and ``snapshot`` the
     :class:`ModelSnapshot` it averaged, with its ``steps``; the outer step goes along ``anchor - mean``
@@ -96,7 +78,6 @@ class Update:
 
     kind: str
     gradient: Mapping[str, torch.Tensor] = field(default_factory=dict)
-    consumed: Tensors = field(default_factory=dict)
     snapshot: ModelSnapshot | None = None
     steps: int = 0
     shift: Tensors = field(default_factory=dict)
@@ -116,7 +97,7 @@ class LiveModel:
         self.outer = outer
         self.lock = threading.Lock()
         self.steps = 0
-        """Inner steps in the current pseudo-gradient, i.e. taken since the anchor and not yet used."""
+        """Inner steps taken since the anchor and not yet used by an update."""
         self.version = 0
         """Counts the changes of the anchor (applied updates, rollbacks, resets): a snapshot of an
         older version describes a model that is gone."""
@@ -124,7 +105,6 @@ class LiveModel:
         """Called before the anchor or the error feedback changes outside an exchange's commit: the
         exchanges reading a lazy snapshot of them must stop (``GossipAverager.invalidate``)."""
         self._params = dict(model.named_parameters())
-        self._probe_at = probe_positions({name: p.numel() for name, p in self._params.items()})
         self._samples_per_step = samples_per_step
         self._pending: list[Update] = []
         self._pending_kinds: set[str] = set()
@@ -143,47 +123,16 @@ class LiveModel:
 
     # ------------------------------------------------------------------ snapshots (any thread)
 
-    def delta_snapshot(self, with_anchor: bool = False) -> DeltaSnapshot | None:
-        """Our pseudo-gradient per sample, or None when there is nothing new to give.
-
-        None while a committed update waits to be applied (its steps are in the model still) or
-        before the first step since the last one. ``with_anchor`` adds a copy of the anchor instead
-        of the probe (None also while an anchor update waits, or when the anchor is not finite).
-        """
-        with self.lock:
-            waiting = {"delta", "solo", "model", "anchor"} if with_anchor else {"delta", "solo", "model"}
-            if self._pending_kinds & waiting or self.steps == 0:
-                return None
-            samples = self.steps * self._samples_per_step
-            mean = {name: delta.div_(samples) for name, delta in self._pseudo_gradient().items()}
-            if not all_finite(mean.values()):  # never served: the training thread rolls back
-                return None
-            anchor = None
-            if with_anchor:
-                if not all_finite(self.outer.anchor.values()):
-                    return None
-                anchor = {name: t.clone() for name, t in self.outer.anchor.items()}
-            probe = () if with_anchor else self._probe()  # the anchor itself measures the drift exactly
-            return DeltaSnapshot(mean, self.steps, samples, probe, anchor)
-
-    def _probe(self) -> tuple[float, ...]:
-        return tuple(
-            value
-            for name, positions in self._probe_at.items()
-            for value in self.outer.anchor[name].reshape(-1)[positions].tolist()
-        )
-
     def model_snapshot(self, reuse: ModelSnapshot | None = None) -> ModelSnapshot | None:
         """Our parameters as a :class:`ModelSnapshot`, or None while an update waits to be applied (its
-        exchange has already averaged these parameters) or when they are not finite. Unlike a
-        pseudo-gradient, a model may be averaged again with no new steps: that is one more consensus
-        step.
+        exchange has already averaged these parameters) or when they are not finite. A model may be
+        averaged again with no new steps: that is one more consensus step.
 
         ``reuse``: a snapshot still in use by another exchange; it is given again while nothing was
         applied since it was taken (the steps since stay local, as for any exchange), so that two
         overlapping exchanges hold one snapshot, not two."""
         with self.lock:
-            if self._pending_kinds & {"delta", "solo", "model", "anchor"}:
+            if self._pending_kinds & {"solo", "model", "anchor"}:
                 return None
             if reuse is not None and reuse.version == self.version:
                 return reuse
@@ -210,13 +159,6 @@ class LiveModel:
             anchor = self.outer.anchor
             schema = {name: (tuple(t.shape), t.dtype) for name, t in anchor.items()}
             return LazyTensors(schema, anchor.__getitem__)
-
-    def anchor_snapshot(self) -> Tensors | None:
-        """A copy of our anchor, or None while an anchor update waits to be applied."""
-        with self.lock:
-            if "anchor" in self._pending_kinds or not all_finite(self.outer.anchor.values()):
-                return None
-            return {name: t.clone() for name, t in self.outer.anchor.items()}
 
     # ------------------------------------------------------------------ updates
 
@@ -255,16 +197,6 @@ class LiveModel:
     def _apply(self, update: Update) -> None:
         if update.kind == "model":
             self._apply_model(update)
-        elif update.kind == "delta":
-            moves = self.outer.advance(update.gradient)
-            update.gradient = {}  # used: let it go before the parameters move
-            for name, shift in update.shift.items():  # a folded anchor pull: anchor and model move alike
-                self.outer.anchor[name].add_(shift)
-                moves[name].add_(shift)
-            update.shift = {}
-            self._move_params(moves, update.consumed)
-            update.consumed = {}
-            self.steps -= update.steps
         elif update.kind == "solo":
             own = self._pseudo_gradient()
             if not all_finite(own.values()):  # the training thread rolls back; the anchor stays good
@@ -284,7 +216,12 @@ class LiveModel:
     def _apply_model(self, update: Update) -> None:
         """The outer step along ``anchor - mean``, one tensor at a time: read the mean (it reads the
         anchor, so before the anchor moves), step, and move the parameters by the anchor's move minus
-        the snapshot's progress: ``φ' = θ' + (φ - snapshot)``."""
+        the snapshot's progress: ``φ' = θ' + (φ - snapshot)``.
+
+        Reading the mean decodes the partner's frames and re-encodes ours, one tensor at a time, here on
+        the training thread: computing it when the exchange commits would hold the whole mean model
+        (4 bytes a parameter, twice what the exchange path holds), and in bfloat16 its rounding would
+        stop the pair short of its mean (docs/architecture.md, "One exchange, end to end")."""
         snapshot, mean = update.snapshot, update.gradient
         if snapshot is None:
             raise ValueError("a model update needs the snapshot it averaged")
@@ -331,33 +268,6 @@ class LiveModel:
             self._pending, self.steps = [], 0
             self._pending_kinds.clear()
             self.version += 1
-
-
-def probe_positions(sizes: dict[str, int], count: int = PROBE_SIZE, seed: int = 0) -> dict[str, torch.Tensor]:
-    """``count`` positions drawn uniformly over all parameters (by name order, so every peer of a run
-    draws the same), as flat indices per tensor."""
-    names = sorted(sizes)
-    total = sum(sizes[name] for name in names)
-    if total == 0:
-        return {}
-    generator = torch.Generator().manual_seed(seed)
-    drawn = torch.randint(total, (min(count, total),), generator=generator).sort().values
-    positions, start = {}, 0
-    for name in names:
-        inside = drawn[(drawn >= start) & (drawn < start + sizes[name])] - start
-        if len(inside):
-            positions[name] = inside
-        start += sizes[name]
-    return positions
-
-
-def probe_distance(ours: tuple[float, ...], theirs: tuple[float, ...]) -> float | None:
-    """``|ours - theirs| / |ours|`` of two probes: an estimate of the relative distance of two anchors;
-    None when they are not comparable (a partner without a probe, or of another length)."""
-    if not ours or len(ours) != len(theirs):
-        return None
-    diff = math.sqrt(sum((a - b) ** 2 for a, b in zip(ours, theirs, strict=True)))
-    return diff / max(math.sqrt(sum(a * a for a in ours)), 1e-12)
 
 
 def relative_norm(shift: Mapping[str, torch.Tensor], reference: Mapping[str, torch.Tensor]) -> float:

@@ -1,95 +1,30 @@
 """What a gossip trainer offers to an exchange, and what it does with a committed result.
 
-The averagers run in offer mode (docs/gossip.md, "Offer mode"): for every exchange, initiated or
-served, they ask for a fresh snapshot and report the mixed result back instead of writing into live
-tensors. Both sides of an exchange use what they received.
+The averagers ask for a fresh snapshot for every exchange, initiated or served, and report the mixed
+result back instead of writing into live tensors (docs/gossip.md, "Offerers"). Both sides of an
+exchange use what they received.
 
-Units (docs/training.md): a pseudo-gradient is a *sum* over the steps since the anchor. On the wire
-it travels as a per-sample mean ``x = Δ / w`` with weight ``w`` = its samples, so means of peers that
-took different numbers of steps are comparable (the robust clip compares their norms). The mix of a
-pair is ``x' = (w x + v y) / (w + v)``; the outer gradient each side applies is ``x' (w + v) / 2 =
-(Δ_a + Δ_b) / 2``: the pair's mean pseudo-gradient, in sum units, so every sample counts once.
+The model averager's offer (:class:`ModelOffers`) is our parameters at weight 1, and the mix is the
+pair's mean model: one tensor set each way carries both sides' progress and the anchors' gap
+(docs/gossip.md, "The rule"). The anchor averager's (:class:`AnchorOffers`) is our anchor; it serves
+joiners, which take a partner's state over at a negligible weight.
 
 A partner's stated weight is its own claim: nothing we receive proves it. Where it scales what we
-apply it is capped (:func:`checked_weight`): a model offer's honest weight is 1, like ours, so a
-partner counts at most as much as we do; a pseudo-gradient's weight is its samples, and a partner
-counts at most :data:`MAX_WEIGHT_RATIO` times our samples (peers on one run take comparable numbers
-of steps a round; one that claims more is undercounted, never overcounted). A HELLO claiming 1e29
-samples therefore scales our outer step by at most ``(1 + MAX_WEIGHT_RATIO) / 2``, and the robust clip
-bounds the direction.
-
-With ``averaging.exchange: model`` (:class:`ModelOffers`, the default) the offer is a copy of our
-parameters at weight 1 and the mix is the pair's mean model: one tensor each way carries both the
-pseudo-gradients and the anchors' gap (docs/gossip.md, "The rule").
-
-With ``averaging.anchor_pull: folded`` the pseudo-gradient offer carries a copy of the anchor as its
-companion part (weight 1, ``param_codec``, ``param_clip_ratio``): one exchange gives both the pair's
-mean pseudo-gradient and the anchors' pull, applied together as one update.
+apply it is capped: an honest offer's weight is 1, like ours, so a partner counts at most as much as
+we do (:func:`equal_share_scale`, :func:`anchor_pull`). A HELLO claiming 1e29 pulls us to the pair's
+mean, never past it to the partner's model.
 """
 
 from __future__ import annotations
 
 import math
 import threading
+from collections.abc import Mapping
 
-from swarm.gossip import Committed, MixedPart, MixedTensors, Offer, Part
-from swarm.trainer._live import (
-    LiveModel,
-    ModelSnapshot,
-    Tensors,
-    Update,
-    probe_distance,
-    relative_norm,
-)
+import torch
 
-
-class DeltaOffers:
-    """Offers our pseudo-gradient snapshot; a committed exchange becomes a ``delta`` update.
-
-    ``with_anchor`` (a folded anchor pull): the offer also carries our anchor as its companion part,
-    and the update also shifts anchor and model by the anchors' pull, which measures the drift exactly.
-    """
-
-    def __init__(self, live: LiveModel, with_anchor: bool = False) -> None:
-        self._live = live
-        self._with_anchor = with_anchor
-        self.accepting = True
-        """False while we hold no swarm state (a joiner whose adoption failed): nothing is offered."""
-
-    def offer(self) -> Offer | None:
-        if not self.accepting:
-            return None
-        snapshot = self._live.delta_snapshot(with_anchor=self._with_anchor)
-        if snapshot is None:
-            return None
-        companion = Part(snapshot.anchor, ANCHOR_WEIGHT) if snapshot.anchor is not None else None
-        return Offer(
-            tensors=snapshot.mean,
-            weight=float(snapshot.samples),
-            token=snapshot,
-            probe=snapshot.probe,
-            companion=companion,
-        )
-
-    def committed(self, offer: Offer, exchange: Committed) -> None:
-        snapshot = offer.token
-        capped = checked_weight(exchange.partner_weight, offer.weight, MAX_WEIGHT_RATIO)
-        pair_weight = (offer.weight + capped) / 2
-        gradient = {name: t.mul_(pair_weight) for name, t in exchange.mixed.items()}
-        consumed = {name: t.mul_(snapshot.samples) for name, t in snapshot.mean.items()}
-        shift: Tensors = {}
-        drift = probe_distance(offer.probe, exchange.partner_probe)
-        if offer.companion is not None and exchange.companion is not None:
-            shift, drift = anchor_pull(offer.companion, exchange.companion)
-        info = _info(exchange, weight=offer.weight, drift=drift)
-        self._live.queue(
-            Update(
-                "delta", gradient=gradient, consumed=consumed, steps=snapshot.steps, shift=shift, info=info
-            )
-        )
-
-    def released(self, offer: Offer) -> None:
-        """Nothing to give back: each offer is a copy of its own."""
+from swarm.gossip import Committed, Offer
+from swarm.trainer._live import LiveModel, ModelSnapshot, Tensors, Update, relative_norm
 
 
 class _Held:
@@ -163,8 +98,6 @@ class ModelOffers(_Held):
         snapshot = offer.token
         self.round = max(self.round, partner_round(exchange.partner_probe)) + 1
         mixed = exchange.mixed
-        if not isinstance(mixed, MixedTensors):
-            mixed = MixedTensors.of_values(offer.tensors, mixed)
         mixed.keep()
         mean = mixed.scaled(equal_share_scale(offer.weight, exchange.partner_weight))
         drift = 2 * mean.pull_norm() / max(mixed.local_norm() * exchange.clip_scale, 1e-12)
@@ -183,29 +116,20 @@ def partner_round(probe: tuple[float, ...]) -> int:
     return int(probe[0]) if probe[0] == int(probe[0]) else 0
 
 
-MAX_WEIGHT_RATIO = 4.0
-"""A partner's pseudo-gradient counts at most this many times our samples (:func:`checked_weight`)."""
-
-
-def checked_weight(partner_weight: float, own_weight: float, ratio: float = 1.0) -> float:
-    """A partner's stated weight, counted at most ``ratio`` times ours: the claim is unchecked."""
-    return min(partner_weight, ratio * own_weight)
-
-
 def equal_share_scale(own_weight: float, partner_weight: float) -> float:
     """How much to scale the pull ``mixed - ours`` of a mix at the partner's stated weight, so that it
-    counts as :func:`checked_weight` says: from share ``v / (w + v)`` to ``min(v, w) / (w + min(v, w))``.
-    The distance of the two models before the exchange is then twice our move over the clip's factor."""
-    capped = checked_weight(partner_weight, own_weight)
+    counts at most as ours (the claim is unchecked): from share ``v / (w + v)`` to ``min(v, w) / (w +
+    min(v, w))``. The distance of the two models before the exchange is then twice our move over the
+    clip's factor."""
+    capped = min(partner_weight, own_weight)
     return (capped / (own_weight + capped)) / (partner_weight / (own_weight + partner_weight))
 
 
 class AnchorOffers(_Held):
     """Offers our anchor; a committed exchange shifts our anchor (and model) by its pull.
 
-    ``lazy``: the offer reads the live anchor (:meth:`LiveModel.anchor_view`) instead of a copy; for a
-    peer whose anchor exchanges only serve joiners (``averaging.exchange: model``), which leave it
-    unchanged, so that serving one costs no memory.
+    The offer reads the live anchor in place (:meth:`LiveModel.anchor_view`): a joiner's exchange
+    leaves it unchanged, so that serving one costs no memory.
 
     ``weight`` is 1 between peers (the pair's mean); a joiner sets a tiny weight to take over its
     partner's parameters. The shift also measures drift: with partner share ``s = v / (w + v)`` and the
@@ -213,25 +137,23 @@ class AnchorOffers(_Held):
     reported relative to our anchor.
     """
 
-    def __init__(self, live: LiveModel, lazy: bool = False) -> None:
+    def __init__(self, live: LiveModel) -> None:
         super().__init__()
         self._live = live
-        self._lazy = lazy
         self.weight = ANCHOR_WEIGHT
 
     def offer(self) -> Offer | None:
         with self._lock:
-            anchor = self._live.anchor_view() if self._lazy else self._live.anchor_snapshot()
+            anchor = self._live.anchor_view()
             if anchor is None:
                 return None
             self._holders += 1
             return Offer(tensors=anchor, weight=self.weight)
 
     def committed(self, offer: Offer, exchange: Committed) -> None:
-        if isinstance(exchange.mixed, MixedTensors) and exchange.mixed.unchanged:
+        if exchange.mixed.unchanged:
             return  # a joiner took our anchor over: nothing moved here
-        mixed = MixedPart(exchange.mixed, exchange.partner_weight, exchange.clip_scale)
-        shift, drift = anchor_pull(Part(offer.tensors, offer.weight), mixed)
+        shift, drift = anchor_pull(offer.tensors, offer.weight, exchange)
         self._live.queue(
             Update("anchor", shift=shift, info=_info(exchange, weight=offer.weight, drift=drift))
         )
@@ -241,7 +163,9 @@ ANCHOR_WEIGHT = 1.0
 """An anchor's weight between peers: each side counts alike, so the pull goes to the pair's mean."""
 
 
-def anchor_pull(ours: Part, mixed: MixedPart) -> tuple[Tensors, float]:
+def anchor_pull(
+    ours: Mapping[str, torch.Tensor], own_weight: float, exchange: Committed
+) -> tuple[Tensors, float]:
     """How far an anchor exchange moved our anchor snapshot (``mixed - ours``, reusing the mixed
     tensors), and the distance to the partner's anchor before it, relative to ours: with partner share
     ``s = v / (w + v)`` and clip factor ``c`` that distance is ``|shift| / (s c)``.
@@ -249,11 +173,12 @@ def anchor_pull(ours: Part, mixed: MixedPart) -> tuple[Tensors, float]:
     The partner's stated weight counts at most :data:`ANCHOR_WEIGHT` (an honest anchor's): the mix was
     made at its claim, so the shift is scaled back to the capped share. A claim of 1e29 pulls us to
     the pair's mean, never past it to the partner's anchor."""
-    capped = min(mixed.partner_weight, ANCHOR_WEIGHT)
-    rescale = equal_share_scale_to(ours.weight, mixed.partner_weight, capped)
-    shift = {name: mixed.mixed[name].sub_(before).mul_(rescale) for name, before in ours.tensors.items()}
-    share = capped / (ours.weight + capped)
-    return shift, relative_norm(shift, ours.tensors) / max(share * mixed.clip_scale, 1e-12)
+    partner_weight, mixed = exchange.partner_weight, exchange.mixed
+    capped = min(partner_weight, ANCHOR_WEIGHT)
+    rescale = equal_share_scale_to(own_weight, partner_weight, capped)
+    shift = {name: mixed[name].sub_(before).mul_(rescale) for name, before in ours.items()}
+    share = capped / (own_weight + capped)
+    return shift, relative_norm(shift, ours) / max(share * exchange.clip_scale, 1e-12)
 
 
 def equal_share_scale_to(own_weight: float, partner_weight: float, capped: float) -> float:

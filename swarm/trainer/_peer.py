@@ -1,6 +1,6 @@
-"""One peer's training run: the core that every averaging backend plugs into.
+"""The whole model as what a peer trains (:class:`WholeModel`), and :class:`TrainingPeer`, the core with it.
 
-The loop reads top to bottom in :meth:`TrainingPeer.run`::
+The loop (:meth:`~swarm.trainer.PeerCore.run`) reads, for the whole model::
 
     join (the backend takes over the swarm's state if we are fresh)
     every step:   inner optimizer step on the next local batch (its parameter update under the
@@ -20,13 +20,11 @@ import logging
 import math
 import threading
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from swarm.config import RunConfig
-from swarm.gossip import ExchangeMetrics
 from swarm.learning import (
     InnerTrainer,
     Interrupted,
@@ -37,10 +35,8 @@ from swarm.learning import (
     all_finite,
     build_model,
     can_load_state,
-    count_parameters,
     evaluate_fitting,
     is_oom,
-    lr_at,
     release_cached,
     state_kind,
 )
@@ -54,54 +50,40 @@ from swarm.trainer._rollback import roll_back
 logger = logging.getLogger(__name__)
 
 
-class TrainingPeer(PeerCore):
-    """A trainer of the whole model. Build it, call :meth:`run` until a stop event, then :meth:`close`.
+class WholeModel:
+    """The whole model, its inner trainer, batches and averaging backend (``averaging.backend``,
+    :func:`swarm.trainer._factory.make_backend`): a :class:`~swarm.trainer.Trainee`."""
 
-    ``averaging.backend`` picks how it averages (:func:`swarm.trainer._factory.make_backend`); the
-    shell it shares with pipeline stage peers is :class:`~swarm.trainer._core.PeerCore`.
-    """
+    evaluates_alone = True
 
-    def __init__(
-        self,
-        config: RunConfig,
-        network: NetworkOptions,
-        *,
-        public_name: str = "",
-        resume: bool = False,
-        on_sync: Callable[[SyncReport], None] | None = None,
-    ):
-        self._backend: AveragingBackend | None = None
-        self.join_result = JoinResult()
-        self._has_joined = False
-        super().__init__(config, network, public_name=public_name, on_sync=on_sync)
+    def __init__(self, core: PeerCore[Any], resumed: dict[str, Any] | None) -> None:
+        config, device = core.config, core.device
+        self.core, self.config, self.device = core, config, device
+        self.module = build_model(config.model, config.run.seed).to(device)
+        context = BackendContext(config, self.module, device, core.node, core.progress)
+        self.backend: AveragingBackend = make_backend(context, core.node.network)
         try:
-            self.model = build_model(config.model, config.run.seed).to(self.device)
-            self._n_params = count_parameters(self.model)
-            context = BackendContext(config, self.model, self.device, self.node, self.progress)
-            self._backend = make_backend(context, network)
             self.inner = InnerTrainer(
-                self.model,
+                self.module,
                 config.train,
-                self.device,
+                device,
                 optimizer=self.backend.inner_optimizer(),
                 block_size=config.model.block_size,
                 activation_checkpointing=config.train.activation_checkpointing,
                 emulation=config.emulation,
                 reserve_bytes=self._exchange_reserve(),
             )
-            self.resumed_from = self._resume() if resume else None
+            if resumed is not None:
+                self._resume(resumed)
         except BaseException:
-            self.close()
+            self.backend.close()
             raise
+        self.join_result = JoinResult()
         self.batches: TrainBatches | Prefetcher = TrainBatches.of_peer(
-            self.source, config, self.node.peer_id, self.progress.samples_drawn
+            core.source, config, core.node.peer_id, core.progress.samples_drawn
         )
-        if self.device.type == "cuda":  # draw the next batch into pinned memory while the GPU computes
+        if device.type == "cuda":  # draw the next batch into pinned memory while the GPU computes
             self.batches = Prefetcher(self.batches, pin_memory=True)
-
-    @property
-    def n_params(self) -> int:
-        return self._n_params
 
     def _exchange_reserve(self) -> int:
         """What the exchanges will allocate on the device, for a micro-batch sized automatically."""
@@ -111,89 +93,64 @@ class TrainingPeer(PeerCore):
 
         return exchange_reserve_bytes(self.config, self.device)
 
-    @property
-    def backend(self) -> AveragingBackend:
-        """The averaging backend, made by the constructor (asking before that, or after it failed, raises)."""
-        if self._backend is None:
-            raise RuntimeError("this training peer has no averaging backend (its construction failed)")
-        return self._backend
+    def join(self) -> None:
+        """A fresh peer in a running swarm takes over the live trainers' state; a resumed one keeps its
+        checkpoint's."""
+        core = self.core
+        fresh = core.resumed_from is None and core.progress.step == 0
+        self.join_result = self.backend.join(fresh)
+        core.progress.swarm_samples = self._swarm_samples()
+        core.state = "idle"  # joined: partners may dial us now (they do not dial a joining peer)
+        core.node.announce_soon()
 
-    def _on_unreachable(self) -> None:
+    def on_unreachable(self) -> None:
         """Client mode: the backend stops serving (it still starts its own exchanges) and the record
         says ``client_mode``, ``reachability: client`` and lists no addresses."""
         self.backend.on_client_mode()
 
-    # ------------------------------------------------------------------ the loop
+    # ------------------------------------------------------------------ steps
 
-    def run(self, stop: threading.Event, *, max_steps: int | None = None) -> None:
-        """Train until ``stop`` is set, ``max_steps`` (or ``train.max_steps``) or the swarm's target.
-
-        A stop starts no new work, so that a shutdown does not grow with the model: the inner step in
-        progress is abandoned before its next micro-batch, an evaluation before its next batch, and no
-        round, evaluation or periodic checkpoint starts after it. Rounds that completed meanwhile are
-        booked and reported (not evaluated); the caller saves the checkpoint (:meth:`save_checkpoint`).
-        """
-        max_steps = max_steps or self.config.train.max_steps
-        self._stop = stop
-        if not self._has_joined:
-            self.join_swarm()
-        self._state = "training"
-        with self.phases.loop():
-            with self.aborting_on(stop):
-                while not stop.is_set() and not self._finished(max_steps):
-                    self._completed(self._inner_step())
-            self._state = "leaving"
-            self.node.announce_soon()  # partners stop dialling us, and do not count our going as a fault
-            with self.phases.phase("finish"):
-                rounds = self.backend.finish()
-            self._completed(rounds)
-
-    def join_swarm(self) -> None:
-        """Before the first step, a fresh peer in a running swarm takes over the live trainers' state.
-
-        A resumed peer keeps its checkpoint's state; :meth:`run` calls this once by itself.
-        """
-        self._has_joined = True
-        fresh = self.resumed_from is None and self.progress.step == 0
-        self.join_result = self.backend.join(fresh)
-        self.progress.swarm_samples = self._swarm_samples()
-        self._state = "idle"  # joined: partners may dial us now (they do not dial a joining peer)
-        self.node.announce_soon()
-
-    def _abort_work(self) -> None:
-        if self._backend is not None:
-            self._backend.abort()
-
-    def _inner_step(self) -> list[RoundResult]:
-        lr = lr_at(self._schedule_progress(), self.config.train, self.total_samples)
+    def work(self, lr: float, stop: threading.Event) -> list[RoundResult]:
+        """One inner step on the next local batch, then the backend's rounds."""
+        core = self.core
         try:
-            with self.phases.phase("step_other"):
-                stats = self.inner.step(self.batches, lr=lr, guard=self.backend.update_guard, stop=self._stop)
-            self.phases.move(stats.device_seconds, "step_other", "device")
+            with core.phases.phase("step_other"):
+                stats = self.inner.step(self.batches, lr=lr, guard=self.backend.update_guard, stop=stop)
+            core.phases.move(stats.device_seconds, "step_other", "device")
         except Interrupted:
             self.batches.give_back()  # untrained: a resumed peer trains it next
-            logger.info("stopping: abandoned step %d (nothing of it applied)", self.progress.step + 1)
+            logger.info("stopping: abandoned step %d (nothing of it applied)", core.progress.step + 1)
             return []
         except OutOfDeviceMemory as error:
             self.batches.give_back()  # untrained: drawn again after the move
             self._out_of_device_memory(error)
             return []
         finally:
-            self.progress.samples_drawn = self.batches.samples_drawn
+            core.progress.samples_drawn = self.batches.samples_drawn
         if not math.isfinite(stats.loss):
             self._roll_back(f"loss ({stats.loss})")
             return []
-        self.progress.record_step(
+        core.progress.record_step(
             stats.samples, stats.loss, stats.seconds, stats.compute_seconds, stats.device_seconds
         )
-        logger.debug("step %d took %.3f s", self.progress.step, stats.seconds)
-        return self._rounds_after_step(stats.samples)
+        logger.debug("step %d took %.3f s", core.progress.step, stats.seconds)
+        return self._counted(self._rounds_after_step(stats.samples))
+
+    def finish(self) -> list[RoundResult]:
+        return self._counted(self.backend.finish())
+
+    def _counted(self, rounds: list[RoundResult]) -> list[RoundResult]:
+        """``rounds``, after reading the swarm's samples anew when there are any."""
+        if rounds:
+            with self.core.phases.phase("dht"):
+                self.core.progress.swarm_samples = self._swarm_samples()
+        return rounds
 
     def _rounds_after_step(self, samples: int) -> list[RoundResult]:
-        """:meth:`rounds_after_step`; out of memory while applying an update (or starting a round) drops
-        that update and goes on training: the next exchange brings the swarm's state again."""
+        """The core's ``rounds_after_step``; out of memory while applying an update (or starting a
+        round) drops that update and goes on training: the next exchange brings the swarm's state again."""
         try:
-            return self.rounds_after_step(self.backend, samples)
+            return self.core.rounds_after_step(self.backend, samples)
         except RuntimeError as error:
             if not is_oom(error):
                 raise
@@ -211,7 +168,7 @@ class TrainingPeer(PeerCore):
         outer state to host memory when it is on the device and the config lets it move
         (``averaging.outer_state_device`` not ``device``), else stop with what ``swarm config check``
         advises for this device."""
-        outer = getattr(self.backend, "outer", None)
+        outer = getattr(self.backend, "outer", None)  # the backends that keep an outer optimizer
         movable = self.config.averaging.outer_state_device != "device"
         on_device = isinstance(outer, OuterOptimizer) and any(
             t.device.type != "cpu" for t in outer.anchor.values()
@@ -239,10 +196,10 @@ class TrainingPeer(PeerCore):
             or "it should fit: free the device of other programs, or set a smaller model.block_size"
         )
 
-    def _parameters_finite(self) -> bool:
-        """Checked before each round (our pseudo-gradient must be finite to be worth anything); rolls
+    def parameters_finite(self) -> bool:
+        """Checked before each round (the model we exchange must be finite to be worth anything); rolls
         back when they are not."""
-        if all_finite(p.detach() for p in self.model.parameters()):
+        if all_finite(p.detach() for p in self.module.parameters()):
             return True
         self._roll_back("parameters")
         return False
@@ -250,68 +207,27 @@ class TrainingPeer(PeerCore):
     def _roll_back(self, what: str) -> None:
         """A non-finite loss or parameters: :func:`~swarm.trainer._rollback.roll_back`."""
         optimizer = self.inner.optimizer if self.backend.inner_optimizer() is None else None
-        joined = roll_back(what, self.progress, self.backend, self.model, optimizer)
+        joined = roll_back(what, self.core.progress, self.backend, self.module, optimizer)
         if joined is not None:
             self.join_result = joined
-        self.node.announce_soon()
+        self.core.node.announce_soon()
 
-    def _completed(self, rounds: list[RoundResult]) -> None:
-        """Book each completed round (:meth:`PeerCore._book_rounds`), then maybe checkpoint; not while
-        stopping (the caller saves one checkpoint at the end)."""
-        self._book_rounds(rounds)
-        if rounds and not self._stopping():
-            self._maybe_checkpoint()
+    # ------------------------------------------------------------------ the schedule and the swarm
 
-    def _after_round(self) -> None:
-        with self.phases.phase("dht"):
-            self.progress.swarm_samples = self._swarm_samples()
-
-    def _evaluate_round(self) -> None:
-        """The evaluation of a round; a stop that arrives meanwhile abandons it (nothing booked)."""
-        try:
-            self.evaluate(stop=self._stop)
-        except Interrupted:
-            logger.info("stopping: abandoned the evaluation of round %d", self.progress.round)
-
-    def evaluate(self, *, stop: threading.Event | None = None) -> float:
-        """Score the model on the held-out split now; book it in bits per token and per byte.
-
-        A set ``stop`` abandons it (:class:`~swarm.learning.Interrupted`), booking nothing; one that
-        does not fit the device even one window at a time is skipped (the last result stays, NaN if
-        there is none)."""
-        batches = self.config.train.eval_batches
-        self.inner.free_gradients()  # the evaluation's activations and logits take their place
-        loss = evaluate_fitting(
-            self.model,
-            self.eval_set,
-            batches,
-            stop=stop,
-            micro_batch_size=self.inner.micro_batch_size,
-            precision=self.inner.precision,
-        )
-        if loss is None:
-            return self.progress.eval_loss if self.progress.eval_loss is not None else math.nan
-        self.progress.eval_loss = loss
-        self.progress.eval_bits_per_byte = self.eval_set.bits_per_byte(loss, batches)
-        return loss
-
-    def _schedule_progress(self) -> int:
-        """Samples that drive the learning-rate schedule.
-
-        With ``run.target_samples`` the schedule spans the whole swarm's work, so it follows the swarm's
-        progress (as announced by live trainers); with only ``train.max_steps`` it is this peer's own.
-        """
+    def schedule_samples(self) -> int:
+        """With ``run.target_samples`` the schedule spans the whole swarm's work, so it follows the swarm's
+        progress (as announced by live trainers); with only ``train.max_steps`` it is this peer's own."""
+        progress = self.core.progress
         if self.config.run.target_samples is not None:
-            return max(self.progress.swarm_samples, self.progress.samples_total)
-        return self.progress.samples_total
+            return max(progress.swarm_samples, progress.samples_total)
+        return progress.samples_total
 
-    def _finished(self, max_steps: int | None) -> bool:
-        if max_steps is not None and self.progress.step >= max_steps:
+    def finished(self, max_steps: int | None) -> bool:
+        progress = self.core.progress
+        if max_steps is not None and progress.step >= max_steps:
             return True
         target = self.config.run.target_samples
-        return target is not None and self.progress.swarm_samples >= target
-
-    # ------------------------------------------------------------------ swarm views
+        return target is not None and progress.swarm_samples >= target
 
     def _swarm_samples(self) -> int:
         """Samples processed by the run's trainers (ours at least): drives the learning-rate schedule.
@@ -320,32 +236,44 @@ class TrainingPeer(PeerCore):
         left included, so the count never drops. A peer that took over a state counts at least that
         state's samples, even once its donors left.
         """
+        node, own = self.core.node, self.core.progress.samples_total
         claims = [
             (m.peer_id, m.record.samples_total)
-            for m in self.node.recent_members()
-            if m.peer_id != self.node.peer_id and m.record.role == "trainer"
+            for m in node.recent_members()
+            if m.peer_id != node.peer_id and m.record.role == "trainer"
         ]
-        others = self.ledger.observe(claims, self.progress.samples_total)
+        others = self.core.ledger.observe(claims, own)
         joined = self.join_result.meta.get("samples_total", 0)
-        return max(others, joined) + self.progress.samples_total
+        return max(others, joined) + own
 
-    def exchange_metrics(self) -> ExchangeMetrics:
-        """The backend's wire and exchange counters (both roles)."""
-        return self._backend.metrics() if self._backend is not None else ExchangeMetrics()
+    # ------------------------------------------------------------------ evaluation and figures
 
-    def _backend_details(self) -> dict[str, Any]:
-        return self._backend.details() if self._backend is not None else {}
+    def evaluate(self, stop: threading.Event | None = None) -> float:
+        """Score the model on the held-out split now; book it in bits per token and per byte.
 
-    def _status(self) -> dict[str, Any]:
-        status = super()._status()
-        if self._backend is not None:
-            status.update(self._backend.status())
-        return status
+        A set ``stop`` abandons it (:class:`~swarm.learning.Interrupted`), booking nothing; one that
+        does not fit the device even one window at a time is skipped (the last result stays, NaN if
+        there is none)."""
+        batches, progress, eval_set = self.config.train.eval_batches, self.core.progress, self.core.eval_set
+        self.inner.free_gradients()  # the evaluation's activations and logits take their place
+        loss = evaluate_fitting(
+            self.module,
+            eval_set,
+            batches,
+            stop=stop,
+            micro_batch_size=self.inner.micro_batch_size,
+            precision=self.inner.precision,
+        )
+        if loss is None:
+            return progress.eval_loss if progress.eval_loss is not None else math.nan
+        progress.eval_loss = loss
+        progress.eval_bits_per_byte = eval_set.bits_per_byte(loss, batches)
+        return loss
 
-    def _current_lr(self) -> float:
-        return self.inner.optimizer.param_groups[0]["lr"]
+    def record(self, fields: dict[str, Any]) -> None:
+        """The record has nothing of the whole model's beside the progress and the backend's."""
 
-    def _report_details(self) -> dict[str, Any]:
+    def report(self) -> dict[str, Any]:
         figures = self.inner.summary()
         return {
             "tokens_per_s": figures["compute_tokens_per_second"],
@@ -353,38 +281,27 @@ class TrainingPeer(PeerCore):
             "peak_memory_bytes": figures["peak_memory_bytes"],
         }
 
-    def _summary_details(self) -> dict[str, Any]:
-        # what the inner trainer chose (precision, optimizer, micro-batch) and measured (MFU, peak memory)
-        return self.inner.summary() if hasattr(self, "inner") else {}
-
-    def _final_eval_loss(self) -> float:
-        return self.evaluate()
+    def summary(self) -> dict[str, Any]:
+        """What the inner trainer chose (precision, optimizer, micro-batch) and measured (MFU, memory)."""
+        return self.inner.summary()
 
     # ------------------------------------------------------------------ checkpoints
 
-    def _checkpoint_state(self) -> dict[str, Any]:
+    def checkpoint_state(self) -> dict[str, Any]:
         return {
-            "model": self.model.state_dict(),
+            "model": self.module.state_dict(),
             "inner_optimizer": self.inner.optimizer.state_dict(),
             "inner_optimizer_name": self.inner.optimizer_name,
             "backend": self.backend.checkpoint_state(),
         }
 
-    def _trained_parameters(self) -> list[torch.nn.Parameter]:
-        return list(self.model.parameters())
-
-    def _resume(self) -> Path | None:
-        found = self.checkpoints.load_latest()
-        if found is None:
-            return None
-        state, path = found
-        self.model.load_state_dict(state["model"])
+    def _resume(self, state: dict[str, Any]) -> None:
+        self.module.load_state_dict(state["model"])
         self._load_inner_optimizer(state["inner_optimizer"], state.get("inner_optimizer_name"))
         # checkpoints written before backends existed keep the outer optimizer at the top level
         self.backend.load_checkpoint_state(
             state.get("backend") or {"outer_optimizer": state.get("outer_optimizer")}
         )
-        return path
 
     def _load_inner_optimizer(self, saved: dict[str, Any], name: str | None) -> None:
         """Load the checkpoint's inner-optimizer state, unless it is of another kind than the optimizer
@@ -403,11 +320,31 @@ class TrainingPeer(PeerCore):
         optimizer.load_state_dict(saved)
 
     def close(self) -> None:
-        """Stop exchanging, leave the swarm (the record expires), stop the DHT and its daemon."""
-        batches = getattr(self, "batches", None)
-        if isinstance(batches, Prefetcher):
-            batches.close()
-        if self._backend is not None:
-            self._backend.close()
-        if hasattr(self, "node"):
-            self.node.close()
+        """Stop the prefetcher and exchanging."""
+        if isinstance(self.batches, Prefetcher):
+            self.batches.close()
+        self.backend.close()
+
+
+class TrainingPeer(PeerCore[WholeModel]):
+    """A trainer of the whole model: the core with a :class:`WholeModel`. Build it, call :meth:`run`
+    until a stop event, then :meth:`close`; ``model``, ``inner``, ``backend`` and ``join_result`` are
+    the whole model's."""
+
+    def __init__(
+        self,
+        config: RunConfig,
+        network: NetworkOptions,
+        *,
+        public_name: str = "",
+        resume: bool = False,
+        on_sync: Callable[[SyncReport], None] | None = None,
+    ) -> None:
+        super().__init__(config, network, WholeModel, public_name=public_name, resume=resume, on_sync=on_sync)
+
+        whole = self.trainee
+        self.model, self.inner, self.backend = whole.module, whole.inner, whole.backend
+
+    @property
+    def join_result(self) -> JoinResult:
+        return self.trainee.join_result

@@ -12,7 +12,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from swarm.gossip import consensus_order, hypercube_partner
+from swarm.gossip import PartnerInfo, consensus_order, hypercube_partner
+from swarm.membership import Member
 
 STEP_AVERAGING = 0.1
 """Weight of the newest step in the average step time."""
@@ -69,3 +70,21 @@ class Pace:
         scheduled partner, between two exchanges served to one partner), and so the rounds, further."""
         at_pace = self._steps_per_round * self._step_s if self._step_s > 0 else self.round_s
         return min(at_pace, self.round_s) if self.round_s > 0 else at_pace
+
+
+def trainer_partners(members: Sequence[Member]) -> list[PartnerInfo]:
+    """The trainers among live ``members``, as the averager weighs partners."""
+    return [
+        PartnerInfo(
+            m.peer_id,
+            m.record.protocol_version,
+            m.record.config_hash,
+            m.record.client_mode,
+            leaving=m.record.state == "leaving",
+            joining=m.record.state == "joining",
+            relayed=m.record.reachability == "relay",
+            expires_at=m.expires_at,
+        )
+        for m in members
+        if m.record.role == "trainer"
+    ]

@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from swarm.config import RunConfig
-from swarm.gossip import GossipAverager, Offerer, PartnerInfo
+from swarm.gossip import GossipAverager, GossipOptions, Offerer, PartnerInfo
 
 if TYPE_CHECKING:
     from hivemind.dht import DHT
@@ -35,57 +35,58 @@ def make_averager(
     codec: str | None = None,
     client_mode: bool | None = None,
     respect_bans_of: GossipAverager | None = None,
-    with_anchor: bool = False,
-    models: bool = False,
     preferred_partner: Callable[[], str | None] | None = None,
 ) -> GossipAverager:
-    """A gossip averager in offer mode, configured from the run config; ``suffix`` separates
-    independent exchanges (``.params`` for the anchors), ``namespace`` a group of peers that averages
-    on its own (``.stage<k>`` for a pipeline stage).
+    """A gossip averager, configured from the run config; ``suffix`` separates independent exchanges
+    (``.params`` for the anchors), ``namespace`` a group of peers that averages on its own
+    (``.stage<k>`` for a pipeline stage).
 
     ``client_mode`` overrides ``network.client_mode`` (a peer that nobody could dial back);
     ``respect_bans_of`` makes this averager honour another one's bans and share its exchange lock
-    (docs/gossip.md); ``with_anchor`` makes every exchange carry the offer's anchor as its companion
-    part, in ``param_codec`` and clipped by ``param_clip_ratio`` (``averaging.anchor_pull: folded``);
-    ``models``: the exchange averages parameters (``averaging.exchange: model``), clipped by
-    ``param_clip_ratio`` like anchors, and relative to a base the pair shares in
-    ``compression.delta_codec`` (docs/gossip.md, "Nothing waits on the full model");
-    ``preferred_partner``: the schedule's partner, dialled first."""
-    avg, comp = config.averaging, config.compression
+    (docs/gossip.md); ``preferred_partner``: the schedule's partner, dialled first. The model averager
+    (no suffix) sends relative to a base the pair shares in ``compression.delta_codec`` (docs/gossip.md,
+    "Nothing waits on the full model")."""
     return GossipAverager(
         run_id=config.run.run_id + namespace + suffix,
         dht=dht,
         partner_source=partners,
         offerer=offerer,
+        options=gossip_options(config, codec=codec, anchors=bool(suffix)),
         config_hash=config.config_hash(),
+        respect_bans_of=respect_bans_of,
+        # one exchange of either kind at a time: their buffers never add up, and the CPU work neither
+        exclusive_with=respect_bans_of,
+        client_mode=config.network.client_mode if client_mode is None else client_mode,
+        preferred_partner=preferred_partner,
+    )
+
+
+def gossip_options(config: RunConfig, *, codec: str | None = None, anchors: bool = False) -> GossipOptions:
+    """The run config's averaging and compression sections as an averager's options; ``anchors``: the
+    anchor averager's (no error feedback, no bases)."""
+    avg, comp = config.averaging, config.compression
+    return GossipOptions(
         codec=codec or comp.codec,
         block_size=comp.block_size,
         chunk_bytes=comp.chunk_bytes,
         # anchors: the mass-conserving mix keeps the pair's sum exact, and a residual would cost 4 bytes
-        # per parameter for an exchange that runs every few rounds
-        error_feedback=comp.error_feedback and not suffix,
+        # per parameter for an exchange that only serves joiners
+        error_feedback=comp.error_feedback and not anchors,
         exchange_timeout_s=avg.exchange_timeout_s,
         max_exchange_timeout_s=avg.max_exchange_timeout_s,
         chunk_timeout_s=avg.chunk_timeout_s,
         max_norm_ratio=avg.max_norm_ratio,
         ban_base_s=avg.ban_base_s,
         ban_max_s=avg.ban_max_s,
-        # anchors are clipped relative to the parameters' norm, so by a much smaller ratio
         robust_clip=avg.robust_clip,
-        clip_ratio=avg.param_clip_ratio if suffix or models else avg.clip_ratio,
-        # a model offer is judged against our progress since the anchor, like a pseudo-gradient
-        blame_ratio=avg.clip_ratio if models else None,
+        # models and anchors are clipped relative to the parameters' norm, so by a small ratio
+        clip_ratio=avg.param_clip_ratio,
+        # a model offer is judged against our progress since the anchor
+        blame_ratio=None if anchors else avg.clip_ratio,
         clip_hard_factor=avg.clip_hard_factor,
         clip_strikes=avg.clip_strikes,
-        respect_bans_of=respect_bans_of,
-        # one exchange of either kind at a time: their buffers never add up, and the CPU work neither
-        exclusive_with=respect_bans_of,
-        companion_codec=avg.param_codec if with_anchor else None,
         # a round's model exchange goes relative to the base its pair shares, when it shares one
-        delta_codec=comp.delta_codec if models else None,
-        companion_clip_ratio=avg.param_clip_ratio,
-        client_mode=config.network.client_mode if client_mode is None else client_mode,
-        preferred_partner=preferred_partner,
+        delta_codec=None if anchors else comp.delta_codec,
     )
 
 

@@ -24,6 +24,7 @@ from typing import Any
 import psutil
 import torch
 
+from scripts._held import gossip_averager
 from tests._processes import reap_workers
 
 # forkserver: heavy imports happen once in the server, each worker is a cheap fork of it (a fresh
@@ -106,7 +107,6 @@ class _Worker:
         stall_after_frames: int | None = None,
         **kwargs: Any,
     ) -> str:
-        from swarm.gossip import GossipAverager
         from tests._faults import stalling
 
         self.close_averager()
@@ -115,7 +115,7 @@ class _Worker:
             kwargs["wrap_channel"] = adversary_channel(adversary, codec, block_size)
         elif stall_after_frames is not None:
             kwargs["wrap_channel"] = stalling(stall_after_frames, self.stalled.set)
-        self.averager = GossipAverager(
+        self.averager = gossip_averager(
             run_id=run_id, dht=self.dht, partner_source=lambda: self.partners, **kwargs
         )
         self.tensor = make_vector(seed, numel, offset)

@@ -18,7 +18,8 @@ import threading
 import hivemind
 import torch
 
-from swarm.gossip import GossipAverager, PartnerInfo
+from scripts._held import gossip_averager
+from swarm.gossip import PartnerInfo
 from swarm.gossip._protocol import PROTOCOL_VERSION
 from tests._faults import stalling
 
@@ -45,7 +46,7 @@ def main() -> None:
     initial = [args.initial_peer] if args.initial_peer else None
     dht = hivemind.DHT(initial_peers=initial, host_maddrs=[args.listen], start=True, startup_timeout=60)
     partners: list[PartnerInfo] = []
-    averager = GossipAverager(
+    averager = gossip_averager(
         run_id=RUN_ID,
         dht=dht,
         partner_source=lambda: partners,

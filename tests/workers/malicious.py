@@ -87,7 +87,7 @@ def _install_attack(peer: Any, attack: str) -> None:
     or initiated, and holds the stream open (issue 28, finding 9)."""
     from tests._faults import stalling, tampering
 
-    averager = peer.backend.deltas
+    averager = peer.backend.models
     if attack == "stall":
         averager._wrap_channel = stalling(1)
     else:

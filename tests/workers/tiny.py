@@ -35,8 +35,8 @@ and each step padded to 0.1 s on the emulated device (a per-peer key, so the run
 unchanged), so that they sleep through most of the test instead of taking the cores from what it is
 about: a tiny step costs a few milliseconds of CPU, and such a trainer trained ~20 steps/s flat out."""
 
-DRIFT_CONTROL = ["averaging.param_sync_every=5", "averaging.max_drift=0.15", "averaging.param_codec=fp16"]
-"""Anchor exchanges as in configs/local-tiny.yaml: every 5 rounds, every round while drifting > 0.15."""
+ANCHOR_CODEC = ["averaging.param_codec=fp16"]
+"""A joiner's anchor exchange as in configs/local-tiny.yaml."""
 
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 """The environment of a peer process: several peers share two cores, and torch's default of one
