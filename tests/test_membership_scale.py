@@ -26,10 +26,14 @@ RECORD_INTERVAL_S = 3.0  # configs/membership-bench.yaml
 BENCH_TIMEOUT_S = 900
 
 
-def _descendants() -> list[psutil.Process]:
-    """Live processes below this one (pytest is their subreaper: orphans count too)."""
+def _descendants(besides: frozenset[int] = frozenset()) -> list[psutil.Process]:
+    """Live processes below this one (pytest is their subreaper: orphans count too), except the pids
+    ``besides`` (what this worker ran before, e.g. its own ``torch_shm_manager``, which its tensors
+    need: killing it aborts the worker at the next garbage collection)."""
     alive = []
     for proc in psutil.Process().children(recursive=True):
+        if proc.pid in besides:
+            continue
         try:
             if proc.status() != psutil.STATUS_ZOMBIE:
                 alive.append(proc)
@@ -45,10 +49,11 @@ def bench(tmp_path_factory: pytest.TempPathFactory) -> dict:
     out = log_dir / "rows.json"
     argv = [sys.executable, "-m", "scripts.bench_membership", "--peers", str(PEERS), "--warmup-s", "10"]
     argv += ["--window-s", "20", "--monitor", "--log-dir", str(log_dir), "--json", str(out)]
+    before = frozenset(p.pid for p in _descendants())
     try:
         done = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=BENCH_TIMEOUT_S)
     finally:  # even after a timeout (the benchmark killed): its peers go down with it, or are killed here
-        left = outliving(_descendants, 30.0)
+        left = outliving(lambda: _descendants(before), 30.0)
         described = [describe(p) for p in left]
         kill_all(left)
     assert out.exists(), f"the benchmark wrote no rows (exit {done.returncode}):\n{done.stderr[-4000:]}"
