@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections.abc import Iterator
 from typing import Any
 
 HOLDERS = 5
@@ -22,6 +23,14 @@ EXTRAPOLATE_TO = 1000
 
 def _delta(after: dict[str, int], before: dict[str, int] | None, field: str) -> int:
     return after.get(field, 0) - (before or {}).get(field, 0)
+
+
+def _intervals(before: dict[str, Any], after: dict[str, Any]) -> Iterator[tuple[str, Any, Any, float]]:
+    """Per node read twice: its name, both readings and the seconds between them."""
+    for name, now in after.items():
+        then = before.get(name)
+        if now and then and now["time"] > then["time"]:
+            yield name, now, then, now["time"] - then["time"]
 
 
 def rpc_rates(before: dict[str, Any], after: dict[str, Any], kind: str = "members") -> dict[str, dict]:
@@ -35,11 +44,7 @@ def rpc_rates(before: dict[str, Any], after: dict[str, Any], kind: str = "member
         fields = ("client_sent", "client_received", "client_calls", "served_in", "served_out", "served_calls")
         return rates.setdefault(name, dict.fromkeys(fields, 0.0))
 
-    for name, now in after.items():
-        then = before.get(name)
-        if not now or not then or now["time"] <= then["time"]:
-            continue
-        seconds = now["time"] - then["time"]
+    for name, now, then, seconds in _intervals(before, after):
         for rpc_kind, counts in now["served"].items():
             if rpc_kind.split(".")[0] != kind:
                 continue
@@ -63,11 +68,7 @@ def by_rpc(before: dict[str, Any], after: dict[str, Any], kind: str = "members")
     """Over all nodes, per RPC of ``kind`` (``store``: one record, ``store_all``: a whole dictionary,
     ``find``): calls and bytes per second, and the mean request and response of one call."""
     totals: dict[str, dict[str, float]] = {}
-    for name, now in after.items():
-        then = before.get(name)
-        if not now or not then or now["time"] <= then["time"]:
-            continue
-        seconds = now["time"] - then["time"]
+    for _, now, then, seconds in _intervals(before, after):
         for rpc_kind, counts in now["served"].items():
             key, _, rpc = rpc_kind.partition(".")
             if key != kind:

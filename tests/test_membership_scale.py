@@ -42,7 +42,7 @@ def _descendants(besides: frozenset[int] = frozenset()) -> list[psutil.Process]:
     return alive
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # once per worker: the heavy group interleaves modules
 def bench(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """The benchmark's row for :data:`PEERS` trainers, and what of its processes outlived it."""
     log_dir = tmp_path_factory.mktemp("bench-membership")

@@ -20,6 +20,7 @@ from swarm.state import list_checkpoints
 from swarm.trainer import PeerCore, SyncReport, WholeModel
 from tests._processes import wait_until
 from tests.test_pipeline_swarm import _config as pipeline_config
+from tests.test_pipeline_swarm import _Peer as StageThread
 from tests.workers.tiny import tiny
 
 WHOLE = tiny("averaging.backend=none", "averaging.sync_every_steps=3", "train.eval_every_rounds=1")
@@ -59,25 +60,15 @@ def test_the_whole_model_runs_to_its_step_limit_booking_each_round_then_a_stop_e
         stopped.close()
 
 
-class _Running:
+class _Running(StageThread):
     """A core holding ``stage``, joining and training in a background thread."""
 
     def __init__(self, network: NetworkOptions, stage: int, max_steps: int) -> None:
         config = pipeline_config(f"train.max_steps={max_steps}", "train.eval_every_rounds=1")
         build = functools.partial(OneStage, specs=plan_stages(config), stage=stage)
         self.reports: list[SyncReport] = []
-        self.peer = PeerCore(config, network, build, on_sync=self.reports.append)
-        self.stop = threading.Event()
-        self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._main, daemon=True)
-
-    def _main(self) -> None:
-        try:
-            self.peer.join_swarm()
-            self.peer.run(self.stop)
-        except BaseException as exc:  # surfaced by the test
-            self.error = exc
-            raise
+        core = PeerCore(config, network, build, on_sync=self.reports.append)
+        super().__init__(config, network, stage, core=core)
 
 
 @pytest.mark.multipeer

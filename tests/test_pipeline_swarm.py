@@ -10,6 +10,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -55,10 +56,10 @@ def _config(*overrides: str) -> RunConfig:
 
 
 class _Peer:
-    """A StagePeer joining and training in a background thread."""
+    """A StagePeer (or the given ``core``) joining and training in a background thread."""
 
-    def __init__(self, config: RunConfig, network: NetworkOptions, stage: int) -> None:
-        self.peer = StagePeer(config, network, stage=stage)
+    def __init__(self, config: RunConfig, network: NetworkOptions, stage: int, *, core: Any = None) -> None:
+        self.peer = core if core is not None else StagePeer(config, network, stage=stage)
         self.stop = threading.Event()
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._main, daemon=True)

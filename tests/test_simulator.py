@@ -92,6 +92,14 @@ def test_the_factored_exchange_with_lossless_codecs_is_the_pair_s_mean_model(wor
     assert (sim.counters.factored, sim.counters.fallbacks) == (1, 0)
 
 
+def _moved_on(peer: Peer) -> None:
+    """``peer`` exchanged with someone else meanwhile: its anchor moved, and its model with it."""
+    peer.set_anchor({n: t + 0.5 for n, t in peer.anchor.items()})
+    with torch.no_grad():
+        for param in peer.params.values():
+            param.add_(0.5)
+
+
 def test_a_stale_anchor_is_not_counted_twice_the_pair_falls_back(world: World) -> None:
     sim = _pair(world, LOSSLESS)
     first, second = sim.live()
@@ -99,10 +107,7 @@ def test_a_stale_anchor_is_not_counted_twice_the_pair_falls_back(world: World) -
         sim.exchanges.prefetch(peer)
     sim.clock.run(until=5.0)
     # the partner exchanged with someone else meanwhile: its anchor moved (and its model with it)
-    second.set_anchor({n: t + 0.5 for n, t in second.anchor.items()})
-    with torch.no_grad():
-        for param in second.params.values():
-            param.add_(0.5)
+    _moved_on(second)
     before = _models(sim)
     sim.exchanges.initiate(first)
     sim.clock.run(until=10.0)
@@ -119,10 +124,7 @@ def test_a_shared_base_need_not_be_current_the_pair_still_gets_its_mean(world: W
         sim.exchanges.prefetch(peer)  # exactly one of the pair pushes
     sim.clock.run(until=5.0)
     assert first.bases[second.pid] is second.bases[first.pid]
-    second.set_anchor({n: t + 0.5 for n, t in second.anchor.items()})
-    with torch.no_grad():
-        for param in second.params.values():
-            param.add_(0.5)
+    _moved_on(second)
     before = _models(sim)
     sim.exchanges.initiate(first)
     sim.clock.run(until=10.0)

@@ -12,9 +12,8 @@ sides' ``weight * tensor`` still add up to exactly what they were before (``w*x 
 each side subtracts its own quantized value ``q`` exactly as the partner adds it: quantization
 adds noise to the individual peers but never moves the swarm's weighted mean.
 
-With a :class:`~swarm.gossip._robust.ClipPolicy` in the spec the robust rule of
-``swarm.gossip._robust`` replaces it: the partner's difference is clipped, weights stay, and the
-pair's mass is still conserved exactly.
+With a :class:`~swarm.gossip._robust.ClipPolicy` in the spec the partner's difference is clipped
+first; weights stay, and the pair's mass is still conserved exactly.
 
 Memory: nothing here holds a whole model's decoded tensors (:mod:`swarm.gossip._mixing`). Our frames
 are encoded from our tensors one tensor at a time as they are sent, and again whenever their decoded
@@ -73,9 +72,8 @@ class NotCommitted(SwarmError):
 
 
 class BaseTooFar(NotCommitted):
-    """Our values did not come through the shared base faithfully (:data:`MAX_BASE_ERROR`): the base is
-    far from our model. Nobody is blamed (an honest partner's anchor can be far from a peer that just
-    healed a partition); the base is dropped, and the next exchange sends whole tensors."""
+    """Our values did not come through the shared base faithfully (:data:`MAX_BASE_ERROR`): it is far
+    from our model (as after a healed partition). Nobody is blamed; the base is dropped."""
 
 
 @dataclass(frozen=True)
@@ -87,9 +85,9 @@ class ExchangeSpec:
     policy: NormPolicy
     clip: ClipPolicy | None = None
     min_rate_bytes_s: float = 0.0
-    """The rate floor of the data phase, each way (0: none): :func:`swarm.gossip._deadlines.rate_floor`."""
+    """The rate floor of the data phase, each way (0: none), over ``rate_window_s`` seconds
+    (:func:`swarm.gossip._deadlines.rate_floor`)."""
     rate_window_s: float = 10.0
-    """The window over which the floor is measured."""
 
 
 @dataclass(frozen=True)

@@ -41,7 +41,7 @@ import torch
 from swarm.learning import EvalSet
 from swarm.pipeline._client import CallFailed, Reply, StageClient
 from swarm.pipeline._clip import GradientClip
-from swarm.pipeline._compute import DeviceClock
+from swarm.pipeline._clock import DeviceClock
 from swarm.pipeline._protocol import EVAL_SAMPLES, Request, StageError
 from swarm.pipeline._router import Router
 from swarm.pipeline._stages import StageModule

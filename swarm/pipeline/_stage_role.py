@@ -29,7 +29,8 @@ from swarm.learning import (
 )
 from swarm.pipeline._balance import ACTIVE
 from swarm.pipeline._client import StageClient
-from swarm.pipeline._compute import DeviceClock, StageWorker
+from swarm.pipeline._clock import DeviceClock
+from swarm.pipeline._compute import StageWorker
 from swarm.pipeline._driver import DataHolder
 from swarm.pipeline._plan import StageSpec
 from swarm.pipeline._protocol import ServerLimits

@@ -80,7 +80,6 @@ class GossipBackend:
         self._last_request = time.monotonic()
         self._pace = Pace(avg.sync_every_steps)
         self._scheduled: str | None = None
-        self._own_rounds = 0
         self._adopted = True  # False: a fresh peer that could not take over a state yet
         self._rounds = dict.fromkeys(("initiator", "responder", "local"), 0)
         self.stalled_seconds = 0.0
@@ -92,15 +91,14 @@ class GossipBackend:
         self.state_server: StateServer | None = None
         self._worker: SyncWorker | None = None
         self._push_worker: SyncWorker | None = None
-        self._pushes = False
         try:
             self._make_averagers(client_mode=None)
             # a replaced state is served while the record naming it may still be read
             keep_s = self._config.network.record_ttl_s + 5.0
             self.state_server = StateServer(self._node.dht, self._run_id, keep_replaced_s=keep_s)
             self._worker = SyncWorker(self._own_round)
-            self._pushes = avg.partners == "hypercube"
-            self._push_worker = SyncWorker(self._push_next_base, name="gossip-base") if self._pushes else None
+            if avg.partners == "hypercube":
+                self._push_worker = SyncWorker(self._push_next_base, name="gossip-base")
             schema = {name: (tuple(p.shape), torch.float32) for name, p in context.model.named_parameters()}
             self._averagers()[0].expect_schema(schema)  # bases may be pushed to us before our first offer
         except BaseException:
@@ -143,11 +141,6 @@ class GossipBackend:
         if self.models is None or self.anchors is None:
             raise RuntimeError("the gossip backend's averagers are closed")
         return self.models, self.anchors
-
-    def _pusher(self) -> SyncWorker:
-        if self._push_worker is None:
-            raise RuntimeError("the gossip backend pushes no bases")
-        return self._push_worker
 
     def _sync_worker(self) -> SyncWorker:
         if self._worker is None:
@@ -240,8 +233,8 @@ class GossipBackend:
     def _apply(self) -> list[RoundResult]:
         rounds = []
         updates = self.live.apply_pending()
-        if self._pushes and any(update.kind == "model" for update in updates):
-            self._pusher().request()  # our anchor moved, and the schedule with it: the next base
+        if self._push_worker is not None and any(update.kind == "model" for update in updates):
+            self._push_worker.request()  # our anchor moved, and the schedule with it: the next base
         for update in updates:
             info = update.info
             if info.get("drift") is not None:  # exact (anchor exchange) or sampled (the probe)
@@ -283,7 +276,6 @@ class GossipBackend:
 
     def _own_round(self) -> None:
         """One exchange as initiator; an outer step on our own when nobody took part."""
-        self._own_rounds += 1
         now = time.monotonic()
         self._pace.round(now)
         round_s = self._pace.nominal_round_s()
@@ -302,30 +294,23 @@ class GossipBackend:
         waited = time.monotonic() - now
         result = self._averagers()[0].sync()
         logger.debug(
-            "own round %d: %.2f s since the last, waited %.2f s to be dialled, sync %.2f s: %s %s",
-            self._own_rounds,
+            "own round: %.2f s since the last, waited %.2f s to be dialled, sync %.2f s: %s %s",
             self._pace.round_s,
             waited,
             time.monotonic() - now - waited,
             result.outcome.value,
             result.reason,
         )
-        if result.outcome is SyncOutcome.SKIPPED:
-            logger.debug("own round skipped: %s", result.reason)  # a partner's exchange used our steps
-        elif result.outcome is not SyncOutcome.OK and result.outcome is not SyncOutcome.CANCELLED:
-            # an exchange reading our anchor in place would stop if a solo step moved it
-            reading = self._model_offers.in_flight() or self._anchor_offers.in_flight()
-            if self.live.has_pending() or reading:
-                logger.info(
-                    "sync without a partner (%s): a partner's exchange with us is this round",
-                    result.outcome.value,
-                )
-            else:
-                logger.info(
-                    "sync without a partner (%s): outer step on our own pseudo-gradient", result.outcome.value
-                )
-                info = {"outcome": "solo", "reason": result.outcome.value, "role": "local"}
-                self.live.queue(Update("solo", info={**info, "bytes_sent": result.bytes_sent}))
+        if result.outcome in (SyncOutcome.OK, SyncOutcome.CANCELLED, SyncOutcome.SKIPPED):
+            return  # skipped: a partner's exchange used our steps
+        # an exchange reading our anchor in place would stop if a solo step moved it
+        why = result.outcome.value
+        if self.live.has_pending() or self._model_offers.in_flight() or self._anchor_offers.in_flight():
+            logger.info("sync without a partner (%s): a partner's exchange with us is this round", why)
+            return
+        logger.info("sync without a partner (%s): outer step on our own pseudo-gradient", why)
+        info = {"outcome": "solo", "reason": why, "role": "local", "bytes_sent": result.bytes_sent}
+        self.live.queue(Update("solo", info=info))
 
     def _push_next_base(self) -> None:
         """If we push the base of our next scheduled pair (:class:`~swarm.trainer._schedule.Slot`), push
