@@ -117,6 +117,8 @@ def plan(args: argparse.Namespace) -> list[tuple]:
                     peer_curve=args.peer_curve,
                     eval_batches=args.eval_batches,
                     model_sets=sets,
+                    training=not args.consensus_only,
+                    init_spread=args.consensus_only or 0.0,
                     seed=seed,
                 )
                 tasks.append((name, f"{name} {view} N={n} seed={seed}", n, cfg, args.quiet))
@@ -206,6 +208,12 @@ def parser() -> argparse.ArgumentParser:
     add("--curve-batches", type=int, default=defaults.curve_batches)
     add("--peer-curve", action="store_true", help="curve of the peers' mean loss, not their mean model's")
     add("--eval-batches", type=int, default=defaults.eval_batches, help="batches of the final loss")
+    add(
+        "--consensus-only",
+        type=float,
+        metavar="SPREAD",
+        help="no training: the models start SPREAD apart (relative to their norm) and only averaging runs",
+    )
     add("--model", default="", help="config overrides, e.g. model.n_embd=32,model.n_layer=1")
     add("--seed", type=int, default=0)
     add("--seeds", type=int, default=1, help="runs per rule and N, seeds --seed, --seed + 1, ...")

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import psutil
 import pytest
@@ -42,10 +43,8 @@ def _descendants(besides: frozenset[int] = frozenset()) -> list[psutil.Process]:
     return alive
 
 
-@pytest.fixture(scope="session")  # once per worker: the heavy group interleaves modules
-def bench(tmp_path_factory: pytest.TempPathFactory) -> dict:
+def _bench(log_dir: Path) -> dict:
     """The benchmark's row for :data:`PEERS` trainers, and what of its processes outlived it."""
-    log_dir = tmp_path_factory.mktemp("bench-membership")
     out = log_dir / "rows.json"
     argv = [sys.executable, "-m", "scripts.bench_membership", "--peers", str(PEERS), "--warmup-s", "10"]
     argv += ["--window-s", "20", "--monitor", "--log-dir", str(log_dir), "--json", str(out)]
@@ -61,10 +60,7 @@ def bench(tmp_path_factory: pytest.TempPathFactory) -> dict:
     return {"row": row, "status": done.returncode, "outlived": described, "output": done.stdout + done.stderr}
 
 
-@heavy_scenario
-@pytest.mark.multipeer
-@pytest.mark.timeout(BENCH_TIMEOUT_S + 120)
-def test_every_trainer_joins_trains_and_finds_partners(bench) -> None:
+def _every_trainer_joins_trains_and_finds_partners(bench: dict) -> None:
     row = bench["row"]
     assert "error" not in row, row.get("error")
     assert bench["status"] == 0, bench["output"][-4000:]
@@ -73,10 +69,7 @@ def test_every_trainer_joins_trains_and_finds_partners(bench) -> None:
     assert row["partner_share"] >= 0.5, f"most rounds find a partner: {row['partner_share']:.0%}"
 
 
-@heavy_scenario
-@pytest.mark.multipeer
-@pytest.mark.timeout(BENCH_TIMEOUT_S + 120)
-def test_membership_traffic_is_counted_per_peer_and_at_the_key_holders(bench) -> None:
+def _membership_traffic_is_counted_per_peer_and_at_the_key_holders(bench: dict) -> None:
     membership, sizes = bench["row"]["membership"], bench["row"]["sizes"]
     record = sizes["store_request_bytes"]
     assert 500 < record < 5000, f"a signed record is about a kilobyte, counted {record} B"
@@ -89,10 +82,7 @@ def test_membership_traffic_is_counted_per_peer_and_at_the_key_holders(bench) ->
     assert membership["holder_mean"] > membership["served_total"] / nodes
 
 
-@heavy_scenario
-@pytest.mark.multipeer
-@pytest.mark.timeout(BENCH_TIMEOUT_S + 120)
-def test_monitor_once_shows_the_whole_run(bench) -> None:
+def _monitor_once_shows_the_whole_run(bench: dict) -> None:
     monitor = bench["row"]["monitor"]
     for variant in ("config", "published"):
         assert monitor[variant]["status"] == 0, variant
@@ -101,11 +91,20 @@ def test_monitor_once_shows_the_whole_run(bench) -> None:
         assert totals["samples_total"] > 0
 
 
-@heavy_scenario
-@pytest.mark.multipeer
-@pytest.mark.timeout(BENCH_TIMEOUT_S + 120)
-def test_nothing_outlives_the_benchmark(bench) -> None:
+def _nothing_outlives_the_benchmark(bench: dict) -> None:
     memory = bench["row"]["memory"]
     assert memory["rss"] > 0 and memory["p2pd_rss"] > 0, memory
     assert bench["row"]["leftover"] == []
     assert bench["outlived"] == []
+
+
+@heavy_scenario
+@pytest.mark.multipeer
+@pytest.mark.timeout(BENCH_TIMEOUT_S + 120)
+def test_eight_trainers_on_one_machine(tmp_path: Path) -> None:
+    """One run of the benchmark (minutes), then each check on it."""
+    bench = _bench(tmp_path)
+    _every_trainer_joins_trains_and_finds_partners(bench)
+    _membership_traffic_is_counted_per_peer_and_at_the_key_holders(bench)
+    _monitor_once_shows_the_whole_run(bench)
+    _nothing_outlives_the_benchmark(bench)
