@@ -29,7 +29,7 @@ from swarm.learning import (
 from swarm.network import NetworkOptions
 from swarm.pipeline import StagePeer, build_full, plan_stages, stage_parameters
 from swarm.state import list_checkpoints, read_checkpoint
-from tests._processes import wait_until
+from tests._processes import heavy_scenario, wait_until
 from tests.workers.tiny import tiny
 
 pytestmark = pytest.mark.multipeer
@@ -255,6 +255,7 @@ def test_a_stage_peer_checkpoints_its_stage_and_resumes_it_with_its_progress(swa
         resumed.close()
 
 
+@heavy_scenario  # the speeds are the emulated devices' only while the CPU keeps up
 @pytest.mark.timeout(240)
 def test_a_three_times_slower_stage_peer_gets_proportionally_fewer_microbatches(swarm) -> None:
     # an emulated device (step_time_s) makes the speeds the configured ones, whatever the CPU does
@@ -274,6 +275,7 @@ def test_a_three_times_slower_stage_peer_gets_proportionally_fewer_microbatches(
     assert fast_n >= 2 * slow_n, (fast_n, slow_n)  # 3x the speed: about 3x the micro-batches
 
 
+@heavy_scenario  # the speeds are the emulated devices' only while the CPU keeps up
 @pytest.mark.timeout(240)
 def test_a_peer_moves_to_the_bottleneck_stage_and_takes_over_its_state(swarm) -> None:
     # stage 0 is one data holder three times slower than the two stage 1 peers: one of them should hold
