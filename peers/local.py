@@ -86,16 +86,7 @@ class LocalSwarm:
                 typer.echo(f"[local] {name} did not stop within {SHUTDOWN_GRACE_S:g} s; killed it", err=True)
                 proc.kill()
                 proc.wait()
-        sessions = {proc.pid for _, proc in self.processes}
-        deadline = time.monotonic() + ORPHAN_WAIT_S
-        while (left := session_processes(sessions)) and time.monotonic() < deadline:
-            time.sleep(0.1)  # a DHT worker finishing its daemon's shutdown; nothing to wait on but the table
-        outlived = [describe_process(p) for p in left]
-        for p in left:
-            with contextlib.suppress(psutil.Error):
-                p.kill()
-        psutil.wait_procs(left, timeout=10)
-        return outlived
+        return kill_leftovers({proc.pid for _, proc in self.processes})
 
 
 def cpu_threads_env(peers: int, environ: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -128,6 +119,20 @@ def session_processes(sessions: set[int]) -> list[psutil.Process]:
         except (ProcessLookupError, PermissionError, psutil.Error):
             continue
     return found
+
+
+def kill_leftovers(sessions: set[int], wait_s: float = ORPHAN_WAIT_S) -> list[str]:
+    """Once the sessions' leaders have exited: what of ``sessions`` is still running after ``wait_s``
+    (a DHT worker finishing its daemon's shutdown takes a moment), described, then killed."""
+    deadline = time.monotonic() + wait_s
+    while (left := session_processes(sessions)) and time.monotonic() < deadline:
+        time.sleep(0.1)  # nothing to wait on but the process table
+    outlived = [describe_process(p) for p in left]
+    for proc in left:
+        with contextlib.suppress(psutil.Error):
+            proc.kill()
+    psutil.wait_procs(left, timeout=10)
+    return outlived
 
 
 def describe_process(proc: psutil.Process) -> str:

@@ -23,13 +23,12 @@ from typing import Any
 
 import psutil
 
-from peers.local import describe_process, die_with_parent, session_processes
+from peers.local import die_with_parent, kill_leftovers, session_processes
 
 REPO = Path(__file__).resolve().parent.parent
 STOP_WAIT_S = 90.0
 """How long stopped peers get to exit by themselves: a leak check, not a timing (32 peers writing
 checkpoints and summaries at once on two busy cores)."""
-ORPHAN_WAIT_S = 30.0
 """How long a peer's DHT worker and ``p2pd`` may take to end after the peer has exited."""
 
 
@@ -163,16 +162,7 @@ class Swarm:
     def leftovers(self) -> list[str]:
         """After every peer has exited: what of their sessions outlived them (DHT workers, ``p2pd``),
         described; each is then killed. Empty after a clean stop."""
-        sessions = {p.proc.pid for p in self.peers.values()}
-        deadline = time.monotonic() + ORPHAN_WAIT_S
-        while (left := session_processes(sessions)) and time.monotonic() < deadline:
-            time.sleep(0.2)  # a worker finishing its daemon's shutdown; nothing to wait on but the table
-        described = [describe_process(p) for p in left]
-        for proc in left:
-            with contextlib.suppress(psutil.Error):
-                proc.kill()
-        psutil.wait_procs(left, timeout=10)
-        return described
+        return kill_leftovers({p.proc.pid for p in self.peers.values()})
 
     def kill_all(self) -> None:
         """SIGKILL every process of every peer's session (after a failure or Ctrl+C)."""
