@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 
-from swarm.gossip import Committed, GossipAverager, GossipOptions, MixedTensors, Offer
+from swarm.gossip import Committed, GossipAverager, GossipOptions, MixedTensors, Offer, PartnerInfo
 
 Tensors = Mapping[str, torch.Tensor] | Sequence[torch.Tensor]
 
@@ -39,7 +39,10 @@ class HeldTensors:
     def offer(self) -> Offer | None:
         return None if self.tensors is None else Offer(tensors=self.tensors, weight=self.weight)
 
-    def committed(self, offer: Offer, exchange: Committed) -> None:
+    def settled(self, offer: Offer, exchange: Committed | None) -> None:
+        """Write a committed mix into the tensors (nothing to give back: they stay ours)."""
+        if exchange is None:
+            return
         mixed = exchange.mixed
         assert isinstance(mixed, MixedTensors)
         mixed.keep()
@@ -49,15 +52,50 @@ class HeldTensors:
         if not self._keeps_weight:
             self.weight = (offer.weight + exchange.partner_weight) / 2
 
-    def released(self, offer: Offer) -> None:
-        """Nothing to give back: the tensors stay ours."""
+
+PartnerSource = Callable[[], Sequence[PartnerInfo]]
+"""Who :meth:`Dialling.sync` may dial, asked at each sync."""
 
 
-class HeldAverager:
-    """A :class:`GossipAverager` over :class:`HeldTensors`; anything else is the averager's."""
+class Dialling:
+    """A :class:`GossipAverager` whose :meth:`sync` asks ``partner_source`` for its partners; anything
+    else is the averager's."""
 
-    def __init__(self, averager: GossipAverager, held: HeldTensors) -> None:
-        self.averager, self.held = averager, held
+    _OWN: tuple[str, ...] = ("averager", "partner_source")
+
+    def __init__(self, averager: GossipAverager, partner_source: PartnerSource) -> None:
+        self.averager, self.partner_source = averager, partner_source
+
+    def sync(self) -> Any:
+        return self.averager.sync(self.partner_source())
+
+    def close(self) -> None:
+        self.averager.close()
+
+    def __enter__(self) -> Any:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.averager, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in self._OWN:
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self.averager, name, value)
+
+
+class HeldAverager(Dialling):
+    """A :class:`Dialling` averager over :class:`HeldTensors`."""
+
+    _OWN = ("averager", "partner_source", "held")
+
+    def __init__(self, averager: GossipAverager, held: HeldTensors, partner_source: PartnerSource) -> None:
+        super().__init__(averager, partner_source)
+        self.held = held
 
     def set_tensors(self, tensors: Tensors, weight: float | None = None) -> None:
         """Hold (or replace) the tensors to serve, without syncing; exchanges in flight do not commit."""
@@ -77,7 +115,7 @@ class HeldAverager:
         """One exchange of the held tensors (``tensors``/``weight`` replace them first)."""
         if tensors is not None or weight is not None:
             self.set_tensors(tensors if tensors is not None else self.held.tensors or {}, weight)
-        return self.averager.sync()
+        return super().sync()
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
@@ -100,37 +138,21 @@ class HeldAverager:
     def weight(self) -> float:
         return self.held.weight
 
-    def close(self) -> None:
-        self.averager.close()
-
-    def __enter__(self) -> HeldAverager:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.averager, name)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if name in ("averager", "held"):
-            object.__setattr__(self, name, value)
-        else:
-            setattr(self.averager, name, value)
-
 
 OPTION_NAMES = {field.name for field in dataclasses.fields(GossipOptions)}
 
 
 def gossip_averager(*, options: GossipOptions | None = None, **kwargs: Any) -> Any:
-    """A :class:`GossipAverager` (with an ``offerer``) or else a :class:`HeldAverager`; keyword
-    arguments that name :class:`GossipOptions` fields tune its options, the others go to the averager."""
+    """A :class:`Dialling` averager (with an ``offerer``) or else a :class:`HeldAverager`, whose syncs
+    dial what ``partner_source`` returns (by default nobody); keyword arguments that name
+    :class:`GossipOptions` fields tune its options, the others go to the averager."""
     tuning = {k: kwargs.pop(k) for k in list(kwargs) if k in OPTION_NAMES}
     opts = dataclasses.replace(options or GossipOptions(), **tuning)
+    partner_source = kwargs.pop("partner_source", list)
     if "offerer" in kwargs:
-        return GossipAverager(options=opts, **kwargs)
+        return Dialling(GossipAverager(options=opts, **kwargs), partner_source)
     weight = kwargs.pop("initial_weight", 1.0)
     held = HeldTensors(keeps_weight=opts.robust_clip)
     held.weight = float(weight)
     averager = GossipAverager(options=opts, offerer=held, **kwargs)
-    return HeldAverager(averager, held)
+    return HeldAverager(averager, held, partner_source)

@@ -33,7 +33,7 @@ BATCH = 2
 class _Inert(ModelOffers):
     """A broken rule for contrast: it exchanges, counts its rounds, and applies nothing."""
 
-    def committed(self, offer: object, exchange: Committed) -> None:
+    def _committed(self, offer: object, exchange: Committed) -> None:
         self.round += 1
 
 
@@ -76,8 +76,7 @@ def exchange(a: Peer, b: Peer) -> bool:
         )
         result = SyncResult(SyncOutcome.OK, [b, a][side].name, 0, 0, 0.0, mixed.weight)
         committed = Committed(mixed.tensors, offers[theirs].weight, side == 0, result, offers[theirs].probe)
-        peer.offers.committed(offers[mine], committed)
-        peer.offers.released(offers[mine])  # the exchange ended: as the averager hands it back
+        peer.offers.settled(offers[mine], committed)
         peer.exchanges += 1
     return True
 
@@ -211,7 +210,7 @@ def test_a_late_exchange_applies_once_and_keeps_local_progress() -> None:
     mean = {n: (models[0][n] + models[1][n]) / 2 for n in models[0]}
     result = SyncResult(SyncOutcome.OK, b.name, 0, 0, 0.0, 1.0)
     committed = Committed(computed(mean, mean), 1.0, True, result, offers[1].probe)
-    a.offers.committed(offers[0], committed)
+    a.offers.settled(offers[0], committed)
     assert a.offers.offer() is None  # nothing new to give while the result waits
     assert len(a.live.apply_pending()) == 1
     assert a.live.apply_pending() == []  # applied once
@@ -298,7 +297,7 @@ def test_a_model_offer_states_our_progress_since_the_anchor() -> None:
     peer = Peer(5, "model")
     offer = peer.offers.offer()
     assert offer is not None and offer.blame_norm == 0.0
-    peer.offers.released(offer)
+    peer.offers.settled(offer, None)
     with peer.live.updating():
         peer.model.weight.data.add_(0.5)
     offer = peer.offers.offer()

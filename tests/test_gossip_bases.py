@@ -31,11 +31,9 @@ class _Fixed:
     def offer(self) -> Offer:
         return Offer(tensors=self.tensors, weight=1.0)
 
-    def committed(self, offer, exchange) -> None:
-        self.mixes.append({name: t.clone() for name, t in exchange.mixed.items()})
-
-    def released(self, offer) -> None:
-        pass
+    def settled(self, offer, exchange) -> None:
+        if exchange is not None:
+            self.mixes.append({name: t.clone() for name, t in exchange.mixed.items()})
 
 
 def _model(seed: int, anchor: dict[str, torch.Tensor], step: float = 1e-2) -> dict[str, torch.Tensor]:
@@ -72,8 +70,8 @@ def pair() -> Iterator[Callable[..., tuple[GossipAverager, GossipAverager]]]:
             run_id="bases", partner_source=list, p2p_factory=connected, offerer=second_offers, **settings
         )
         made.append(second)
-        first._partner_source = lambda: [PartnerInfo(second.peer_id, PROTOCOL_VERSION, "")]
-        second._partner_source = lambda: [PartnerInfo(first.peer_id, PROTOCOL_VERSION, "")]
+        first.partner_source = lambda: [PartnerInfo(second.peer_id, PROTOCOL_VERSION, "")]
+        second.partner_source = lambda: [PartnerInfo(first.peer_id, PROTOCOL_VERSION, "")]
         for averager, offers in ((first, first_offers), (second, second_offers)):
             averager.expect_schema({n: (tuple(t.shape), t.dtype) for n, t in offers.tensors.items()})
         return first, second

@@ -67,8 +67,8 @@ def pair() -> Iterator[Callable[..., tuple[GossipAverager, GossipAverager]]]:
             codec=codec, chunk_bytes=4096, **options,
         )  # fmt: skip
         made.append(second)
-        first._partner_source = lambda: [PartnerInfo(second.peer_id, PROTOCOL_VERSION, "")]
-        second._partner_source = lambda: [PartnerInfo(first.peer_id, PROTOCOL_VERSION, "")]
+        first.partner_source = lambda: [PartnerInfo(second.peer_id, PROTOCOL_VERSION, "")]
+        second.partner_source = lambda: [PartnerInfo(first.peer_id, PROTOCOL_VERSION, "")]
         return first, second
 
     yield make

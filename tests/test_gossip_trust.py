@@ -51,8 +51,8 @@ def pair() -> Iterator[Pair]:
             run_id="trust", partner_source=list, p2p_factory=connected, codec="fp32", **options
         )
         made.append(second)
-        first._partner_source = lambda: [PartnerInfo(second.peer_id, PROTOCOL_VERSION, "")]
-        second._partner_source = lambda: [PartnerInfo(first.peer_id, PROTOCOL_VERSION, "")]
+        first.partner_source = lambda: [PartnerInfo(second.peer_id, PROTOCOL_VERSION, "")]
+        second.partner_source = lambda: [PartnerInfo(first.peer_id, PROTOCOL_VERSION, "")]
         first.set_tensors([torch.zeros(256)], weight=1.0)
         second.set_tensors([torch.ones(256)], weight=1.0)
         return first, second

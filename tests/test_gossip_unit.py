@@ -393,7 +393,7 @@ def test_lone_peer_returns_no_partner_immediately() -> None:
             dials.append(peer_id)
             return await real_propose(p2p, peer_id, *args, **kwargs)
 
-        averager._partner_source = only_me
+        averager.partner_source = only_me
         averager._handshake.propose = propose
         x = torch.randn(1000)
         snapshot = x.clone()
@@ -426,7 +426,7 @@ def test_repeated_syncs_and_serving_in_process() -> None:
             x, y = torch.randn(5000), torch.randn(5000)
             target = (x + y) / 2
             second.set_tensors({"v": y})
-            first._partner_source = lambda: [PartnerInfo(second.peer_id, PROTOCOL_VERSION, "")]
+            first.partner_source = lambda: [PartnerInfo(second.peer_id, PROTOCOL_VERSION, "")]
             results = [first.sync({"v": x})]
             deadline = time.monotonic() + 20
             while first.metrics().exchanges_ok < 3 and time.monotonic() < deadline:
@@ -488,7 +488,7 @@ def test_abort_cancels_a_stalled_exchange_without_commit_and_refuses_partners() 
             x, y = torch.randn(5000), torch.randn(5000)
             x0, y0 = x.clone(), y.clone()
             second.set_tensors([y])
-            first._partner_source = lambda: [PartnerInfo(second.peer_id, PROTOCOL_VERSION, "")]
+            first.partner_source = lambda: [PartnerInfo(second.peer_id, PROTOCOL_VERSION, "")]
             results: list = []
             worker = threading.Thread(target=lambda: results.append(first.sync([x])))
             worker.start()
@@ -506,7 +506,7 @@ def test_abort_cancels_a_stalled_exchange_without_commit_and_refuses_partners() 
             ) as third:
                 z = torch.randn(5000)
                 z0 = z.clone()
-                third._partner_source = lambda: [PartnerInfo(first.peer_id, PROTOCOL_VERSION, "")]
+                third.partner_source = lambda: [PartnerInfo(first.peer_id, PROTOCOL_VERSION, "")]
                 refused = third.sync([z])
                 assert refused.outcome is SyncOutcome.BUSY and torch.equal(z, z0), refused
     finally:

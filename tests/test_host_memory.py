@@ -23,16 +23,16 @@ def _measure(*args: str) -> dict[str, int]:
 
 
 def test_an_exchange_and_a_checkpoint_hold_no_whole_model_float32_copy() -> None:
-    """Both sides of one int8 model exchange, in one process (offer, data phase, commit, apply), grow
-    the peak by about 3 bytes a parameter each: the bf16 progress (2) and the partner's int8 frames
-    (1.06), plus one tensor's temporaries. Holding the offer, our decoded frames, the pending residual,
-    the partner's decoded tensors or the mean as float32 copies (4 bytes a parameter each, 20 a side
-    before) fails it. Writing a checkpoint copies nothing; reading one holds the loaded state once,
-    not the file's bytes beside it."""
+    """Both sides of one int8 model exchange, in one process (offer, data phase, settle, apply), grow
+    the peak by about 4.7 bytes a parameter each: the snapshot's bf16 progress (2) and the int8 frames
+    in flight both ways (about 1.06 each), plus one tensor's temporaries. The bound, 6 a side, fails
+    for any one more float32 copy (4 bytes a parameter) of the offer, our decoded frames, the pending
+    residual, the partner's decoded tensors or the mean (20 a side before). Writing a checkpoint copies
+    nothing; reading one holds the loaded state once, not the file's bytes beside it."""
     report = _measure("--layers", "16", "--width", "512")
     params = report["parameters"]
     print(report)
-    assert report["exchange_growth"] < 2 * 4.0 * params  # two sides, at most 4 bytes a parameter each
+    assert report["exchange_growth"] < 2 * 6.0 * params  # two sides, at most 6 bytes a parameter each
     assert report["save_growth"] < 0.1 * report["checkpoint_bytes"]
     assert report["load_growth"] < 1.3 * report["checkpoint_bytes"]
     assert report["loaded_equal"]

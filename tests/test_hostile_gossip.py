@@ -131,6 +131,26 @@ def test_runs_of_large_honest_excesses_are_not_banned_a_steady_one_is() -> None:
     assert reputation.is_banned("steady") and "median excess" in reputation.reasons()["steady"]
 
 
+def test_a_far_honest_partner_is_judged_against_the_others_once_a_few_exchanged() -> None:
+    """A 3-trainer swarm: one honest partner sits steadily at 0.75 radii (the odd one out of the
+    schedule), and its 8th exchange comes while the other partner (at 0.45) has had only 5. Judged
+    against the other's median (2.5 x 0.45), it is not banned; with no other partner at all, the bare
+    limit of 0.7 bans the same record."""
+
+    def stats(excess: float) -> ClipStats:
+        return ClipStats(scale=1.0, excess=excess, hard=False, own_norm=1.0)
+
+    reputation = Reputation(GossipOptions(clip_strikes=2), MetricsRecorder())
+    for who in "NFNFFNFFNFNFF":  # 8 far exchanges, 5 near ones
+        reputation.committed("far" if who == "F" else "near", stats(0.75 if who == "F" else 0.45))
+    assert not reputation.is_banned("far"), reputation.reasons()
+    alone = Reputation(GossipOptions(clip_strikes=2), MetricsRecorder())
+    alone.committed("warmup", stats(0.45))
+    for _ in range(8):
+        alone.committed("far", stats(0.75))
+    assert alone.is_banned("far") and "median excess" in alone.reasons()["far"]
+
+
 def test_alternating_hard_clips_and_clean_exchanges_are_banned_and_not_forgiven() -> None:
     """The attacker echoes our own update (a clean exchange) between hard clips: it is banned at its
     third hard clip, and the clean exchange after the ban does not forgive its strike."""
@@ -463,11 +483,11 @@ def test_a_slow_served_exchange_does_not_hold_the_lock(averagers) -> None:
     v0, h0 = v.clone(), h.clone()
     victim.set_tensors([v])
     honest.set_tensors([h])
-    slow._partner_source = lambda: [_partner(victim)]
+    slow.partner_source = lambda: [_partner(victim)]
     threading.Thread(target=slow.sync, args=([torch.randn(5000)],), daemon=True).start()
     assert stalled.wait(30), "the slow partner never reached its stall"
 
-    victim._partner_source = lambda: [_partner(honest)]
+    victim.partner_source = lambda: [_partner(honest)]
     results: list = []
     worker = threading.Thread(target=lambda: results.append(victim.sync()))
     worker.start()
@@ -490,9 +510,9 @@ def test_bad_data_bans_a_sender_without_a_record_or_leaving(averagers) -> None:
     unknown = averagers(wrap_channel=adversary_channel("nan", "fp32"))
     leaving = averagers(wrap_channel=adversary_channel("nan", "fp32"))
     victim.set_tensors([torch.randn(2000)])
-    victim._partner_source = lambda: [_partner(leaving, leaving=True)]
+    victim.partner_source = lambda: [_partner(leaving, leaving=True)]
     for attacker in (unknown, leaving):
-        attacker._partner_source = lambda: [_partner(victim)]
+        attacker.partner_source = lambda: [_partner(victim)]
         result = attacker.sync([torch.randn(2000)])
         assert result.outcome is SyncOutcome.FAILED, result  # NACKed, or the stream closed on it
     assert victim.ban_strikes() == {unknown.peer_id: 1, leaving.peer_id: 1}

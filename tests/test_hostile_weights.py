@@ -49,7 +49,7 @@ def test_a_claimed_weight_cannot_pull_our_model_past_the_pair_mean() -> None:
     theirs = {n: t + 1.0 for n, t in ours.items()}
     share = CLAIM / (offer.weight + CLAIM)  # how the averager weighted the liar: all of it
     mixed = {n: offer.tensors[n] + share * (theirs[n] - offer.tensors[n]) for n in theirs}
-    offers.committed(offer, _committed(offer, mixed, CLAIM))
+    offers.settled(offer, _committed(offer, mixed, CLAIM))
     live.apply_pending()
     for name, anchor in live.outer.anchor.items():
         halfway = (ours[name] + theirs[name]) / 2  # an equal share, not theirs outright

@@ -88,7 +88,9 @@ def _write_and_kill(directory: Path, first_step: int, rng: random.Random) -> tup
     Returns how it was killed, its exit code, the last step whose save returned, and whether it left
     a temporary file (the kill landed mid-write).
     """
-    saved, started = CONTEXT.Value("q", -1), CONTEXT.Event()
+    # No lock: a writer SIGKILLed while holding a Value's lock would leave it held, and the next read
+    # here would hang. One aligned 8-byte store needs none.
+    saved, started = CONTEXT.Value("q", -1, lock=False), CONTEXT.Event()
     proc = CONTEXT.Process(target=write_forever, args=(str(directory), first_step, NUMEL, saved, started))
     proc.start()
     try:

@@ -48,7 +48,7 @@ def _offer(live: LiveModel) -> tuple[ModelOffers, Offer, dict[str, torch.Tensor]
 def _commit(offers: ModelOffers, offer: Offer, mean: dict[str, torch.Tensor]) -> None:
     """What the averager hands the offerer for a committed exchange whose mix is ``mean``."""
     result = SyncResult(SyncOutcome.OK, "partner", 0, 0, 0.0, 1.0)
-    offers.committed(offer, Committed(computed(offer.tensors, mean), 1.0, True, result))
+    offers.settled(offer, Committed(computed(offer.tensors, mean), 1.0, True, result))
 
 
 def test_the_overlapped_step_keeps_the_progress_made_after_the_snapshot() -> None:
@@ -222,7 +222,7 @@ def test_overlapping_exchanges_share_one_model_snapshot_until_an_update_is_appli
     third = offers.offer()
     assert third.token is not first.token and third.token.version > first.token.version
     for offer in (first, second, third):
-        offers.released(offer)
+        offers.settled(offer, None)
     assert not offers.in_flight()
     _step(model, live, 2)
     assert offers.offer().token.steps == 1  # nothing held any more: a fresh snapshot, without an apply
@@ -243,7 +243,7 @@ def test_a_model_snapshot_is_the_anchor_plus_its_rounded_progress_and_the_update
     partner = {name: t + 0.1 for name, t in offered.items()}
     mean = {name: (offered[name] + partner[name]) / 2 for name in offered}
     result = SyncResult(SyncOutcome.OK, "partner", 0, 0, 0.0, 1.0)
-    ModelOffers(live).committed(offer, Committed(computed(offer.tensors, mean), 1.0, True, result))
+    ModelOffers(live).settled(offer, Committed(computed(offer.tensors, mean), 1.0, True, result))
     live.apply_pending()
     for name, p in model.named_parameters():  # lr 1, no momentum: the anchor is the mean
         assert torch.allclose(live.outer.anchor[name], mean[name], atol=1e-6)
@@ -258,5 +258,5 @@ def test_a_lazy_anchor_offer_reads_the_live_anchor_and_counts_while_an_exchange_
     offer = offers.offer()
     assert offers.in_flight()
     assert all(offer.tensors[n] is live.outer.anchor[n] for n in live.outer.anchor)  # the live tensors
-    offers.released(offer)
+    offers.settled(offer, None)
     assert not offers.in_flight()

@@ -10,7 +10,6 @@ from swarm.gossip._offer import Committed, Offer, Offerer
 from swarm.gossip._options import GossipOptions
 from swarm.gossip._partners import (
     PartnerInfo,
-    PartnerSource,
     consensus_order,
     hypercube_partner,
 )
@@ -27,7 +26,6 @@ __all__ = [
     "Offer",
     "Offerer",
     "PartnerInfo",
-    "PartnerSource",
     "SyncOutcome",
     "SyncResult",
     "consensus_order",

@@ -16,7 +16,7 @@ import logging
 import random
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from swarm.compression import ErrorFeedback, Schema, schema_of
@@ -32,7 +32,7 @@ from swarm.gossip._metrics import ExchangeMetrics, MetricsRecorder, SyncOutcome,
 from swarm.gossip._mixing import Mixed
 from swarm.gossip._offer import Committed, Offerer
 from swarm.gossip._options import GossipOptions
-from swarm.gossip._partners import PartnerSource
+from swarm.gossip._partners import PartnerInfo
 from swarm.gossip._protocol import Channel, Hello, handler_name
 from swarm.gossip._reputation import Reputation
 from swarm.gossip._robust import Blame
@@ -57,15 +57,15 @@ class GossipAverager(ExchangeRoles, BaseRoles, StreamService):
     ``options`` (:class:`GossipOptions`) tunes the exchanges: ``robust_clip`` turns on the pairwise centred
     clip (``swarm.gossip._robust``) with its strikes; ``exclusive_with`` shares another averager's exchange
     lock (at most one exchange of the two at a time); ``respect_bans_of`` makes it also refuse the peers
-    another averager has banned; ``preferred_partner`` names the partner to try first in each
-    initiated exchange (a schedule such as :func:`~swarm.gossip.hypercube_partner`; the others follow in
-    random order when it is missing, banned or busy). In a private swarm (``swarm_key``, by default
+    another averager has banned. Each :meth:`sync` is handed its partners, and may name the one to try
+    first (a schedule such as :func:`~swarm.gossip.hypercube_partner`; the others follow in random
+    order when it is missing, banned or busy). In a private swarm (``swarm_key``, by default
     the key ``dht`` was started with) every stream starts with the swarm key handshake
     (:mod:`swarm.p2p`); a peer that fails it is dropped before its HELLO.
 
-    Each exchange, initiated or served, uses a fresh snapshot from ``offerer.offer()`` and reports its
-    committed result to ``offerer.committed()`` (:mod:`swarm.gossip._offer`); the averager writes
-    nothing in place.
+    Each exchange, initiated or served, uses a fresh snapshot from ``offerer.offer()`` and settles it
+    with ``offerer.settled()``, passing the committed result or None (:mod:`swarm.gossip._offer`); the
+    averager writes nothing in place.
 
     ``wrap_channel`` is the transport seam: each exchange's data phase (our frames, END, the ACKs) runs
     on ``wrap_channel(channel)``, a view of the stream with :class:`~swarm.gossip._protocol.Channel`'s
@@ -80,7 +80,6 @@ class GossipAverager(ExchangeRoles, BaseRoles, StreamService):
         self,
         *,
         run_id: str,
-        partner_source: PartnerSource,
         offerer: Offerer,
         dht: DHT | None = None,
         p2p_factory: P2PFactory | None = None,
@@ -91,7 +90,6 @@ class GossipAverager(ExchangeRoles, BaseRoles, StreamService):
         client_mode: bool = False,
         seed: int | None = None,
         swarm_key: SwarmKey | None = None,
-        preferred_partner: Callable[[], str | None] | None = None,
         wrap_channel: Callable[[Channel], Channel] = lambda channel: channel,
     ) -> None:
         opts = self.options = options or GossipOptions()
@@ -107,8 +105,6 @@ class GossipAverager(ExchangeRoles, BaseRoles, StreamService):
         )
         self.run_id = run_id
         self.config_hash = config_hash
-        self._partner_source = partner_source
-        self._preferred_partner = preferred_partner
         self._offerer = offerer
         self._schema_hash = ""  # of the last tensors we exchanged: error feedback restarts when it changes
         self._schema: Schema | None = None  # theirs: what a base pushed to us must match
@@ -151,9 +147,10 @@ class GossipAverager(ExchangeRoles, BaseRoles, StreamService):
 
     # ------------------------------------------------------------------ public API
 
-    def sync(self) -> SyncResult:
-        """One exchange of a fresh offer with an eligible partner (SKIPPED when the offerer has nothing
-        to offer); blocking and thread-safe. The schedule's partner is tried first, then random ones.
+    def sync(self, partners: Sequence[PartnerInfo], first: str | None = None) -> SyncResult:
+        """One exchange of a fresh offer with an eligible one of ``partners`` (SKIPPED when the offerer
+        has nothing to offer); blocking and thread-safe. ``first`` (the schedule's partner) is tried
+        first, then random ones.
 
         If every partner tried is BUSY, the call backs off (randomized, exponential) without counting
         as an exchange, so partners can exchange with us meanwhile, and tries again for up to
@@ -167,19 +164,18 @@ class GossipAverager(ExchangeRoles, BaseRoles, StreamService):
         if self._closed:
             raise RuntimeError("the averager is closed")
         with self._gate.sync_lock:
-            return self._sync()
+            return self._sync(list(partners), first)
 
-    def _sync(self) -> SyncResult:
+    def _sync(self, candidates: list[PartnerInfo], first: str | None) -> SyncResult:
         self._aborting.wait(self._backoff.remaining())
-        result = self._sync_patiently()
+        result = self._sync_patiently(candidates, first)
         self._backoff.after(result.outcome, result.reason)
         return result
 
-    def _sync_patiently(self) -> SyncResult:
+    def _sync_patiently(self, candidates: list[PartnerInfo], first: str | None) -> SyncResult:
         give_up_busy = time.monotonic() + self.options.busy_patience_s
         backoff, sent, received = 0.01, 0, 0
         while True:
-            candidates = list(self._partner_source())
             self._reputation.review(candidates)
             self._gate.begin_sync(max(0.0, give_up_busy - time.monotonic()))
             try:
@@ -189,7 +185,7 @@ class GossipAverager(ExchangeRoles, BaseRoles, StreamService):
                 if local is None:
                     return self._result(SyncOutcome.SKIPPED, None, None, 0.0, "nothing to offer")
                 try:
-                    result = self._loop.run(self._initiate_abortable(local, candidates, turn))
+                    result = self._loop.run(self._initiate_abortable(local, candidates, turn, first))
                 finally:
                     self._release(local)
             finally:
@@ -263,8 +259,11 @@ class GossipAverager(ExchangeRoles, BaseRoles, StreamService):
         return Local(named, float(offer.weight), self._schema_hash, nbytes, offer)
 
     def _release(self, local: Local) -> None:
-        """The exchange that took ``local`` ended: hand its offer back (:meth:`Offerer.released`)."""
-        self._offerer.released(local.offer)
+        """The exchange that took ``local`` ended: settle its offer, unless it committed (and so was
+        settled with its result)."""
+        if not local.settled:
+            local.settled = True
+            self._offerer.settled(local.offer, None)
 
     def expect_schema(self, schema: Schema) -> None:
         """The tensors we exchange (and take bases of) from now on; error feedback restarts when they
@@ -348,7 +347,8 @@ class GossipAverager(ExchangeRoles, BaseRoles, StreamService):
         (:meth:`Reputation.committed`)."""
         with self._lock:
             turn.release(committed=True)
-            self._offerer.committed(local.offer, done)
+            local.settled = True
+            self._offerer.settled(local.offer, done)
             if not mixed.tensors.kept:
                 mixed.tensors.fold_all()
             self._reputation.committed(partner, mixed.clip)

@@ -4,7 +4,7 @@ what a committed exchange reports back to the offerer (:func:`committed_of`)."""
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -14,10 +14,11 @@ from swarm.gossip._offer import Committed, Offer
 from swarm.gossip._protocol import Hello
 
 
-@dataclass(frozen=True)
+@dataclass
 class Local:
     """The snapshot the offerer gave for one exchange (``offer``, never written to), its tensors as
-    checked, their weight, schema hash and size on the wire."""
+    checked, their weight, schema hash and size on the wire; ``settled`` once the offerer has it back
+    (:meth:`Offerer.settled`)."""
 
     tensors: Mapping[str, torch.Tensor]
     weight: float
@@ -25,6 +26,7 @@ class Local:
     nbytes: int
     """On the wire, one direction: what the exchange's deadline is sized by."""
     offer: Offer
+    settled: bool = field(default=False, compare=False)
 
     def stated(self) -> tuple[str, float, tuple[float, ...]]:
         """What a HELLO states about these tensors (:meth:`Handshake.hello`'s arguments): schema hash,

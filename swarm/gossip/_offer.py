@@ -10,11 +10,10 @@ asks an :class:`Offerer` instead (docs/gossip.md, "Offerers"):
   :meth:`~swarm.gossip.GossipAverager.invalidate` first). An exchange whose offer went stale that way
   never commits and stops sending at once. ``None`` means nothing to offer now: a partner gets BUSY,
   our own ``sync`` returns SKIPPED;
-* when the exchange commits (both ACKs), the averager calls :meth:`Offerer.committed` with the mixed
-  tensors, the partner's weight and which side we were; nothing is written anywhere else. An exchange
-  that does not commit calls nothing;
-* whichever way it ended (committed, failed, refused, or never begun), the averager calls
-  :meth:`Offerer.released` for every offer it took, once.
+* every offer it took is settled once (:meth:`Offerer.settled`): when its exchange commits (both
+  ACKs), with the mixed tensors, the partner's weight and which side we were, under the exchange lock;
+  otherwise (failed, refused, or never begun) with ``None`` when the exchange ends. Nothing is
+  written anywhere else.
 """
 
 from __future__ import annotations
@@ -51,7 +50,7 @@ class Committed:
     initiated, and the exchange's result.
 
     ``mixed`` computes each tensor when it is read (fresh tensors each time): read what you need in
-    :meth:`Offerer.committed`, or call ``mixed.keep()`` there and read each tensor once later with
+    :meth:`Offerer.settled`, or call ``mixed.keep()`` there and read each tensor once later with
     ``mixed.take(name)``, which also folds our error feedback."""
 
     mixed: MixedTensors
@@ -68,6 +67,6 @@ class Offerer(Protocol):
 
     def offer(self) -> Offer | None: ...
 
-    def committed(self, offer: Offer, exchange: Committed) -> None: ...
-
-    def released(self, offer: Offer) -> None: ...
+    def settled(self, offer: Offer, exchange: Committed | None) -> None:
+        """The exchange that took ``offer`` is over for it: ``exchange`` is what it committed, or None
+        (it committed nothing). Called once per offer."""

@@ -40,9 +40,6 @@ class PartnerInfo:
     shows the partner alive (:mod:`swarm.gossip._failures`)."""
 
 
-PartnerSource = Callable[[], Sequence[PartnerInfo]]
-
-
 class BanList:
     """Temporary bans with exponential backoff: the n-th consecutive strike bans for base * 2**(n-1).
 

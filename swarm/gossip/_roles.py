@@ -10,7 +10,7 @@ import logging
 import random
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from swarm.gossip._bases import Base, BaseStore
@@ -46,7 +46,6 @@ class ExchangeRoles:
         _lock: threading.Lock
         _offerer: Offerer
         _last_partner: str | None
-        _preferred_partner: Callable[[], str | None] | None
         _rng: random.Random
         _aborted: bool
         _served_at: dict[str, float]
@@ -170,13 +169,13 @@ class ExchangeRoles:
         return self._reputation.is_banned(peer)
 
     async def _initiate_abortable(
-        self, local: Local, candidates: Sequence[PartnerInfo], turn: Turn
+        self, local: Local, candidates: Sequence[PartnerInfo], turn: Turn, first: str | None
     ) -> SyncResult:
         """:meth:`_initiate` as a task that :meth:`abort` can cancel; a cancelled one returns CANCELLED."""
         cancelled = self._result(SyncOutcome.CANCELLED, None, None, 0.0, "aborted: shutting down")
         if self._aborted:
             return cancelled
-        self._inflight = asyncio.ensure_future(self._initiate(local, candidates, turn))
+        self._inflight = asyncio.ensure_future(self._initiate(local, candidates, turn, first))
         try:
             return await self._inflight
         except asyncio.CancelledError:
@@ -187,8 +186,11 @@ class ExchangeRoles:
         finally:
             self._inflight = None
 
-    async def _initiate(self, local: Local, candidates: Sequence[PartnerInfo], turn: Turn) -> SyncResult:
-        """Try random eligible partners until one accepts; that exchange's outcome is the result."""
+    async def _initiate(
+        self, local: Local, candidates: Sequence[PartnerInfo], turn: Turn, first: str | None
+    ) -> SyncResult:
+        """Try eligible partners, ``first`` first, then random ones, until one accepts; that exchange's
+        outcome is the result."""
         eligible = eligible_partners(
             candidates,
             self_id=self.peer_id,
@@ -202,7 +204,6 @@ class ExchangeRoles:
             return self._result(SyncOutcome.NO_PARTNER, None, None, 0.0, "no eligible partner")
         channels: list[Channel] = []
         try:
-            first = self._preferred_partner() if self._preferred_partner is not None else None
             order = pick_order(eligible, self._rng, self.options.max_attempts, first=first)
             result = await self._try_partners(order, local, channels, turn)
         finally:

@@ -14,9 +14,10 @@ Two kinds of evidence, both per partner (docs/gossip.md, "Malicious partners"):
   an honest pair shows after an attacker pulled its models apart (excesses of 1.4-2.2 were seen).
   What counts as consistent is judged against the swarm too: the limit is the larger of
   :data:`MEDIAN_LIMIT` and :data:`RELATIVE_LIMIT` times the median excess of the last
-  :data:`SWARM_WINDOW` exchanges with *other* partners. When every partner looks far (our lagging
-  exchanges on a loaded machine, a partition healing), honest medians of 0.70-0.71 were seen, and no
-  one partner stands out; an attacker among honest partners (median about 0.2) still meets 0.7.
+  :data:`SWARM_WINDOW` exchanges with *other* partners (at least :data:`MIN_OTHERS` of them). When
+  every partner looks far (our lagging exchanges on a loaded machine, a partition healing, the
+  shared-base rule's wider honest spread), honest medians of 0.70-0.98 were seen, and no one partner
+  stands out; an attacker among honest partners still meets 2.5 times their median.
 
 After a ban the hard count restarts at half the limit and the window empties; the partner's strikes
 (the ban backoff) are forgiven only once its hard count is zero and its recent median is ordinary.
@@ -44,8 +45,11 @@ update's (about 0.9)."""
 RELATIVE_LIMIT = 2.5
 """... unless the other partners' median excess, times this, is higher."""
 SWARM_WINDOW = 32
-"""Judged exchanges with all partners whose median sets the relative limit (at least ``WINDOW`` of
-them from others are needed)."""
+"""Judged exchanges with all partners whose median sets the relative limit."""
+MIN_OTHERS = 4
+"""Judged exchanges with other partners the relative limit needs. With fewer, only
+:data:`MEDIAN_LIMIT` holds: in a 3-trainer swarm a partner's 8th exchange often came while the other
+partner had fewer than 8, and honest medians of 0.72 were banned by the bare limit."""
 
 
 class Verdict(Enum):
@@ -101,7 +105,7 @@ class Suspicions:
         """The median limit for ``peer``: :data:`MEDIAN_LIMIT`, raised when the other partners' recent
         excesses are high too (module docstring)."""
         others = [excess for who, excess in self._swarm if who != peer]
-        if len(others) < WINDOW:
+        if len(others) < MIN_OTHERS:
             return MEDIAN_LIMIT
         return max(MEDIAN_LIMIT, RELATIVE_LIMIT * statistics.median(others))
 

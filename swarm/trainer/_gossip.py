@@ -108,20 +108,10 @@ class GossipBackend:
     def _make_averagers(self, client_mode: bool | None) -> None:
         config, dht = self._config, self._node.dht
         space = self._namespace
-        scheduled = config.averaging.partners == "hypercube"
-        self.models = make_averager(
-            config,
-            dht,
-            self._partners,
-            self._model_offers,
-            namespace=space,
-            client_mode=client_mode,
-            preferred_partner=(lambda: self._scheduled) if scheduled else None,
-        )
+        self.models = make_averager(config, dht, self._model_offers, namespace=space, client_mode=client_mode)
         self.anchors = make_averager(
             config,
             dht,
-            self._partners,
             self._anchor_offers,
             suffix=".params",
             namespace=space,
@@ -265,7 +255,7 @@ class GossipBackend:
             return
         self._anchor_offers.weight = JOIN_WEIGHT
         try:
-            result = self._averagers()[1].sync()
+            result = self._averagers()[1].sync(self._partners())
         finally:
             self._anchor_offers.weight = ANCHOR_WEIGHT
         if result.outcome is SyncOutcome.OK:
@@ -292,7 +282,7 @@ class GossipBackend:
         if self._push_worker is not None and self._push_worker.busy:  # our base to a partner is crossing:
             self._push_worker.wait_idle(BASE_WAIT_SHARE * round_s)  # the exchange needs it
         waited = time.monotonic() - now
-        result = self._averagers()[0].sync()
+        result = self._averagers()[0].sync(self._partners(), first=self._scheduled)
         logger.debug(
             "own round: %.2f s since the last, waited %.2f s to be dialled, sync %.2f s: %s %s",
             self._pace.round_s,

@@ -40,6 +40,7 @@ from swarm.state import (
 from swarm.trainer._backend import JoinResult
 from swarm.trainer._offers import ANCHOR_WEIGHT
 from swarm.trainer._progress import Progress
+from swarm.trainer._schedule import trainer_partners
 
 if TYPE_CHECKING:
     from swarm._node import SwarmNode
@@ -218,12 +219,13 @@ def adopt_a_partner(
     meets. ``partners()``: the trainers it may adopt from (:func:`other_trainers`). True if it adopted
     a state, or there was nobody to adopt from (then the seed is the swarm's state)."""
     for attempt in range(1, attempts + 1):
-        if not partners():
+        members = partners()
+        if not members:
             logger.info("no other trainers and no kept state: starting from the config seed")
             return True
         offers.weight = JOIN_WEIGHT
         try:
-            result = averager.sync()
+            result = averager.sync(trainer_partners(members))
         finally:
             offers.weight = ANCHOR_WEIGHT
         if live.apply_pending():

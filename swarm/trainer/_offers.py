@@ -28,17 +28,23 @@ from swarm.trainer._live import LiveModel, ModelSnapshot, Tensors, Update, relat
 
 
 class _Held:
-    """Counts the offers that exchanges hold now (:meth:`Offerer.released` gives one back)."""
+    """Counts the offers that exchanges hold now; :meth:`settled` gives one back, after queueing what
+    a committed exchange changes (:meth:`_committed`)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._holders = 0
 
-    def released(self, offer: Offer) -> None:
+    def settled(self, offer: Offer, exchange: Committed | None) -> None:
+        if exchange is not None:
+            self._committed(offer, exchange)
         with self._lock:
             self._holders -= 1
             if not self._holders:
                 self._all_released()
+
+    def _committed(self, offer: Offer, exchange: Committed) -> None:
+        """What a committed exchange changes here."""
 
     def _all_released(self) -> None:
         """Called (under the lock) when the last held offer came back."""
@@ -92,7 +98,7 @@ class ModelOffers(_Held):
     def _all_released(self) -> None:
         self._shared = None
 
-    def committed(self, offer: Offer, exchange: Committed) -> None:
+    def _committed(self, offer: Offer, exchange: Committed) -> None:
         """Queue the update; it reads the mix tensor by tensor when applied (and folds our error
         feedback then), so no whole mean model is ever held."""
         snapshot = offer.token
@@ -150,7 +156,7 @@ class AnchorOffers(_Held):
             self._holders += 1
             return Offer(tensors=anchor, weight=self.weight)
 
-    def committed(self, offer: Offer, exchange: Committed) -> None:
+    def _committed(self, offer: Offer, exchange: Committed) -> None:
         if exchange.mixed.unchanged:
             return  # a joiner took our anchor over: nothing moved here
         shift, drift = anchor_pull(offer.tensors, offer.weight, exchange)

@@ -10,24 +10,21 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from swarm.config import RunConfig
-from swarm.gossip import GossipAverager, GossipOptions, Offerer, PartnerInfo
+from swarm.gossip import GossipAverager, GossipOptions, Offerer
 
 if TYPE_CHECKING:
     from hivemind.dht import DHT
 
 logger = logging.getLogger(__name__)
 
-PartnerSource = Callable[[], Sequence[PartnerInfo]]
-
 
 def make_averager(
     config: RunConfig,
     dht: DHT,
-    partners: PartnerSource,
     offerer: Offerer,
     *,
     suffix: str = "",
@@ -35,7 +32,6 @@ def make_averager(
     codec: str | None = None,
     client_mode: bool | None = None,
     respect_bans_of: GossipAverager | None = None,
-    preferred_partner: Callable[[], str | None] | None = None,
 ) -> GossipAverager:
     """A gossip averager, configured from the run config; ``suffix`` separates independent exchanges
     (``.params`` for the anchors), ``namespace`` a group of peers that averages on its own
@@ -43,13 +39,12 @@ def make_averager(
 
     ``client_mode`` overrides ``network.client_mode`` (a peer that nobody could dial back);
     ``respect_bans_of`` makes this averager honour another one's bans and share its exchange lock
-    (docs/gossip.md); ``preferred_partner``: the schedule's partner, dialled first. The model averager
+    (docs/gossip.md). The model averager
     (no suffix) sends relative to a base the pair shares in ``compression.delta_codec`` (docs/gossip.md,
     "Nothing waits on the full model")."""
     return GossipAverager(
         run_id=config.run.run_id + namespace + suffix,
         dht=dht,
-        partner_source=partners,
         offerer=offerer,
         options=gossip_options(config, codec=codec, anchors=bool(suffix)),
         config_hash=config.config_hash(),
@@ -57,7 +52,6 @@ def make_averager(
         # one exchange of either kind at a time: their buffers never add up, and the CPU work neither
         exclusive_with=respect_bans_of,
         client_mode=config.network.client_mode if client_mode is None else client_mode,
-        preferred_partner=preferred_partner,
     )
 
 

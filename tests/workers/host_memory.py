@@ -89,7 +89,7 @@ def exchange(a: Side, b: Side) -> None:
     offer_a, offer_b, mixed_a, mixed_b = asyncio.run(_data_phase(a, b))
     result = SyncResult(SyncOutcome.OK, "partner", 0, 0, 0.0, 1.0)
     for side, offer, mixed in ((a, offer_a, mixed_a), (b, offer_b, mixed_b)):
-        side.offers.committed(offer, Committed(mixed.tensors, 1.0, side is a, result))
+        side.offers.settled(offer, Committed(mixed.tensors, 1.0, side is a, result))
         if not mixed.tensors.kept:
             mixed.tensors.fold_all()
     del offer_a, offer_b, mixed_a, mixed_b
