@@ -8,11 +8,12 @@ these functions format the numbers as it does. Every text from a record is escap
 
 from __future__ import annotations
 
-import math
 import re
 import time
 from html import escape
 from typing import Any
+
+from peers._format import duration, known, si
 
 _PLACEHOLDER = re.compile(r"__(?:RUN_ID|STATUS|TOTALS|PEERS|STAGES|WARNINGS)__")
 NO_SNAPSHOT = "no snapshot yet: the monitor is still looking for the swarm's records"
@@ -46,7 +47,7 @@ def fill_page(template: str, snapshot: dict[str, Any] | None) -> str:
 
 def _status(snapshot: dict[str, Any], totals: dict[str, Any]) -> str:
     when = snapshot.get("time")
-    at = time.strftime("%H:%M:%S", time.localtime(when)) if _known(when) else "?"
+    at = time.strftime("%H:%M:%S", time.localtime(when)) if known(when) else "?"
     return f"{run_state_words(totals)} · updated {at}"
 
 
@@ -54,7 +55,7 @@ def run_state_words(totals: dict[str, Any]) -> str:
     """``training``, ``waiting for trainers``, or ``finished`` (and why): never an empty swarm."""
     state = totals.get("run_state")
     if state == "finished":
-        reached = _known(totals.get("progress")) and totals["progress"] >= 1.0
+        reached = known(totals.get("progress")) and totals["progress"] >= 1.0
         return "finished: target reached" if reached else "finished: no trainer live"
     if state == "training":
         return "training"
@@ -79,7 +80,7 @@ def total_cards(t: dict[str, Any]) -> list[tuple[str, str]]:
         ("upload", si(t.get("upload_bps"), "B/s")),
         ("download", si(t.get("download_bps"), "B/s")),
         ("syncs/min", fixed(t.get("syncs_per_min"), 1)),
-        ("progress", f"{100 * float(progress):.1f}%" if _known(progress) else "-"),  # type: ignore[arg-type]
+        ("progress", f"{100 * float(progress):.1f}%" if known(progress) else "-"),  # type: ignore[arg-type]
         ("ETA", duration(t.get("eta_s"))),
     ]
 
@@ -124,38 +125,9 @@ def _cell(css: str, value: object) -> str:
     return f'<td class="{css}">{text}</td>' if css else f"<td>{text}</td>"
 
 
-def _known(value: object) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
-
-
 def _plain(value: object) -> str:
-    return str(value) if _known(value) else "-"
-
-
-def si(value: object, unit: str = "") -> str:
-    """1.5k, 2.0M ... as the page script writes them; ``-`` for no number."""
-    if not _known(value):
-        return "-"
-    number = float(value)  # type: ignore[arg-type]
-    for factor, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
-        if abs(number) >= factor:
-            return f"{number / factor:.1f}{prefix}{unit}"
-    return (str(int(number)) if number.is_integer() else f"{number:.1f}") + unit
+    return str(value) if known(value) else "-"
 
 
 def fixed(value: object, digits: int) -> str:
-    return f"{float(value):.{digits}f}" if _known(value) else "-"  # type: ignore[arg-type]
-
-
-def duration(seconds: object) -> str:
-    """12s, 3m05s, 2h10m, 1d03h."""
-    if not _known(seconds):
-        return "-"
-    s = round(float(seconds))  # type: ignore[arg-type]
-    if s < 60:
-        return f"{s}s"
-    if s < 3600:
-        return f"{s // 60}m{s % 60:02d}s"
-    if s < 86400:
-        return f"{s // 3600}h{(s // 60) % 60:02d}m"
-    return f"{s // 86400}d{(s // 3600) % 24:02d}h"
+    return f"{float(value):.{digits}f}" if known(value) else "-"  # type: ignore[arg-type]

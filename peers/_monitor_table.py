@@ -18,6 +18,7 @@ from rich.console import Group, JustifyMethod, RenderableType
 from rich.table import Table
 from rich.text import Text
 
+from peers._format import duration, si
 from swarm.metrics import PeerView, StageView, SwarmSnapshot, SwarmTotals
 
 STATE_STYLES = {
@@ -53,30 +54,6 @@ def shown(text: str) -> str:
 def _escape(char: str) -> str:
     code = ord(char)
     return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}"
-
-
-def si(value: float | None, unit: str = "") -> str:
-    """1234567 -> '1.2M' (with ``unit`` appended); None -> '-'."""
-    if value is None:
-        return "-"
-    for threshold, suffix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
-        if abs(value) >= threshold:
-            return f"{value / threshold:.1f}{suffix}{unit}"
-    return f"{value:.3g}{unit}" if isinstance(value, float) else f"{value}{unit}"
-
-
-def duration(seconds: float | None) -> str:
-    """Compact duration: '45s', '12m03s', '5h07m', '3d04h'; None -> '-'."""
-    if seconds is None:
-        return "-"
-    s = int(max(0.0, seconds))
-    if s < 60:
-        return f"{s}s"
-    if s < 3600:
-        return f"{s // 60}m{s % 60:02d}s"
-    if s < 86400:
-        return f"{s // 3600}h{s % 3600 // 60:02d}m"
-    return f"{s // 86400}d{s % 86400 // 3600:02d}h"
 
 
 def _loss(value: float | None) -> str:

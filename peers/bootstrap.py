@@ -19,6 +19,7 @@ import typer
 
 from peers._common import close_relay, open_node, reachability_lines, start_relay
 from peers._signals import end_if_stopped, mark_started
+from peers.monitor import snapshot_policy
 from swarm import NodeInfo, SwarmNode, describe_device
 from swarm.config import RunConfig
 from swarm.network import NetworkOptions
@@ -102,7 +103,7 @@ def run_bootstrap(
             end_if_stopped(stop)
             if serve_state:
                 mirror = _start_mirror(node, config, state_dir, state_interval_s, state_min_donors)
-            watch = RunWatch(_watch_policy(config), node.peer_id)
+            watch = RunWatch(snapshot_policy(config), node.peer_id)
             poll_s = config.network.record_interval_s
             watcher = _start_watcher(node, watch, mirror, status_interval_s, poll_s)
             mark_started(stop)
@@ -117,20 +118,6 @@ def run_bootstrap(
             publisher.stop()
     if watch is not None:
         typer.echo(summary_line(watch, mirror))
-
-
-def _watch_policy(config: RunConfig):
-    from swarm import PROTOCOL_VERSION
-    from swarm.metrics import SnapshotPolicy
-
-    return SnapshotPolicy(
-        protocol_version=PROTOCOL_VERSION,
-        config_hash=config.config_hash(),
-        run_id=config.run.run_id,
-        stale_after_s=config.monitor.stale_after_s,
-        record_ttl_s=config.network.record_ttl_s,
-        target_samples=config.run.target_samples,
-    )
 
 
 def _start_watcher(

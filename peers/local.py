@@ -18,7 +18,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -74,13 +74,7 @@ class LocalSwarm:
         of its session may remain: what is still there after :data:`ORPHAN_WAIT_S` is a leak, and
         only that is killed.
         """
-        for _, proc in self.processes:
-            if proc.poll() is None:
-                proc.terminate()
-        deadline = time.monotonic() + SHUTDOWN_GRACE_S
-        for _, proc in self.processes:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        terminate_and_wait([proc for _, proc in self.processes], SHUTDOWN_GRACE_S)
         for name, proc in self.processes:
             if proc.poll() is None:
                 typer.echo(f"[local] {name} did not stop within {SHUTDOWN_GRACE_S:g} s; killed it", err=True)
@@ -107,6 +101,19 @@ def die_with_parent() -> None:
     SIGKILL (``PR_SET_PDEATHSIG``), so that no peer outlives its launcher."""
     libc = ctypes.CDLL("libc.so.6", use_errno=True)
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def terminate_and_wait(procs: Sequence[subprocess.Popen], grace_s: float) -> list[subprocess.Popen]:
+    """SIGTERM each of ``procs`` still running, then wait up to ``grace_s`` in all for them to exit;
+    return those still running (the caller decides whether to kill them)."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.terminate()
+    deadline = time.monotonic() + grace_s
+    for proc in procs:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+    return [proc for proc in procs if proc.poll() is None]
 
 
 def session_processes(sessions: set[int]) -> list[psutil.Process]:

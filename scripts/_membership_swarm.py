@@ -16,14 +16,13 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import psutil
 
-from peers.local import die_with_parent, kill_leftovers, session_processes
+from peers.local import die_with_parent, kill_leftovers, session_processes, terminate_and_wait
 
 REPO = Path(__file__).resolve().parent.parent
 STOP_WAIT_S = 90.0
@@ -146,18 +145,9 @@ class Swarm:
 
     def stop(self, names: list[str]) -> None:
         """SIGTERM ``names`` and wait for them (up to :data:`STOP_WAIT_S`); one still running is killed."""
-        procs = [self.peers[n].proc for n in names if n in self.peers]
-        for proc in procs:
-            if proc.poll() is None:
-                proc.terminate()
-        deadline = time.monotonic() + STOP_WAIT_S
-        for proc in procs:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+        for proc in terminate_and_wait([self.peers[n].proc for n in names if n in self.peers], STOP_WAIT_S):
+            proc.kill()
+            proc.wait()
 
     def leftovers(self) -> list[str]:
         """After every peer has exited: what of their sessions outlived them (DHT workers, ``p2pd``),

@@ -35,6 +35,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from peers.local import terminate_and_wait
 from testbed import netlab
 
 REPO = Path(__file__).resolve().parent.parent
@@ -123,14 +124,7 @@ class Swarm:
         stages), then everyone else; SIGKILL what is left after ``grace_s`` each."""
         holders = [name for name in self.processes if name.startswith(("holder", "peer-0"))]
         for group in (holders, [name for name in self.processes if name not in holders]):
-            procs = [self.processes[name] for name in group]
-            for proc in procs:
-                if proc.poll() is None:
-                    proc.terminate()
-            deadline = time.monotonic() + grace_s
-            for proc in procs:
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            terminate_and_wait([self.processes[name] for name in group], grace_s)
         for proc in self.processes.values():
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(proc.pid, signal.SIGKILL)

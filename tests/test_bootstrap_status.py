@@ -54,6 +54,17 @@ def _trainer(n: int) -> Member:
     return Member(peer_id=pid(n), record=record, expires_at=time.time() + 60)
 
 
+def mirror_node(members: list[Member], run_id: str) -> Any:
+    """What a :class:`StateMirror` needs of its node: the members it sees, its id and run; no DHT."""
+    return SimpleNamespace(
+        dht=None,
+        members=lambda: members,
+        peer_id="mirror",
+        info=SimpleNamespace(run_id=run_id),
+        announce_now=lambda: None,
+    )
+
+
 def _mirror(members: list[Member], **options: Any) -> tuple[StateMirror, list[list[tuple[str, str]]]]:
     """A mirror over ``members`` whose downloads return a fixed state (step 7) from the donors asked."""
     asked: list[list[tuple[str, str]]] = []
@@ -64,14 +75,7 @@ def _mirror(members: list[Member], **options: Any) -> tuple[StateMirror, list[li
         snapshot = make_snapshot({"w": torch.ones(4)}, meta)
         return dataclasses.replace(snapshot, sources=tuple(peer for peer, _ in donors))
 
-    node = SimpleNamespace(
-        dht=None,
-        members=lambda: members,
-        peer_id="mirror",
-        info=SimpleNamespace(run_id=RUN),
-        announce_now=lambda: None,
-    )
-    mirror = StateMirror(node, server=_Server(), download=download, **options)  # type: ignore[arg-type]
+    mirror = StateMirror(mirror_node(members, RUN), server=_Server(), download=download, **options)  # type: ignore[arg-type]
     return mirror, asked
 
 

@@ -46,6 +46,7 @@ from swarm.state._merge import merge_meta
 from swarm.state._schedule import START_WINDOWS, Budget, Scheduler
 from swarm.state._transfer_protocol import MAX_RECV_CHUNK_BYTES, FloorSpec, Kind, handler_name
 from tests._faults import faulty_snapshot
+from tests.test_bootstrap_status import mirror_node
 from tests.workers.fuzz import FakeP2P, FakeWriter, jmsg, parse_messages, peer_id
 from tests.workers.state_transfer import flip_byte, make_state
 
@@ -623,13 +624,7 @@ def mirror_of(swarm, tmp_path: Path) -> Iterator[Callable[[list[Member]], StateM
         return memory.fetch(donors, **{k: v for k, v in options.items() if k != "run_id"})
 
     def make(members: list[Member], **options: Any) -> StateMirror:
-        node = SimpleNamespace(
-            dht=None,
-            members=lambda: members,
-            peer_id="mirror",
-            info=SimpleNamespace(run_id=RUN),
-            announce_now=lambda: None,
-        )
+        node = mirror_node(members, RUN)
         server = StateServer(run_id=RUN, p2p_factory=FakeP2P("mirror").factory)
         made.append(StateMirror(node, state_dir=str(tmp_path), server=server, download=download, **options))
         return made[-1]

@@ -16,7 +16,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from swarm.config import ModelSection, TrainSection, load_config
 from swarm.learning import (
@@ -40,25 +39,10 @@ from swarm.learning import (
 )
 from swarm.learning._micro_batch import OutOfDeviceMemory
 from swarm.learning.estimate import estimate_peer
-from tests._learning import CPU, TINY, batches
+from tests._learning import CPU, TINY, OutOfMemoryAbove, batches
 from tests._markers import needs_cuda
 
 CUDA = torch.device("cuda")
-
-
-class OutOfMemoryAbove(nn.Module):
-    """A model that runs out of memory (as CUDA would) on batches of more than ``limit`` samples."""
-
-    def __init__(self, inner: nn.Module, limit: int) -> None:
-        super().__init__()
-        self.inner, self.limit, self.block_size = inner, limit, inner.block_size
-        self.sizes: list[int] = []
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        self.sizes.append(len(idx))
-        if len(idx) > self.limit:
-            raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate {len(idx)} samples")
-        return self.inner(idx)
 
 
 # ------------------------------------------------------------------ out of memory

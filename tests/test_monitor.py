@@ -12,10 +12,11 @@ from matplotlib import image as mpimg
 from rich.console import Console
 from typer.testing import CliRunner
 
+from peers._format import duration, si
 from peers._monitor_output import TerminalOutput
 from peers._monitor_plot import loss_unit, plot_history
 from peers._monitor_prometheus import PrometheusExporter
-from peers._monitor_table import columns_for, duration, render, si
+from peers._monitor_table import columns_for, render
 from peers.cli import app
 from swarm.metrics import HistoryWriter, SnapshotPolicy, build_snapshot
 from tests._cli import refused_output
@@ -104,6 +105,10 @@ def test_wide_table_shows_every_column() -> None:
 def test_formatting_helpers() -> None:
     assert si(None) == "-" and si(1234567.0, "B/s") == "1.2MB/s" and si(12) == "12"
     assert duration(None) == "-" and duration(75) == "1m15s" and duration(3 * 86400 + 7200) == "3d02h"
+    # a peer's numbers are untrusted: garbage shows as "-", a clock ahead of ours as no time at all
+    assert (
+        si("12") == si(float("nan")) == si(True) == duration(float("inf")) == "-" and duration(-5.0) == "0s"
+    )
 
 
 def test_json_and_jsonl_output_is_the_documented_schema(capsys) -> None:

@@ -31,7 +31,7 @@ from swarm.learning import (
 from swarm.learning._optimizer import can_load_state, state_kind
 from swarm.learning._precision import half_dtype
 from swarm.trainer._peer import WholeModel
-from tests._learning import CPU, TINY, batches
+from tests._learning import CPU, TINY, OutOfMemoryAbove, batches
 
 
 def huge_allocation() -> torch.Tensor:
@@ -70,27 +70,12 @@ def test_an_oom_in_the_optimizer_step_skips_that_update_and_training_goes_on(cap
             trainer.step(batches(1, batch_size=4, seed=seed))
 
 
-class HugeAbove(nn.Module):
-    """A model whose forward allocates for real, and fails, on more than ``limit`` windows."""
-
-    def __init__(self, inner: nn.Module, limit: int) -> None:
-        super().__init__()
-        self.inner, self.limit, self.block_size = inner, limit, inner.block_size
-        self.sizes: list[int] = []
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        self.sizes.append(len(idx))
-        if len(idx) > self.limit:
-            huge_allocation()
-        return self.inner(idx)
-
-
 def test_an_evaluation_that_runs_out_halves_its_micro_batch_and_one_that_never_fits_is_skipped() -> None:
     eval_set = EvalSet(torch.randint(256, (4096,), dtype=torch.uint8), TINY.block_size, batch_size=8)
-    model = HugeAbove(build_model(TINY, seed=0), limit=2)
+    model = OutOfMemoryAbove(build_model(TINY, seed=0), limit=2, run_out=lambda _: huge_allocation())
     loss = evaluate_fitting(model, eval_set, 1, micro_batch_size=8)
     assert loss is not None and loss > 0 and model.sizes[:3] == [8, 4, 2]
-    never = HugeAbove(build_model(TINY, seed=0), limit=0)
+    never = OutOfMemoryAbove(build_model(TINY, seed=0), limit=0, run_out=lambda _: huge_allocation())
     assert evaluate_fitting(never, eval_set, 1, micro_batch_size=2) is None
     assert never.sizes == [2, 1]
 

@@ -21,6 +21,7 @@ from swarm.trainer import PeerCore, SyncReport, WholeModel
 from tests._processes import wait_until
 from tests.test_pipeline_swarm import _config as pipeline_config
 from tests.test_pipeline_swarm import _Peer as StageThread
+from tests.test_pipeline_swarm import stop_all
 from tests.workers.tiny import tiny
 
 WHOLE = tiny("averaging.backend=none", "averaging.sync_every_steps=3", "train.eval_every_rounds=1")
@@ -100,9 +101,4 @@ def test_a_stage_holder_runs_to_its_step_limit_and_its_server_ends_once_the_hold
             assert summary["n_params"] == plan_stages(running.peer.config)[stage].parameters
             assert running.peer._status()["state"] == "leaving"
     finally:
-        for running in peers:
-            running.stop.set()
-        for running in peers:
-            running.thread.join(60)
-            running.peer.close()
-    assert not [p for p in peers if p.thread.is_alive()], "a peer's loop did not end"
+        stop_all(peers)

@@ -77,6 +77,16 @@ class _Peer:
         return self.peer.progress.step
 
 
+def stop_all(peers: list[_Peer]) -> None:
+    """Stop and close ``peers``; every loop must end."""
+    for peer in peers:
+        peer.stop.set()
+    for peer in peers:
+        peer.thread.join(60)
+        peer.peer.close()
+    assert not [p for p in peers if p.thread.is_alive()], "a peer's loop did not end"
+
+
 @pytest.fixture
 def swarm() -> Iterator[Callable[..., list[_Peer]]]:
     """Start peers ``(stage, config)``: the first opens the swarm, the others join; all closed after."""
@@ -92,12 +102,7 @@ def swarm() -> Iterator[Callable[..., list[_Peer]]]:
         return list(made)
 
     yield start
-    for peer in made:
-        peer.stop.set()
-    for peer in made:
-        peer.thread.join(60)
-        peer.peer.close()
-    assert not [p for p in made if p.thread.is_alive()], "a peer's loop did not end"
+    stop_all(made)
 
 
 def _data_parallel(config: RunConfig, replicas: int, steps: int) -> float:

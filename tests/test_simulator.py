@@ -100,6 +100,16 @@ def _moved_on(peer: Peer) -> None:
             param.add_(0.5)
 
 
+def _exchange_after_the_partner_moved_on(sim: Simulation, first: Peer, second: Peer) -> list[Tensors]:
+    """``second`` moves on (:func:`_moved_on`), then ``first`` exchanges with it; returns the pair's
+    models from before the exchange."""
+    _moved_on(second)
+    before = _models(sim)
+    sim.exchanges.initiate(first)
+    sim.clock.run(until=10.0)
+    return before
+
+
 def test_a_stale_anchor_is_not_counted_twice_the_pair_falls_back(world: World) -> None:
     sim = _pair(world, LOSSLESS)
     first, second = sim.live()
@@ -107,10 +117,7 @@ def test_a_stale_anchor_is_not_counted_twice_the_pair_falls_back(world: World) -
         sim.exchanges.prefetch(peer)
     sim.clock.run(until=5.0)
     # the partner exchanged with someone else meanwhile: its anchor moved (and its model with it)
-    _moved_on(second)
-    before = _models(sim)
-    sim.exchanges.initiate(first)
-    sim.clock.run(until=10.0)
+    before = _exchange_after_the_partner_moved_on(sim, first, second)
     assert sim.counters.fallbacks == 1 and sim.counters.factored == 0
     assert all(_close(peer.anchor, _mean(before), atol=1e-5) for peer in sim.live())
 
@@ -124,10 +131,7 @@ def test_a_shared_base_need_not_be_current_the_pair_still_gets_its_mean(world: W
         sim.exchanges.prefetch(peer)  # exactly one of the pair pushes
     sim.clock.run(until=5.0)
     assert first.bases[second.pid] is second.bases[first.pid]
-    _moved_on(second)
-    before = _models(sim)
-    sim.exchanges.initiate(first)
-    sim.clock.run(until=10.0)
+    before = _exchange_after_the_partner_moved_on(sim, first, second)
     assert sim.counters.fallbacks == 0 and sim.counters.committed == 1
     assert all(_close(peer.anchor, _mean(before), atol=1e-5) for peer in sim.live())
 
