@@ -99,15 +99,16 @@ def _record_commits(peer: TrainingPeer) -> list[_Commit]:
     """Record every exchange ``peer`` commits, as its averager hands it over."""
     commits: list[_Commit] = []
     offers = peer.backend._model_offers
-    committed = offers.committed
+    settled = offers.settled
 
     def recording(offer, exchange) -> None:
-        commits.append(
-            _Commit(exchange.result.partner, offer.weight, exchange.partner_weight, exchange.initiator)
-        )
-        committed(offer, exchange)
+        if exchange is not None:
+            commits.append(
+                _Commit(exchange.result.partner, offer.weight, exchange.partner_weight, exchange.initiator)
+            )
+        settled(offer, exchange)
 
-    offers.committed = recording
+    offers.settled = recording
     return commits
 
 
@@ -124,10 +125,10 @@ def test_joiner_adopts_live_parameters_and_slow_fast_peers_both_contribute(tmp_p
         "averaging.sync_every_seconds=2.5",
     )
     fast = _Runner(base, NetworkOptions())
-    fast_commits = _record_commits(fast.peer)
-    fast.start()
     runners = [fast]
     try:
+        fast_commits = _record_commits(fast.peer)
+        fast.start()
         maddrs = fast.peer.node.visible_maddrs()
         # A trainer publishes its state at each sync round (here every second), not at each step: wait
         # for a round whose published state has trained TRAINED_STEPS steps, whatever the machine's speed.
