@@ -48,7 +48,7 @@ def _once(
     argv = ["monitor", "--once", "--format", "json", "--initial-peers", maddr, *args]
     env = {"MEMBERSHIP_BENCH_PROFILE": profile} if profile else None
     started = time.monotonic()
-    peer = swarm.start(name, slot, argv, listen=False, env=env)
+    peer = swarm.start(name, slot, argv, listen=False, env=env, nice=0)  # as on a machine of its own
     try:
         status = peer.proc.wait(timeout=TIMEOUT_S)
     except Exception:  # a monitor that hangs is a result too; the run's stop kills it

@@ -11,6 +11,7 @@ such counters.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import signal
@@ -43,13 +44,28 @@ class Peer:
     ip: str = "127.0.0.1"
 
 
+def _nice_child(niceness: int) -> None:
+    """A ``preexec_fn``: lower the child's priority by ``niceness``, and end it with its parent.
+
+    Each peer leads its own session, and with the kernel's autogroup scheduling each session is a
+    group that shares the CPU equally with the others whatever its processes' nice values: the
+    group's own niceness (``/proc/self/autogroup``) is what lowers it."""
+    if niceness:
+        os.nice(niceness)
+        with contextlib.suppress(OSError), open("/proc/self/autogroup", "w") as group:
+            group.write(str(niceness))
+    die_with_parent()
+
+
 @dataclass
 class Swarm:
-    """Starts peers on loopback or one per namespace (``lab``: a started ``testbed.netlab.NetLab``)."""
+    """Starts peers on loopback or one per namespace (``lab``: a started ``testbed.netlab.NetLab``), at
+    niceness ``nice`` unless a start says otherwise."""
 
     log_dir: Path
     run_id: str
     lab: Any = None
+    nice: int = 0
     peers: dict[str, Peer] = field(default_factory=dict)
 
     def host_ip(self, slot: int) -> tuple[str | None, str]:
@@ -67,10 +83,18 @@ class Swarm:
         return ["ip", "netns", "exec", netns, *command] if netns else command
 
     def start(
-        self, name: str, slot: int, args: list[str], *, listen: bool = True, env: dict[str, str] | None = None
+        self,
+        name: str,
+        slot: int,
+        args: list[str],
+        *,
+        listen: bool = True,
+        env: dict[str, str] | None = None,
+        nice: int | None = None,
     ) -> Peer:
-        """Start ``swarm ARGS`` (counted) as ``name`` in slot ``slot``, with ``env`` added; its stdout goes
-        to ``<name>.out``, its stderr to ``<name>.log`` (``listen``: give it the slot's address)."""
+        """Start ``swarm ARGS`` (counted) as ``name`` in slot ``slot``, with ``env`` added, at niceness
+        ``nice`` (None: the swarm's); its stdout goes to ``<name>.out``, its stderr to ``<name>.log``
+        (``listen``: give it the slot's address)."""
         log, rpc_file = self.log_dir / f"{name}.log", self.log_dir / f"{name}.rpc.json"
         env = {
             **os.environ,
@@ -89,7 +113,7 @@ class Swarm:
                 stderr=err,
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,
-                preexec_fn=die_with_parent,
+                preexec_fn=functools.partial(_nice_child, self.nice if nice is None else nice),
             )
         netns, ip = self.host_ip(slot)
         self.peers[name] = Peer(name, proc, log, rpc_file, netns, ip)

@@ -17,13 +17,15 @@ its node answers by key. Once every trainer has joined and ``--warmup-s`` have p
 Bytes are RPC messages (protobuf); the interface numbers add libp2p, encryption, TCP and IP. Then
 ``--monitor`` times ``swarm monitor --once --format json`` against the run, once with the run's
 config file and once reading the config the swarm publishes (``--profile``: under cProfile as well,
-the top entries printed). Every trainer then gets SIGTERM and writes its summary (rounds, and those
-that found a partner), then the bootstrap; whatever of any peer's session is still running 30 s after
-its peer exited is named, killed, and makes the exit status 1. Memory: resident and proportional
-bytes of each peer's processes (the peer, its DHT worker, ``p2pd``), read mid-window.
+the top entries printed; ``--peer-nice 19``: the bootstrap and trainers yield the CPU to the monitor,
+as if it ran on a machine of its own). Every trainer then gets SIGTERM and writes its summary
+(rounds, and those that found a partner), then the bootstrap; whatever of any peer's session is still
+running 30 s after its peer exited is named, killed, and makes the exit status 1. Memory: resident and
+proportional bytes of each peer's processes (the peer, its DHT worker, ``p2pd``), read mid-window.
 
     .venv/bin/python -m scripts.bench_membership --peers 8 16 32 --backend none --netns   # traffic
     .venv/bin/python -m scripts.bench_membership --peers 32 --netns --monitor --profile    # training
+    .venv/bin/python -m scripts.bench_membership --peers 16 32 --backend none --monitor --peer-nice 19
 """
 
 from __future__ import annotations
@@ -197,7 +199,7 @@ def run_one(peers: int, args: argparse.Namespace, log_dir: Path) -> dict[str, An
 
         lab = netlab.NetLab(hosts=peers + 2, rate=None)
         lab.start()
-    swarm = Swarm(log_dir, RUN_ID, lab)
+    swarm = Swarm(log_dir, RUN_ID, lab, nice=args.peer_nice)
     row: dict[str, Any] = {"peers": peers, "backend": args.backend, "netns": args.netns, "logs": str(log_dir)}
     try:
         maddr, joined_s = _start(swarm, peers, args)
@@ -261,6 +263,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--netns", action="store_true", help="one network namespace per peer (root)")
     parser.add_argument("--monitor", action="store_true", help="time `swarm monitor --once` at the end")
     parser.add_argument("--profile", action="store_true", help="also run the monitor under cProfile")
+    parser.add_argument(
+        "--peer-nice",
+        type=int,
+        default=0,
+        help="run the bootstrap and trainers at this niceness; the monitor runs at 0, as on its own machine",
+    )
     parser.add_argument("--set", action="append", default=[], help="more config overrides")
     parser.add_argument("--log-dir", type=Path, help="where the logs go (default: a new folder in runs/)")
     parser.add_argument("--json", type=Path, help="write the rows here")
