@@ -194,7 +194,10 @@ def test_local_swarm_runs_and_stops_cleanly(spawn, tmp_path) -> None:
             written = json.loads(summary.read_text())
             summaries.append(written)
             saved = list_checkpoints(directory / "checkpoints")
-            assert saved and saved[0][0] == written["steps"], (saved, written)
+            if written["steps"]:  # stopped after its first step: the way out saved that step
+                assert saved and saved[0][0] == written["steps"], (saved, written)
+            else:  # stopped between joining and its first step: nothing trained, nothing saved
+                assert not saved, (saved, written)
             assert f"peer {written['peer_id']} joined run" in (logs / f"peer-{index}.log").read_text()
     assert ("[local] no peer wrote a summary" in output) == (not summaries), output
     for history in logs.glob("peer-*.history.jsonl"):
