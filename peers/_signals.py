@@ -17,6 +17,14 @@ own ``stop.wait(...)`` loop or by a first handler still inside ``set``. Instead,
 byte to a pipe, and a watcher thread sets the event. For the same reason every line a handler prints
 goes straight to file descriptor 2 (``sys.stderr.write`` would re-enter the stream's lock).
 
+A start-up interrupt is raised between two bytecodes of whatever the main thread runs, so it can be
+lost: raised into an at-fork hook, a finalizer or a callback whose errors Python only prints ("Exception
+ignored in ..."). Raised into logging's or threading's own lock handling (logging's at-fork hook runs
+right after hivemind forks its DHT worker), it would leave a lock held that the next log line waits on
+forever. So the handler never raises there, and start-up never relies on the raise alone: the handler
+marks the event (:attr:`ShutdownEvent.interrupted`) before anything else, and each boundary between two
+start-up phases (:func:`end_if_stopped`, :func:`mark_started`) ends the program if it is marked.
+
 Processes forked while a handler is installed (hivemind's DHT worker) inherit it; there it does
 nothing, because their owner shuts them down in order.
 """
@@ -24,6 +32,7 @@ nothing, because their owner shuts them down in order.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import signal
 import sys
@@ -40,6 +49,8 @@ STARTUP_LINE = "swarm: interrupted, exiting"
 AGAIN_LINE = "swarm: interrupted again, exiting at once"
 _SIGNALLED = b"s"
 _DONE = b"d"
+_HOLDS_LOCKS = frozenset({logging.__file__, threading.__file__})
+"""Where a start-up interrupt is never raised: these modules' lock handling is not interrupt-safe."""
 
 
 class _Startup:
@@ -94,10 +105,15 @@ class ShutdownEvent(threading.Event):
     def __init__(self, starting: bool = False):
         super().__init__()
         self.starting = starting
+        self.interrupted = False
+        """A signal came while starting. Set in the handler itself (a plain attribute: no lock), so a
+        boundary sees it even before the watcher thread sets the event, and when the raise was lost."""
 
 
 def mark_started(stop: threading.Event) -> None:
-    """Start-up is over: from now on a first signal only sets ``stop`` (a clean shutdown)."""
+    """Start-up is over: from now on a first signal only sets ``stop`` (a clean shutdown). A signal
+    that came during start-up, and whose interrupt was lost, ends the program here instead."""
+    end_if_stopped(stop)
     if isinstance(stop, ShutdownEvent):
         stop.starting = False
 
@@ -106,7 +122,7 @@ def end_if_stopped(stop: threading.Event) -> None:
     """A point between two start-up phases: if a signal already asked to stop, end the program here
     (KeyboardInterrupt: the ``with`` blocks close what is open, typer exits 130) instead of starting
     the next phase, and so on to a run nobody wants."""
-    if stop.is_set():
+    if stop.is_set() or getattr(stop, "interrupted", False):
         raise KeyboardInterrupt
 
 
@@ -135,7 +151,7 @@ def shutdown_on_signals(acknowledge: str | None = None, *, starting: bool = Fals
         target=_set_when_signalled, args=(wake_read, stop), name="swarm-signals", daemon=True
     )
 
-    def handler(signum: int, frame: object) -> None:
+    def handler(signum: int, frame: FrameType | None) -> None:
         if os.getpid() != owner_pid:
             return
         received.append(signum)
@@ -146,7 +162,9 @@ def shutdown_on_signals(acknowledge: str | None = None, *, starting: bool = Fals
         if acknowledge:
             _say(acknowledge)
         if stop.starting:
-            raise KeyboardInterrupt
+            stop.interrupted = True
+            if frame is None or frame.f_code.co_filename not in _HOLDS_LOCKS:
+                raise KeyboardInterrupt  # else the next start-up boundary ends the program
 
     watcher.start()
     previous = {signum: signal.signal(signum, handler) for signum in SIGNALS}

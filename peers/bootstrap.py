@@ -107,7 +107,6 @@ def run_bootstrap(
             poll_s = config.network.record_interval_s
             watcher = _start_watcher(node, watch, mirror, status_interval_s, poll_s)
             mark_started(stop)
-            end_if_stopped(stop)
             stop.wait()  # the signal handler said "bootstrap: shutting down" (peers/cli.py)
         finally:
             if watcher is not None:

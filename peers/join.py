@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 import typer
 
 from peers._common import close_relay, fail, reachability_lines, start_relay
+from peers._signals import end_if_stopped
 from peers._trainer_output import checkpoint_line, open_with_output, run_and_leave
 from swarm.config import RunConfig
 from swarm.network import NetworkOptions
@@ -123,6 +124,7 @@ def _run_join(
 
     if check_swarm:
         check_swarm_config(config, network)
+        end_if_stopped(stop)  # Ctrl+C while the swarm's config was read: open no peer
     peer, output = open_with_output(
         lambda on_sync: TrainingPeer(
             config, network, public_name=public_name, resume=resume, on_sync=on_sync

@@ -216,7 +216,6 @@ def run_monitor(
                 common.open_node(network, observer_info(config), config, announce=False)
             )
         mark_started(stop)  # from here a Ctrl+C ends the loop (and the sinks close) instead
-        end_if_stopped(stop)
         members = wait_for_members(node, wait_s, stop)
         while True:
             snapshot = build_snapshot(members, snapshot, get_dht_time(), policy)

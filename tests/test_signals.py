@@ -103,6 +103,52 @@ def test_a_forked_child_ignores_the_handler_it_inherits() -> None:
     assert printed == ["child", "7", "owner", "False"]
 
 
+def test_a_start_up_interrupt_lost_in_an_at_fork_hook_still_ends_start_up() -> None:
+    """Python prints and drops an exception raised in an at-fork hook (logging has one): the signal
+    that landed there must still end start-up at the next boundary, not let the run go on."""
+    printed = _run("""
+        import os
+        from peers._signals import end_if_stopped, mark_started
+        with shutdown_on_signals(starting=True) as stop:
+            os.register_at_fork(after_in_parent=lambda: signal.raise_signal(signal.SIGINT))
+            pid = os.fork()
+            if pid == 0:
+                os._exit(0)
+            os.waitpid(pid, 0)
+            print("lost", stop.interrupted)
+            try:
+                mark_started(stop)
+                print("started")
+            except KeyboardInterrupt:
+                print("ended", stop.starting)
+    """)
+    assert printed == ["lost", "True", "ended", "True"]
+
+
+def test_a_start_up_interrupt_is_never_raised_inside_loggings_lock_handling() -> None:
+    """Raised between logging's acquire and release (its at-fork hooks, a handler's emit), it would
+    leave the lock held and the next log line waiting forever. The code below runs as if it were
+    logging's own (its file name); the interrupt must come at the next boundary instead."""
+    printed = _run("""
+        import logging
+        from peers._signals import end_if_stopped
+        inside_logging = compile(
+            "logging._acquireLock()\\nsignal.raise_signal(signal.SIGINT)\\nlogging._releaseLock()",
+            logging.__file__,
+            "exec",
+        )
+        with shutdown_on_signals(starting=True) as stop:
+            try:
+                exec(inside_logging, {"logging": logging, "signal": signal})
+                print("deferred", stop.interrupted)
+                end_if_stopped(stop)
+            except KeyboardInterrupt:
+                print("ended")
+        print("lock-free", logging._lock.acquire(timeout=5))
+    """)
+    assert printed == ["deferred", "True", "ended", "lock-free", "True"]
+
+
 # ---------------------------------------------------------------- Ctrl+C of the programs themselves
 # A terminal's Ctrl+C signals the whole foreground process group: the program, its DHT worker, p2pd.
 # Each case sends SIGINT to the group of a real `swarm` process at one moment of its life and checks
