@@ -135,11 +135,18 @@ def testbed_phases(args: argparse.Namespace, root: Path, say: Progress) -> dict[
     if reason is not None:
         say(f"training over the testbed skipped: {reason}")
         return {"training": {"skipped": reason}, "scaling": {"skipped": reason}, "sweep": {"skipped": reason}}
-    comparison = _plans.comparison_plans(args.peers, args.budget, SLOW_PEER)
+    comparison = [] if args.scaling_only else _plans.comparison_plans(args.peers, args.budget, SLOW_PEER)
     scaling = _plans.scaling_plans(args.scaling, args.cap) if args.scaling else []
     sweep = _plans.sweep_plans(_plans.SWEEP, args.peers, args.budget) if args.sweep else []
     rows = run_all([*comparison, *scaling, *sweep], args, root, say)
     setting = {"target": args.target, **regime()}
+    scaled = _scaling(args, scaling, rows, setting)
+    if not comparison:
+        return {
+            "training": {"skipped": "--scaling-only"},
+            "scaling": scaled,
+            "sweep": _sweep(sweep, rows, args, setting),
+        }
     training = {
         "rows": [rows[p.name] for p in comparison],
         "peers": args.peers,
@@ -151,7 +158,7 @@ def testbed_phases(args: argparse.Namespace, root: Path, say: Progress) -> dict[
     training |= _plans.equal_samples(training["rows"])
     return {
         "training": training,
-        "scaling": _scaling(args, scaling, rows, setting),
+        "scaling": scaled,
         "sweep": _sweep(sweep, rows, args, setting),
     }
 
@@ -206,6 +213,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--scaling", type=int, nargs="*", help="device counts (1 2 4 8); none: skip")
     parser.add_argument("--cap", type=float, help="longest a scaling run may take (300 s; quick 150)")
     parser.add_argument("--sweep", action="store_true", help="also sweep gossip's outer lr, momentum and H")
+    parser.add_argument(
+        "--step-time",
+        type=float,
+        help="seconds per emulated inner step, every backend (0.1); the link rate follows, so that one "
+        "int8 exchange still takes half a round. Longer: N trainers' real work fits beside 2 cores",
+    )
+    parser.add_argument(
+        "--scaling-only",
+        action="store_true",
+        help="only the speed-up runs: print their table (stderr) and JSON; write no doc or plot",
+    )
     parser.add_argument("--parallel", type=int, default=PARALLEL, help=f"trainers at once ({PARALLEL})")
     parser.add_argument("--doc", type=Path, default=DOC, help="markdown file to (re)write")
     parser.add_argument("--img-dir", type=Path, default=IMG, help="where the PNGs go")
@@ -214,6 +232,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.budget = args.budget or (90.0 if args.quick else 150.0)
     args.cap = args.cap or (150.0 if args.quick else 300.0)
     args.scaling = [1, 2, 4, 8] if args.scaling is None else args.scaling
+    if args.step_time is not None and args.step_time <= 0:
+        parser.error(f"--step-time {args.step_time}: must be positive")
+    if args.scaling_only and not args.scaling:
+        parser.error("--scaling-only needs device counts (--scaling 1 2 4 8)")
+    if args.step_time is not None:
+        _runner.REGIME["step_time_s"] = args.step_time
     return args
 
 
@@ -229,6 +253,11 @@ def collect(args: argparse.Namespace, argv: list[str], say: Progress) -> dict[st
         "machine": machine(),
         "logs": str(root),
     }
+    if args.scaling_only:
+        skipped = {"skipped": "--scaling-only"}
+        return _finish(
+            report | {"codecs": skipped, "averaging": skipped, **testbed_phases(args, root, say)}, say
+        )
     quick = ["--quick"] if args.quick else []
     if args.codecs_json:
         report["codecs"] = {**load_json(args.codecs_json), "reused": str(args.codecs_json)}
@@ -244,6 +273,10 @@ def collect(args: argparse.Namespace, argv: list[str], say: Progress) -> dict[st
         report |= {key: {"skipped": "--skip-training"} for key in ("training", "scaling", "sweep")}
     else:
         report |= testbed_phases(args, root, say)
+    return _finish(report, say)
+
+
+def _finish(report: dict[str, Any], say: Progress) -> dict[str, Any]:
     report["machine"]["load_average_at_end"] = machine()["load_average_at_start"]
     report["wall_seconds"] = round(time.monotonic() - say.started, 1)
     return report
@@ -264,8 +297,13 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         say("interrupted: labs torn down; leftovers (if any): python -m testbed cleanup")
         return 130
-    report["outputs"] = [str(p) for p in write_outputs(report, args.doc, args.img_dir)]
-    say(f"wrote {', '.join(report['outputs'])}")
+    if args.scaling_only:
+        scaling = report["scaling"]
+        table = scaling.get("skipped") or "\n".join(_plans.render_scaling(scaling, None))
+        print(table, file=sys.stderr)
+    else:
+        report["outputs"] = [str(p) for p in write_outputs(report, args.doc, args.img_dir)]
+        say(f"wrote {', '.join(report['outputs'])}")
     if args.json:
         print(json.dumps(report))
     return 0

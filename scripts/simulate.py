@@ -39,6 +39,9 @@ DEFAULT_RULES = ",".join(
         "factored-topk",
     ]
 )
+TRAINER_RULE = "based-int4"
+"""The rule the trainer runs (swarm/gossip/_bases.py: int8 bases, int4 deltas, a base still crossing
+waited for up to half a round)."""
 CALIBRATION = {
     "step_times": "0.1",
     "rate_mbit": 4.0,
@@ -51,7 +54,8 @@ CALIBRATION = {
     "samples": 12000,
 }
 """The testbed's scaling regime (scripts/_runner.py ``REGIME``, scripts/_plans.py ``GOSSIP``): 0.1 s
-emulated steps, 4 Mbit/s links, a flat lr after the warm-up, H = 5, lag up to 3 rounds, samples until
+emulated steps, 4 Mbit/s links (the bench's rate for its step: ``--step-time 0.25`` there means 1.5
+Mbit/s), a flat lr after the warm-up, H = 5, lag up to 3 rounds, samples until
 the mean of the trainers' own held-out losses (one batch each, as they evaluate) reaches 3.6 bits/byte."""
 
 
@@ -218,19 +222,31 @@ def parser() -> argparse.ArgumentParser:
     add("--seed", type=int, default=0)
     add("--seeds", type=int, default=1, help="runs per rule and N, seeds --seed, --seed + 1, ...")
     add("--no-baselines", dest="baselines", action="store_false", help="no all-reduce and data-parallel rows")
-    add("--calibrate", action="store_true", help="the testbed's scaling regime, N = 4 and 8, rule late")
+    add(
+        "--calibrate",
+        action="store_true",
+        help=f"the testbed's scaling regime, N = 4 and 8, rule {TRAINER_RULE}; other options override it",
+    )
     add("--jobs", type=int, default=1, help="runs side by side (processes)")
     add("--quiet", action="store_true", help="no progress lines on stderr")
     add("--json", action="store_true", help="one JSON row per run instead of the table")
     return p
 
 
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    """The options; with ``--calibrate``, :data:`CALIBRATION` and the trainer's rule are the defaults
+    and any option given still wins (``--step-times 0.25 --rate-mbit 1.5`` for a longer step)."""
+    p = parser()
+    if p.parse_args(argv).calibrate:
+        calibration = {
+            ("flat" if k == "cosine" else k): (not v if k == "cosine" else v) for k, v in CALIBRATION.items()
+        }
+        p.set_defaults(**calibration, rules=TRAINER_RULE, baselines=False)
+    return p.parse_args(argv)
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
-    if args.calibrate:
-        for key, value in CALIBRATION.items():
-            setattr(args, "flat" if key == "cosine" else key, not value if key == "cosine" else value)
-        args.rules, args.baselines = ("late" if args.rules == DEFAULT_RULES else args.rules), False
+    args = parse(argv)
     tasks = plan(args)
     rows: list[dict] = []
     try:

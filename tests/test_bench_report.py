@@ -327,6 +327,32 @@ def test_without_root_the_testbed_is_skipped(tmp_path: Path, codecs_json: Path, 
     assert report["codecs"]["rows"] and report["averaging"]["rows"]
 
 
+def test_scaling_only_at_a_longer_step_slows_every_backend_and_its_links(
+    tmp_path: Path, monkeypatch, capsys
+) -> None:
+    monkeypatch.setitem(_runner.REGIME, "step_time_s", _runner.REGIME["step_time_s"])  # restored after
+    args = bench_report.parse_args(["--scaling-only", "--step-time", "0.25"])
+    plans = _plans.scaling_plans(args.scaling, args.cap)
+    assert {p.backend for p in plans} == {"one device", "dataparallel", "gossip-int8"}
+    assert all("emulation.step_time_s=0.25" in p.sets for p in plans)
+    kbit = int(bench_report.regime()["rate"].removesuffix("kbit"))
+    n, h = _runner.n_params(), int(_plans.GOSSIP["sync_every_steps"])
+    assert _plans.exchange_seconds(_plans.INT8_BYTES_PER_PARAM, n, kbit) >= h * 0.25 / 2
+    assert _plans.exchange_seconds(_plans.INT8_BYTES_PER_PARAM, n, kbit + 500) < h * 0.25 / 2
+
+    reason = "not running as root"
+    monkeypatch.setattr(bench_report.netlab, "unavailable_reason", lambda: reason)
+    doc = tmp_path / "benchmarks.md"
+    argv = ["--scaling-only", "--json", "--doc", str(doc), "--logs-dir", str(tmp_path / "runs")]
+    assert bench_report.main(argv) == 0
+    out = capsys.readouterr()
+    report = json.loads(out.out.strip().splitlines()[-1])
+    assert report["codecs"] == {"skipped": "--scaling-only"} and report["scaling"] == {"skipped": reason}
+    assert not doc.exists() and reason in out.err
+    with pytest.raises(SystemExit):
+        bench_report.parse_args(["--step-time", "0"])
+
+
 def test_bench_lag_runs_differ_only_in_the_lag() -> None:
     from scripts import bench_lag
 

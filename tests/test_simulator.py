@@ -225,3 +225,16 @@ def test_the_cli_prints_one_row_per_run_with_its_gaps(capsys: pytest.CaptureFixt
     assert row["gap_vs_allreduce"] == round(row["final_loss"] / rows["allreduce"]["final_loss"] - 1, 4)
     assert row["gap_vs_dataparallel"] == round(row["final_loss"] / rows["data-parallel"]["final_loss"] - 1, 4)
     assert row["bytes_per_param_per_round"]["critical"] > 0 and row["pairing"]["success"] == 1.0
+
+
+def test_calibrate_sets_the_testbeds_regime_and_an_option_given_still_wins() -> None:
+    from scripts import simulate
+
+    regime = simulate.parse(["--calibrate"])
+    assert regime.step_times == simulate.CALIBRATION["step_times"] and regime.flat and regime.stop_at_target
+    assert regime.rules == simulate.TRAINER_RULE and not regime.baselines
+    longer = simulate.parse(["--calibrate", "--step-times", "0.25", "--rate-mbit", "1.5", "--rules", "late"])
+    assert (longer.step_times, longer.rate_mbit, longer.rules) == ("0.25", 1.5, "late")
+    assert longer.flat and longer.target == simulate.CALIBRATION["target"]
+    plain = simulate.parse([])
+    assert not plain.flat and plain.baselines and plain.step_times != "0.25"
