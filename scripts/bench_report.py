@@ -117,13 +117,20 @@ def schedule(plans: list[_runner.Plan], parallel: int) -> list[list[_runner.Plan
     return groups
 
 
+def links(args: argparse.Namespace) -> str | None:
+    """The rate every testbed run's links get unless its plan says otherwise (None: unshaped)."""
+    if args.rate is None:
+        return regime()["rate"]
+    return None if args.rate == "none" else args.rate
+
+
 def run_all(plans: list[_runner.Plan], args: argparse.Namespace, root: Path, say: Progress) -> dict:
     """Every plan's row by name, the groups run one after the other."""
     rows: dict[str, dict[str, Any]] = {}
-    target, rate = args.target, regime()["rate"]
+    target, rate = args.target, links(args)
     for group in schedule(plans, args.parallel):
         names = ", ".join(f"{p.name} ({p.peers})" for p in group)
-        say(f"testbed: {names} over {rate} links")
+        say(f"testbed: {names} over {rate or 'unshaped'} links")
         done = _runner.run_plans(group, root=root, rate=rate, target=target, say=say)
         rows |= {plan.name: row for plan, row in zip(group, done, strict=True)}
     return rows
@@ -139,7 +146,7 @@ def testbed_phases(args: argparse.Namespace, root: Path, say: Progress) -> dict[
     scaling = _plans.scaling_plans(args.scaling, args.cap) if args.scaling else []
     sweep = _plans.sweep_plans(_plans.SWEEP, args.peers, args.budget) if args.sweep else []
     rows = run_all([*comparison, *scaling, *sweep], args, root, say)
-    setting = {"target": args.target, **regime()}
+    setting = {"target": args.target, **regime(), "rate": links(args) or "unshaped"}
     scaled = _scaling(args, scaling, rows, setting)
     if not comparison:
         return {
@@ -220,6 +227,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "int8 exchange still takes half a round. Longer: N trainers' real work fits beside 2 cores",
     )
     parser.add_argument(
+        "--rate",
+        help="the links' rate for every run (tc's syntax, e.g. 1500kbit), or 'none' for unshaped links; "
+        "default: the regime's, from --step-time",
+    )
+    parser.add_argument(
         "--scaling-only",
         action="store_true",
         help="only the speed-up runs: print their table (stderr) and JSON; write no doc or plot",
@@ -234,6 +246,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.scaling = [1, 2, 4, 8] if args.scaling is None else args.scaling
     if args.step_time is not None and args.step_time <= 0:
         parser.error(f"--step-time {args.step_time}: must be positive")
+    if args.rate not in (None, "none"):
+        try:
+            netlab.parse_rate(args.rate)
+        except ValueError as exc:
+            parser.error(f"--rate: {exc}, or none")
     if args.scaling_only and not args.scaling:
         parser.error("--scaling-only needs device counts (--scaling 1 2 4 8)")
     if args.step_time is not None:

@@ -349,8 +349,11 @@ def test_scaling_only_at_a_longer_step_slows_every_backend_and_its_links(
     report = json.loads(out.out.strip().splitlines()[-1])
     assert report["codecs"] == {"skipped": "--scaling-only"} and report["scaling"] == {"skipped": reason}
     assert not doc.exists() and reason in out.err
-    with pytest.raises(SystemExit):
-        bench_report.parse_args(["--step-time", "0"])
+    assert bench_report.links(bench_report.parse_args(["--rate", "none"])) is None
+    assert bench_report.links(bench_report.parse_args(["--rate", "2mbit"])) == "2mbit"
+    for bad in (["--step-time", "0"], ["--rate", "fast"]):
+        with pytest.raises(SystemExit):
+            bench_report.parse_args(bad)
 
 
 def test_bench_lag_runs_differ_only_in_the_lag() -> None:
