@@ -35,6 +35,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from peers.local import terminate_and_wait
 from scripts import _plans, _runner
 from scripts.bench_report_doc import write_outputs
 from testbed import netlab
@@ -47,6 +48,8 @@ about 0.3 its main process, 0.17 its DHT process and daemon), so on 2 cores five
 emulated devices mostly asleep (35-43 ms of real compute per 100 ms step); eight took 97-117 ms."""
 IMG = REPO / "docs" / "img"
 SLOW_PEER = 4
+STOP_GRACE_S = 60.0
+"""How long a benchmark stopped by Ctrl+C, SIGTERM or its timeout has to close its peers and daemons."""
 
 
 class Progress:
@@ -62,20 +65,32 @@ class Progress:
 def run_json_script(script: str, args: list[str], log: Path, timeout_s: float) -> dict[str, Any]:
     """Run ``python -m scripts.<script> --json``; return its last line, or ``{"error": ...}``."""
     command = [sys.executable, "-m", f"scripts.{script}", *args, "--json"]
-    try:
-        with log.open("w") as err:
-            pipe = subprocess.PIPE
-            done = subprocess.run(command, cwd=REPO, stdout=pipe, stderr=err, text=True, timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        return {"error": f"{script} took over {timeout_s:.0f} s; see {log}"}
-    lines = done.stdout.strip().splitlines()
+    with log.open("w") as err:
+        proc = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=err, text=True)
+        try:
+            out, _ = proc.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            _stop(proc)
+            return {"error": f"{script} took over {timeout_s:.0f} s; see {log}"}
+        except BaseException:  # Ctrl+C or SIGTERM: the benchmark closes its peers and daemons first
+            _stop(proc)
+            raise
+    lines = out.strip().splitlines()
     try:
         return {
             **json.loads(lines[-1]),
             "command": " ".join(["python", "-m", f"scripts.{script}", *args, "--json"]),
         }
     except (IndexError, ValueError):
-        return {"error": f"{script} exited {done.returncode} without a JSON line; see {log}"}
+        return {"error": f"{script} exited {proc.returncode} without a JSON line; see {log}"}
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """SIGTERM a benchmark, give it time to close what it started, then kill it. Not SIGKILL at once:
+    its workers, forkserver and p2pd daemons would outlive it."""
+    for left in terminate_and_wait([proc], STOP_GRACE_S):
+        left.kill()
+        left.wait()
 
 
 def load_json(path: Path) -> dict[str, Any]:

@@ -420,3 +420,37 @@ def test_every_plan_s_settings_load_as_a_config() -> None:
     sets += [[*_runner.regime_sets(), *extra] for _, _, extra in bench_training.backends(4, 5)]
     for overrides in sets:
         load_config(_runner.REPO / _runner.CONFIG, overrides, env={})
+
+
+def test_a_benchmark_interrupted_under_the_report_gets_to_close_what_it_started(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """Ctrl+C (or SIGTERM) of the report reaches its running benchmark as SIGTERM, which it handles by
+    closing its peers and daemons; a SIGKILL at once (subprocess.run's way) left them running."""
+    import signal
+    import threading
+
+    ready, closed = tmp_path / "ready", tmp_path / "closed"
+    (tmp_path / "scripts").mkdir()
+    (tmp_path / "scripts" / "__init__.py").write_text("")
+    (tmp_path / "scripts" / "stand_in.py").write_text(
+        "import pathlib, signal, sys, time\n"
+        f"closed = pathlib.Path({str(closed)!r})\n"
+        "signal.signal(signal.SIGTERM, lambda *_: (closed.write_text('closed'), sys.exit(1)))\n"
+        f"pathlib.Path({str(ready)!r}).write_text('')\n"
+        "time.sleep(600)\n"
+    )
+    monkeypatch.setattr(bench_report, "REPO", tmp_path)
+
+    def interrupt_once_it_runs() -> None:
+        from tests._processes import wait_until
+
+        wait_until(ready.exists, timeout=60, what="the stand-in benchmark")
+        signal.pthread_kill(main, signal.SIGINT)  # a Ctrl+C: interrupts the main thread's wait
+
+    main = threading.main_thread().ident
+    assert main is not None
+    threading.Thread(target=interrupt_once_it_runs, daemon=True).start()
+    with pytest.raises(KeyboardInterrupt):
+        bench_report.run_json_script("stand_in", [], tmp_path / "stand_in.log", timeout_s=300)
+    assert closed.read_text() == "closed"
