@@ -249,7 +249,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--scaling-only",
         action="store_true",
-        help="only the speed-up runs: print their table (stderr) and JSON; write no doc or plot",
+        help="only the speed-up runs: print their table on stderr (and --json's line); write no doc or plot",
     )
     parser.add_argument("--parallel", type=int, default=PARALLEL, help=f"trainers at once ({PARALLEL})")
     parser.add_argument("--doc", type=Path, default=DOC, help="markdown file to (re)write")
@@ -268,8 +268,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             parser.error(f"--rate: {exc}, or none")
     if args.scaling_only and not args.scaling:
         parser.error("--scaling-only needs device counts (--scaling 1 2 4 8)")
-    if args.step_time is not None:
-        _runner.REGIME["step_time_s"] = args.step_time
     return args
 
 
@@ -314,9 +312,16 @@ def _finish(report: dict[str, Any], say: Progress) -> dict[str, Any]:
     return report
 
 
+def use_step_time(args: argparse.Namespace) -> None:
+    """With ``--step-time``, every plan built from now on (and the regime's link rate) uses it."""
+    if args.step_time is not None:
+        _runner.REGIME["step_time_s"] = args.step_time
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
+    use_step_time(args)
     say = Progress()
     try:
         report = load_json(args.from_json) if args.from_json else collect(args, argv, say)

@@ -332,6 +332,7 @@ def test_scaling_only_at_a_longer_step_slows_every_backend_and_its_links(
 ) -> None:
     monkeypatch.setitem(_runner.REGIME, "step_time_s", _runner.REGIME["step_time_s"])  # restored after
     args = bench_report.parse_args(["--scaling-only", "--step-time", "0.25"])
+    bench_report.use_step_time(args)
     plans = _plans.scaling_plans(args.scaling, args.cap)
     assert {p.backend for p in plans} == {"one device", "dataparallel", "gossip-int8"}
     assert all("emulation.step_time_s=0.25" in p.sets for p in plans)
