@@ -267,6 +267,7 @@ def test_a_three_times_slower_stage_peer_gets_proportionally_fewer_microbatches(
     common = ("train.max_steps=100000", "emulation.step_time_s=0.4", "train.eval_every_rounds=1000")
     fast, slow = _config(*common), _config(*common, "emulation.slowdown=3")
     slow_peer, fast_peer, holder = swarm((1, slow), (1, fast), (0, fast))
+    peers = {"fast": fast_peer, "slow": slow_peer}
 
     def committed() -> tuple[int, int]:
         return fast_peer.peer.role.worker.stats.committed, slow_peer.peer.role.worker.stats.committed
@@ -275,9 +276,14 @@ def test_a_three_times_slower_stage_peer_gets_proportionally_fewer_microbatches(
     before, start = committed(), time.monotonic()
     wait_until(lambda: holder.steps >= 24, 200, "20 more steps of the data holder")
     fast_n, slow_n = (after - earlier for after, earlier in zip(committed(), before, strict=True))
-    print(f"fast peer {fast_n} micro-batches, slow peer {slow_n} in {time.monotonic() - start:.0f}s")
-    assert slow_n >= 1, "the slow peer was never used"
-    assert fast_n >= 2 * slow_n, (fast_n, slow_n)  # 3x the speed: about 3x the micro-batches
+    measured = holder.peer.role.router.snapshot()
+    rates = {name: measured[p.peer.node.peer_id]["rate"] for name, p in peers.items()}
+    elapsed = time.monotonic() - start
+    print(f"fast peer {fast_n} micro-batches, slow peer {slow_n} in {elapsed:.0f}s; measured rates {rates}")
+    # the data holder measured the speeds (test_pipeline checks the shares they give, over many draws)
+    assert rates["fast"] >= 1.5 * rates["slow"], rates  # 3x the speed, less the overheads both pay
+    # and a few dozen weighted draws favoured the fast peer (about 70/30; a 2x margin fails one run in ten)
+    assert 1 <= slow_n < fast_n, (fast_n, slow_n)
 
 
 @heavy_scenario  # the speeds are the emulated devices' only while the CPU keeps up
