@@ -261,7 +261,7 @@ class _Node:
     def __init__(self, me: str, everyone: list[str]) -> None:
         self.peer_id, self._everyone = me, everyone
 
-    def members(self) -> list[_Member]:
+    def recent_members(self) -> list[_Member]:  # no members(): a round never reads the DHT
         return [_Member(peer) for peer in self._everyone]
 
 

@@ -175,6 +175,7 @@ def test_fp32_eight_peers_converge_to_the_mean(pool: PeerPool) -> None:
     metrics = [s["metrics"] for s in states]
     assert sum(m.exchanges_rejected for m in metrics) == 0
     assert all(m.bytes_sent > 4_000_000 and m.mean_latency_s > 0 for m in metrics)
+    assert all(0 < m.mean_dial_latency_s < m.mean_latency_s for m in metrics)  # a handshake, then 4 MB
 
 
 INT8_SPREAD = 2e-2  # measured on 2 cores: the worst peer ends ~4e-3 from the mean (quantization noise)

@@ -43,6 +43,12 @@ def test_the_round_follows_the_device_pace_not_rounds_stretched_by_waiting() -> 
     pace.round(clock + 3.0)  # a round stretched to 3 s by waiting on a partner
     assert pace.round_s == pytest.approx(3.0)
     assert pace.nominal_round_s() == pytest.approx(0.5, rel=0.05)
+    for step in range(50):  # the same steps, every tenth after the training thread stalled 2 s on an exchange
+        stall = 2.0 if step % 10 == 9 else 0.0
+        pace.stalled(stall)
+        clock += stall + 0.1
+        pace.step(clock)
+    assert pace.nominal_round_s() == pytest.approx(0.5, rel=0.05)  # counted in: about 1.4 s
     short = Pace(steps_per_round=5)
     short.round(0.0)
     short.round(0.2)  # measured rounds shorter than the pace implies (none timed yet) count as they are

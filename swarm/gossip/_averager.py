@@ -308,7 +308,16 @@ class GossipAverager(ExchangeRoles, BaseRoles, StreamService):
             deadline = self._deadlines.exchange_s(partner, local.nbytes)
             ended = await settle(exchange, deadline, partner)
             latency = time.monotonic() - started
-            moved = max(channel.bytes_sent - before[0], channel.bytes_received - before[1])
+            sent, received = channel.bytes_sent - before[0], channel.bytes_received - before[1]
+            logger.debug(  # what a simulator's link model is calibrated by (docs/simulator.md)
+                "data phase with %s: %.2f s, %d B sent, %d B received, %s",
+                partner,
+                latency,
+                sent,
+                received,
+                "relative to a base" if base is not None else "whole tensors",
+            )
+            moved = max(sent, received)
             self._deadlines.observe(partner, moved, latency)  # a deadline too short still measured the link
             if ended.mixed is not None and donation:
                 return self._donated(partner, channel, latency, initiator)

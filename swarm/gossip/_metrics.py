@@ -79,6 +79,9 @@ class ExchangeMetrics:
     bytes_received: int = 0
     last_latency_s: float = 0.0
     mean_latency_s: float = 0.0
+    """Of the committed exchanges, the data phase's seconds (the handshake done, to the commit)."""
+    mean_dial_latency_s: float = 0.0
+    """Seconds from dialling a partner of our own sync to its answer (accepted, busy or refused)."""
 
 
 class MetricsRecorder:
@@ -104,6 +107,8 @@ class MetricsRecorder:
         self._base_sent = 0
         self._last_latency = 0.0
         self._latency_sum = 0.0
+        self._dials = 0
+        self._dial_sum = 0.0
 
     def count(self, what: str) -> None:
         with self._lock:
@@ -121,6 +126,11 @@ class MetricsRecorder:
             self._counts["ok"] += 1
             self._last_latency = latency_s
             self._latency_sum += latency_s
+
+    def record_dial(self, seconds: float) -> None:
+        with self._lock:
+            self._dials += 1
+            self._dial_sum += seconds
 
     def snapshot(self) -> ExchangeMetrics:
         with self._lock:
@@ -140,6 +150,7 @@ class MetricsRecorder:
                 bytes_received=self._received,
                 last_latency_s=self._last_latency,
                 mean_latency_s=self._latency_sum / ok if ok else 0.0,
+                mean_dial_latency_s=self._dial_sum / self._dials if self._dials else 0.0,
             )
 
 

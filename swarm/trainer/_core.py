@@ -354,6 +354,9 @@ class PeerCore(Generic[T]):
             "waiting_bytes_per_param": (exchanges.bytes_sent - exchanges.base_bytes_sent)
             / max(exchanges.exchanges_ok, 1)
             / n_params,
+            # a committed exchange's data phase, and a dial's wait for the partner's answer (our syncs)
+            "exchange_seconds": exchanges.mean_latency_s,
+            "dial_seconds": exchanges.mean_dial_latency_s,
             "wire_bytes_sent": metrics.bytes_sent,
             "wire_bytes_total": metrics.bytes_sent + metrics.bytes_received,
             "device_seconds": progress.device_seconds,

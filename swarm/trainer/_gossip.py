@@ -138,12 +138,17 @@ class GossipBackend:
         return self._worker
 
     def _partners(self) -> list[PartnerInfo]:
-        return trainer_partners(self._members())
+        """The trainers a round may pair with, as the announcer last read them: a round reads no DHT.
+        Two reads a round (the schedule's slot, then the sync) took a second or more on loaded links,
+        all of it before the exchange; the list is at most one record interval old, and a partner that
+        left since costs one failed dial."""
+        return trainer_partners(self._members(self._node.recent_members()))
 
-    def _members(self) -> list[Any]:
-        """The live members we average with: all of them, or those of our group (``BackendContext.group``)."""
+    def _members(self, members: list[Any] | None = None) -> list[Any]:
+        """The live members we average with (read now unless given): all of them, or those of our
+        group (``BackendContext.group``)."""
         group = self._context.group
-        members = self._node.members()
+        members = self._node.members() if members is None else members
         return members if group is None else [m for m in members if group.accepts(m.record)]
 
     def inner_optimizer(self) -> torch.optim.Optimizer | None:
@@ -217,7 +222,9 @@ class GossipBackend:
                 return []
         started = time.monotonic()
         self._sync_worker().wait_idle()
-        self.stalled_seconds += time.monotonic() - started
+        stalled = time.monotonic() - started
+        self.stalled_seconds += stalled
+        self._pace.stalled(stalled)
         return self._apply()
 
     def _apply(self) -> list[RoundResult]:

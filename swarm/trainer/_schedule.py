@@ -59,6 +59,13 @@ class Pace:
             self._step_s += STEP_AVERAGING * (now - self._last_step - self._step_s)
         self._last_step = now
 
+    def stalled(self, seconds: float) -> None:
+        """The training thread waited ``seconds`` on an exchange since the last step: that is not the
+        device's pace. Counted in, a stall would lengthen the rounds the waits are timed by, the later
+        exchanges, and so the next stall."""
+        if self._last_step is not None:
+            self._last_step += max(0.0, seconds)
+
     def round(self, now: float) -> None:
         if self._last_round is not None:
             self.round_s = now - self._last_round
