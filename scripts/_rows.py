@@ -18,7 +18,11 @@ def summary_numbers(per_peer: list[dict[str, Any]]) -> dict[str, Any]:
     exchange kind) per round and parameter, mean over peers; ``exchange_bytes_per_param``: one
     exchange (gossip) or all-reduce round, one direction; ``utilization_since_start``:
     device seconds over each trainer's whole life (start-up and joining included), mean over peers;
-    ``compute_per_step_s``: the real forward, backward and optimizer time per step, mean over steps.
+    ``compute_per_step_s``: the real forward, backward and optimizer time per step, mean over steps;
+    ``exchange_s`` and ``dial_s``: a committed exchange's data phase and a dial's wait for an answer,
+    mean over the peers that had any; ``exchange_bytes_per_s``: what an exchange's data phase moved
+    each way per second (the bytes a peer sent after its rounds' last steps, per exchange, over
+    ``exchange_s``).
     """
 
     def mean_of(key: str) -> float | None:
@@ -38,7 +42,17 @@ def summary_numbers(per_peer: list[dict[str, Any]]) -> dict[str, Any]:
         "samples_total": sum(p.get("samples", 0) for p in per_peer),
         "compute_per_step_s": sum(p.get("compute_seconds", 0.0) for p in per_peer) / steps if steps else None,
         "rounds_by_role": dict(roles),
+        "exchange_s": mean([p.get("exchange_seconds") or None for p in per_peer]),  # 0: none
+        "dial_s": mean([p.get("dial_seconds") or None for p in per_peer]),
+        "exchange_bytes_per_s": mean([_exchange_rate(p) for p in per_peer]),
     }
+
+
+def _exchange_rate(peer: dict[str, Any]) -> float | None:
+    seconds, per_param = peer.get("exchange_seconds"), peer.get("waiting_bytes_per_param")
+    if not seconds or per_param is None:
+        return None
+    return per_param * peer.get("n_params", 0) / seconds
 
 
 def crossing(curve: list[list[float]], target: float, axis: int) -> float | None:

@@ -6,8 +6,10 @@ far (its round is cut short, and it uses the result too), and both leave with ro
 ``max(r_i, r_j) + 1``. A peer takes part in one exchange at a time; one that lags ``max_lag`` rounds
 waits for it. The partner is the one the initiator's membership view schedules
 (``scripts/_sim_views.py``: the hypercube partner of its full view, or the one found by lookup),
-else a random candidate of that view that is live and free (a dead or busy one costs a round trip),
-``max_attempts`` at most; with none, the peer takes its own outer step alone.
+else a random candidate of that view that is live and free (a dead one costs a round trip, a busy one
+a dial), ``max_attempts`` at most; with none, the peer takes its own outer step alone. With
+``clock_round_s`` the schedule's round is the shared clock's instead (the time of the round's end
+over it, rounded), and exchanges leave it alone.
 """
 
 from __future__ import annotations
@@ -99,6 +101,9 @@ class Exchanges:
     def push_base(self, peer: Peer) -> None:
         """``based``: our exchange landed; if we are the pusher of our next scheduled pair, send our
         anchor as the pair's base (both sides keep the same decoded copy, under one id)."""
+        if self.sim.cfg.clock_round_s:  # the pair of our next round's end
+            ahead = max(0, self.rule.sync_every - peer.round_steps) * peer.step_time
+            peer.round = self._clock_round(self.sim.clock.now + ahead)
         target = self.sim.peers.get(self.scheduled(peer) or "")
         if target is None or not peer.alive or (target.pid, peer.version) in peer.prefetch_sent:
             return
@@ -122,6 +127,9 @@ class Exchanges:
             return
         if self.rule.kind != "factored" or peer.exchange is not None or not peer.alive:
             return
+        if self.sim.cfg.clock_round_s:  # the pair of our next round's end
+            ahead = max(0, self.rule.sync_every - peer.round_steps) * peer.step_time
+            peer.round = self._clock_round(self.sim.clock.now + ahead)
         target = self.sim.peers.get(self.scheduled(peer) or "")
         if target is None or (target.pid, peer.version) in peer.prefetch_sent:
             return
@@ -150,10 +158,20 @@ class Exchanges:
         else:
             self.initiate(peer)
 
+    def _clock_round(self, at: float) -> int:
+        """The schedule's round of a round end at ``at`` by the shared clock (``clock_round_s``)."""
+        return round(at / self.sim.cfg.clock_round_s)
+
+    def _dial_s(self) -> float:
+        dial = self.sim.cfg.dial_s
+        return 2 * self.sim.cfg.latency_s if dial is None else dial
+
     def _choose(self, peer: Peer) -> tuple[Peer | None, float, bool]:
         """A partner, the seconds spent dialling ones that were gone or busy, and whether it was the
         scheduled one."""
         sim, delay = self.sim, 0.0
+        if sim.cfg.clock_round_s:
+            peer.round = self._clock_round(sim.clock.now)
         first = self.scheduled(peer)
         rest = [pid for pid in sim.views.candidates(peer) if pid not in (peer.pid, first)]
         sim.rng.shuffle(rest)
@@ -164,7 +182,7 @@ class Exchanges:
                 delay += 2 * sim.cfg.latency_s
                 continue
             if other.exchange is not None or other.waiting == "barrier":
-                delay += 2 * sim.cfg.latency_s
+                delay += self._dial_s()
                 continue
             return other, delay, pid == first
         return None, delay, False
@@ -182,10 +200,12 @@ class Exchanges:
         sim.counters.scheduled += scheduled
         sim.views.on_exchange(me, other)
         other.rounds += 1
-        ex = self._build(me, other, now + delay + sim.cfg.latency_s + sim.cfg.exchange_overhead_s)
+        ex = self._build(me, other, now + delay + self._dial_s() + sim.cfg.exchange_overhead_s)
+        clocked = sim.cfg.clock_round_s > 0
         round_ = max(me.round, other.round) + 1
         for side in (me, other):
-            side.exchange, side.lag, side.round = ex, 0, round_
+            side.exchange, side.lag = ex, 0
+            side.round = side.round if clocked else round_
             side.round_steps = 0
         if self.rule.max_lag == 0:
             me.start_wait("step", now)

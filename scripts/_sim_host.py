@@ -23,9 +23,15 @@ class SimConfig:
     rate_mbit: float = 4.0
     goodput: float = 0.957
     latency_s: float = 0.005
+    dial_s: float | None = None
+    """Seconds a dial costs the initiator, answered busy or accepted (a handshake); None: a round
+    trip. On loaded links the trainer's handshakes take far longer than a round trip."""
     exchange_overhead_s: float = 0.0
     """Seconds every exchange spends before its first byte (handshake, lookups, encoding): what the
     real trainer has beyond the bytes, for calibration."""
+    clock_round_s: float = 0.0
+    """Seconds per schedule round by a clock all peers share; 0: rounds counted by exchanges (each
+    leaves the pair at ``max(r_i, r_j) + 1``), as the trainer counts them."""
     base_wait_rounds: float = 0.5
     """``based``: how long (in rounds) an exchange waits for its pair's base still crossing."""
     churn_per_min: float = 0.0

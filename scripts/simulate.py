@@ -105,8 +105,11 @@ def plan(args: argparse.Namespace) -> list[tuple]:
                     step_times=args.step_times,
                     step_jitter=args.step_jitter,
                     rate_mbit=args.rate_mbit,
+                    goodput=args.goodput,
                     latency_s=args.latency_ms / 1000,
+                    dial_s=args.dial_ms / 1000 if args.dial_ms is not None else None,
                     exchange_overhead_s=args.exchange_overhead_s,
+                    clock_round_s=args.clock_round_s,
                     base_wait_rounds=args.base_wait_rounds,
                     churn_per_min=args.churn_per_min,
                     join_delay_s=args.join_delay_s,
@@ -195,8 +198,16 @@ def parser() -> argparse.ArgumentParser:
     add("--step-times", default=defaults.step_times, help="0.1 | 0.1x3,0.3 (cycled) | lognormal:0.1:0.3")
     add("--step-jitter", type=float, default=0.0, help="log-normal sigma of each step's time")
     add("--rate-mbit", type=float, default=defaults.rate_mbit, help="each peer's link, each way")
+    add(
+        "--goodput",
+        type=float,
+        default=defaults.goodput,
+        help="share of the link rate a message gets (TCP's headers: 0.957)",
+    )
     add("--latency-ms", type=float, default=defaults.latency_s * 1000)
+    add("--dial-ms", type=float, default=None, help="ms per partner dialled, busy or not (a round trip)")
     add("--exchange-overhead-s", type=float, default=0.0, help="fixed seconds before an exchange's bytes")
+    add("--clock-round-s", type=float, default=0.0, help="schedule rounds by a shared clock (0: exchanges)")
     add("--base-wait-rounds", type=float, default=0.5, help="based: rounds to wait for a base still crossing")
     add("--churn-per-min", type=float, default=0.0, help="share of N replaced per minute")
     add("--join-delay-s", type=float, default=defaults.join_delay_s)

@@ -455,3 +455,13 @@ def test_a_benchmark_interrupted_under_the_report_gets_to_close_what_it_started(
     with pytest.raises(KeyboardInterrupt):
         bench_report.run_json_script("stand_in", [], tmp_path / "stand_in.log", timeout_s=300)
     assert closed.read_text() == "closed"
+
+
+def test_a_run_s_exchange_rate_is_the_bytes_a_peer_sent_per_exchange_over_its_data_phase() -> None:
+    # what the simulator's --goodput is calibrated by: 100 parameters at 0.5 B each in 0.25 s, 200 B/s
+    fast = {"n_params": 100, "waiting_bytes_per_param": 0.5, "exchange_seconds": 0.25, "dial_seconds": 0.1}
+    slow = {"n_params": 100, "waiting_bytes_per_param": 1.0, "exchange_seconds": 1.0, "dial_seconds": 0.3}
+    never = {"n_params": 100, "waiting_bytes_per_param": 0.0, "exchange_seconds": 0.0, "dial_seconds": 0.0}
+    numbers = _rows.summary_numbers([fast, slow, never])
+    assert numbers["exchange_bytes_per_s"] == pytest.approx(150.0)  # 200 and 100; none from a peer with none
+    assert numbers["dial_s"] == pytest.approx(0.2) and numbers["exchange_s"] == pytest.approx(0.625)

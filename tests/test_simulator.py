@@ -81,6 +81,41 @@ def test_a_bigger_message_lands_later_and_a_peer_s_messages_queue() -> None:
     assert net.send("d", "e", 100, now=0.0) == pytest.approx(small)  # another pair's link is free
 
 
+def test_a_dial_and_the_goodput_decide_when_an_exchange_lands(world: World) -> None:
+    def lands(**link: float) -> float:
+        """Seconds from a round's end to its exchange's landing, between two idle peers."""
+        cfg = SimConfig(rule=LOSSLESS, peers=2, step_times="1000", training=False, latency_s=0.0, **link)
+        sim = Simulation(cfg, world=world)
+        first = sim.live()[0]
+        sim.exchanges.initiate(first)
+        assert first.exchange is not None
+        return first.exchange.lands - sim.clock.now
+
+    transfer = lands(dial_s=0.0)  # both models cross at once, each way on its own link
+    assert transfer > 0
+    assert lands(dial_s=0.5) == pytest.approx(transfer + 0.5)  # the handshake before the first byte
+    assert lands(dial_s=0.0, goodput=0.957 / 2) == pytest.approx(2 * transfer)  # half the link's rate
+
+
+@pytest.mark.parametrize("clock_round_s", [0.0, 2.0])
+def test_rounds_are_counted_by_exchanges_or_by_a_shared_clock(world: World, clock_round_s: float) -> None:
+    from swarm.gossip import hypercube_partner
+
+    cfg = SimConfig(rule=LOSSLESS, peers=4, step_times="1000", training=False, clock_round_s=clock_round_s)
+    sim = Simulation(cfg, world=world)
+    me = sim.live()[0]
+    sim.clock.run(until=2.1)  # the clock's round 1 (2.1 s over 2 s, rounded); nobody exchanged yet
+    sim.exchanges.initiate(me)
+    assert me.exchange is not None
+    partner = me.exchange.sides[1]
+    assert partner.pid == hypercube_partner(me.order, me.pid, 1 if clock_round_s else 0)
+    assert hypercube_partner(me.order, me.pid, 1) != hypercube_partner(me.order, me.pid, 0)
+    if clock_round_s:
+        assert (me.round, partner.round) == (1, 0)  # the exchange leaves them: the clock says
+    else:
+        assert me.round == partner.round == 1  # the pair leaves with max(r_i, r_j) + 1
+
+
 def test_the_factored_exchange_with_lossless_codecs_is_the_pair_s_mean_model(world: World) -> None:
     sim = _pair(world, LOSSLESS)
     before = _models(sim)
@@ -238,3 +273,7 @@ def test_calibrate_sets_the_testbeds_regime_and_an_option_given_still_wins() -> 
     assert longer.flat and longer.target == simulate.CALIBRATION["target"]
     plain = simulate.parse([])
     assert not plain.flat and plain.baselines and plain.step_times != "0.25"
+    costs = simulate.parse(["--calibrate", "--peers", "8", "--goodput", "0.77", "--dial-ms", "190"])
+    (_, _, _, cfg, _), *_ = simulate.plan(costs)  # the trainer's measured link costs reach the simulation
+    assert (cfg.goodput, cfg.dial_s) == (0.77, pytest.approx(0.19))
+    assert simulate.plan(plain)[-1][3].dial_s is None  # a round trip
