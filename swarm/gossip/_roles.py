@@ -228,7 +228,8 @@ class ExchangeRoles:
             hello = self._handshake.hello(*local.stated(), base=held.base_id if held is not None else "")
             reply = await self._handshake.propose(self._p2p, info.peer_id, hello, channels)
             answered_s = time.monotonic() - dialled
-            self._metrics.record_dial(answered_s)
+            if reply.kind is not None:  # a dial that failed is timed by its own timeout, not the link
+                self._metrics.record_dial(answered_s)
             answer = reply.kind.name if reply.kind is not None else "no answer"
             logger.debug("dialled %s: %s after %.2f s", info.peer_id, answer, answered_s)
             if reply.kind is MsgKind.ACCEPT and reply.channel is not None and reply.hello is not None:
