@@ -6,15 +6,17 @@ whose frames are not what the agreed codec and schema need is refused as bad dat
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import pytest
 import torch
 
-from swarm.compression import ErrorFeedback, LazyTensors, get_codec
+from swarm.compression import ErrorFeedback, LazyTensors, encode_tensors, get_codec
 from swarm.gossip._exchange import ExchangeSpec, NotCommitted, Settled, run_exchange, settle
 from swarm.gossip._gate import ExchangeGate, Turn
 from swarm.gossip._metrics import SyncOutcome
 from swarm.gossip._mixing import MixedTensors
+from swarm.gossip._protocol import Channel, MsgKind
 from swarm.gossip._validation import NormPolicy
 from tests._channels import channel_pair
 
@@ -151,12 +153,36 @@ def _small(seed: int) -> dict[str, torch.Tensor]:
     return {"w": torch.randn(64 * 64, generator=torch.Generator().manual_seed(seed))}
 
 
+async def _streams_regardless(channel: Channel, tensors: dict[str, torch.Tensor], spec: ExchangeSpec) -> None:
+    """A partner that streams its frames in ``spec`` whatever was agreed, and never judges ours. (An
+    honest run_exchange in another codec would refuse our frames too, and its NACK may reach us
+    before we read its first frame.)"""
+    frames = list(encode_tensors(tensors, spec.codec, spec.chunk_bytes))
+    for frame in frames:
+        await channel.send(MsgKind.DATA, frame)
+    await channel.send_json(MsgKind.END, {"frames": len(frames)})
+    with contextlib.suppress(Exception):
+        while True:
+            await channel.recv()
+
+
 def test_tiny_fp32_frames_under_an_int8_agreement_are_bad_data() -> None:
     """A partner that agreed on int8 streams one-element fp32 frames (65 bytes each, for 4 bytes of
     payload): its first frame is refused as bad data, which bans it at once."""
-    tiny = ExchangeSpec(codec=get_codec("fp32"), chunk_bytes=65, policy=NormPolicy())
     spec = ExchangeSpec(codec=get_codec("int8", 64), chunk_bytes=4096, policy=NormPolicy())
-    ended = _settle_pair(_small(0), spec, _small(1), tiny)
+    tiny = ExchangeSpec(codec=get_codec("fp32"), chunk_bytes=65, policy=NormPolicy())
+
+    async def scenario() -> Settled:
+        ours, theirs = await channel_pair()
+        partner = asyncio.create_task(_streams_regardless(theirs, _small(1), tiny))
+        try:
+            return await settle(run_exchange(ours, _small(0), (1.0, 1.0), spec, None), 30.0, "b")
+        finally:
+            ours.close()
+            theirs.close()
+            partner.cancel()
+
+    ended = asyncio.run(scenario())
     assert ended.outcome is SyncOutcome.REJECTED and ended.bad_data, ended
     assert "codec: a frame in fp32" in ended.reason
 
