@@ -101,9 +101,7 @@ class Exchanges:
     def push_base(self, peer: Peer) -> None:
         """``based``: our exchange landed; if we are the pusher of our next scheduled pair, send our
         anchor as the pair's base (both sides keep the same decoded copy, under one id)."""
-        if self.sim.cfg.clock_round_s:  # the pair of our next round's end
-            ahead = max(0, self.rule.sync_every - peer.round_steps) * peer.step_time
-            peer.round = self._clock_round(self.sim.clock.now + ahead)
+        self._clock_round(peer, ahead=True)  # the pair of our next round's end
         target = self.sim.peers.get(self.scheduled(peer) or "")
         if target is None or not peer.alive or (target.pid, peer.version) in peer.prefetch_sent:
             return
@@ -127,9 +125,7 @@ class Exchanges:
             return
         if self.rule.kind != "factored" or peer.exchange is not None or not peer.alive:
             return
-        if self.sim.cfg.clock_round_s:  # the pair of our next round's end
-            ahead = max(0, self.rule.sync_every - peer.round_steps) * peer.step_time
-            peer.round = self._clock_round(self.sim.clock.now + ahead)
+        self._clock_round(peer, ahead=True)  # the pair of our next round's end
         target = self.sim.peers.get(self.scheduled(peer) or "")
         if target is None or (target.pid, peer.version) in peer.prefetch_sent:
             return
@@ -158,9 +154,13 @@ class Exchanges:
         else:
             self.initiate(peer)
 
-    def _clock_round(self, at: float) -> int:
-        """The schedule's round of a round end at ``at`` by the shared clock (``clock_round_s``)."""
-        return round(at / self.sim.cfg.clock_round_s)
+    def _clock_round(self, peer: Peer, ahead: bool) -> None:
+        """With ``clock_round_s``: set the peer's schedule round by the shared clock, for a round that
+        ends now or (``ahead``) for its next round's end at its step time."""
+        period = self.sim.cfg.clock_round_s
+        if period:
+            steps_left = max(0, self.rule.sync_every - peer.round_steps) if ahead else 0
+            peer.round = round((self.sim.clock.now + steps_left * peer.step_time) / period)
 
     def _dial_s(self) -> float:
         dial = self.sim.cfg.dial_s
@@ -170,8 +170,7 @@ class Exchanges:
         """A partner, the seconds spent dialling ones that were gone or busy, and whether it was the
         scheduled one."""
         sim, delay = self.sim, 0.0
-        if sim.cfg.clock_round_s:
-            peer.round = self._clock_round(sim.clock.now)
+        self._clock_round(peer, ahead=False)
         first = self.scheduled(peer)
         rest = [pid for pid in sim.views.candidates(peer) if pid not in (peer.pid, first)]
         sim.rng.shuffle(rest)
@@ -201,12 +200,11 @@ class Exchanges:
         sim.views.on_exchange(me, other)
         other.rounds += 1
         ex = self._build(me, other, now + delay + self._dial_s() + sim.cfg.exchange_overhead_s)
-        clocked = sim.cfg.clock_round_s > 0
         round_ = max(me.round, other.round) + 1
         for side in (me, other):
-            side.exchange, side.lag = ex, 0
-            side.round = side.round if clocked else round_
-            side.round_steps = 0
+            side.exchange, side.lag, side.round_steps = ex, 0, 0
+            if not sim.cfg.clock_round_s:  # clocked rounds are the clock's
+                side.round = round_
         if self.rule.max_lag == 0:
             me.start_wait("step", now)
             other.blocked = True

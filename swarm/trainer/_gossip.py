@@ -142,13 +142,15 @@ class GossipBackend:
         Two reads a round (the schedule's slot, then the sync) took a second or more on loaded links,
         all of it before the exchange; the list is at most one record interval old, and a partner that
         left since costs one failed dial."""
-        return trainer_partners(self._members(self._node.recent_members()))
+        return trainer_partners(self._of_our_group(self._node.recent_members()))
 
-    def _members(self, members: list[Any] | None = None) -> list[Any]:
-        """The live members we average with (read now unless given): all of them, or those of our
-        group (``BackendContext.group``)."""
+    def _members(self) -> list[Any]:
+        """The live members we average with, read from the DHT now (joining wants the freshest)."""
+        return self._of_our_group(self._node.members())
+
+    def _of_our_group(self, members: list[Any]) -> list[Any]:
+        """All of ``members``, or those of our group (``BackendContext.group``)."""
         group = self._context.group
-        members = self._node.members() if members is None else members
         return members if group is None else [m for m in members if group.accepts(m.record)]
 
     def inner_optimizer(self) -> torch.optim.Optimizer | None:
