@@ -299,8 +299,10 @@ def render_scaling(scaling: dict[str, Any], image: str | None) -> list[str]:
     lines = ["### Speed-up over one device", ""]
     if "skipped" in scaling:
         return [*lines, f"Skipped: {scaling['skipped']}.", ""]
+    reused = f"Reused from `{scaling['reused']}`. " if scaling.get("reused") else ""
     lines += [
-        f"Time to {scaling['target']:g} bits/byte with N equal devices (no slow one), each run stopped at "
+        f"{reused}Time to {scaling['target']:g} bits/byte with N equal devices (no slow one), each inner "
+        f"step on an emulated device of {scaling['step_time_s']:g} s, each run stopped at "
         f"the target or after {scaling['cap_s']:.0f} s. One device: plain AdamW, batch "
         f"{scaling['batch_size']:g}. Data-parallel: the ideal synchronous run, gradients all-reduced at no "
         f"cost, which computes exactly what one device with batch N x {scaling['batch_size']:g} computes, "
@@ -388,7 +390,8 @@ def plot_scaling(scaling: dict[str, Any], path) -> bool:
     ax.set_xlabel("devices")
     ax.set_ylabel(f"speed-up to {scaling['target']:g} bits/byte vs one device")
     ax.set_xticks(counts)
-    ax.set_title(f"batch {scaling['batch_size']:g} per device, {scaling['rate']} links")
+    step = f", {scaling['step_time_s']:g} s steps" if "step_time_s" in scaling else ""
+    ax.set_title(f"batch {scaling['batch_size']:g} per device{step}, {scaling['rate']} links")
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()

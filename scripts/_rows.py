@@ -16,7 +16,9 @@ def summary_numbers(per_peer: list[dict[str, Any]]) -> dict[str, Any]:
 
     ``wire_bytes_per_param_per_sync``: everything a peer sent for averaging (both roles, every
     exchange kind) per round and parameter, mean over peers; ``exchange_bytes_per_param``: one
-    exchange (gossip) or all-reduce round, one direction; ``utilization_since_start``:
+    exchange (gossip) or all-reduce round, one direction; ``waiting_bytes_per_param``: of those,
+    what a gossip peer sent after its round's last inner step (the base pushes overlapped the round);
+    ``utilization_since_start``:
     device seconds over each trainer's whole life (start-up and joining included), mean over peers;
     ``compute_per_step_s``: the real forward, backward and optimizer time per step, mean over steps;
     ``exchange_s`` and ``dial_s``: a committed exchange's data phase and a dial's wait for an answer,
@@ -36,6 +38,7 @@ def summary_numbers(per_peer: list[dict[str, Any]]) -> dict[str, Any]:
         "final_eval_loss": mean_of("eval_loss"),
         "wire_bytes_per_param_per_sync": mean_of("wire_bytes_per_param_per_sync"),
         "exchange_bytes_per_param": mean_of("exchange_bytes_per_param"),
+        "waiting_bytes_per_param": mean_of("waiting_bytes_per_param"),
         "utilization_since_start": mean_of("utilization"),
         "steps_per_peer": steps / max(len(per_peer), 1),
         "syncs_per_peer": sum(p.get("rounds", 0) for p in per_peer) / max(len(per_peer), 1),

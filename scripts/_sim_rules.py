@@ -62,6 +62,8 @@ RULES: dict[str, Rule] = {
     "factored-int4-blocking": Rule("factored", max_lag=0),
     "factored-int8": Rule("factored", delta_wire="int8"),
     "factored-topk": Rule("factored", delta_wire="topk0.25"),
+    "based-topk10": Rule("based", delta_wire="topk0.1"),
+    "based-topk3": Rule("based", delta_wire="topk0.03"),
 }
 """The rules ``simulate.py --rules`` knows by name (``--max-lag`` and ``--sync-every`` override the
 non-blocking ones' lag and every rule's H)."""

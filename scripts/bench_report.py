@@ -223,6 +223,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--from-json", type=Path, help="reuse a saved report (--json): only rewrite outputs")
     parser.add_argument("--sweep-json", type=Path, help="take the sweep from a saved report (--json)")
     parser.add_argument(
+        "--scaling-json",
+        type=Path,
+        help="take the speed-up runs from a saved report (--json), e.g. a --scaling-only run at a longer "
+        "--step-time; none are run",
+    )
+    parser.add_argument(
         "--baselines-json",
         type=Path,
         help="a saved `bench_baselines.py --json`: times to the target, run to the end",
@@ -259,6 +265,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.budget = args.budget or (90.0 if args.quick else 150.0)
     args.cap = args.cap or (150.0 if args.quick else 300.0)
     args.scaling = [1, 2, 4, 8] if args.scaling is None else args.scaling
+    if args.scaling_json:
+        if args.scaling_only:
+            parser.error("--scaling-json reuses the speed-up runs: --scaling-only would run nothing")
+        args.scaling = []
     if args.step_time is not None and args.step_time <= 0:
         parser.error(f"--step-time {args.step_time}: must be positive")
     if args.rate not in (None, "none"):
@@ -327,6 +337,8 @@ def main(argv: list[str] | None = None) -> int:
         report = load_json(args.from_json) if args.from_json else collect(args, argv, say)
         if args.sweep_json:
             report["sweep"] = {**load_json(args.sweep_json)["sweep"], "reused": str(args.sweep_json)}
+        if args.scaling_json:
+            report["scaling"] = {**load_json(args.scaling_json)["scaling"], "reused": str(args.scaling_json)}
         if args.baselines_json:
             report["baselines"] = {**load_json(args.baselines_json), "reused": str(args.baselines_json)}
         if args.note:

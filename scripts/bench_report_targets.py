@@ -185,10 +185,10 @@ def _int4_bytes(int4: dict[str, Any] | None) -> dict[str, Any]:
     value = int4["wire_bytes_per_param_per_sync"]
     exchange = int4.get("exchange_bytes_per_param")
     text = f"{value:.3f} B/param ({fmt(exchange, '.3f')} per int4 exchange)"
-    rest = value - exchange if exchange is not None else None
+    waiting = int4.get("waiting_bytes_per_param")
     why = (
-        f"one int4 exchange costs {fmt(exchange, '.3f')} B/param; the other "
-        f"{fmt(rest, '.3f')} B/param per round are the rest of the averaging traffic (bases pushed in "
-        "`compression.codec`, state served to joiners)"
+        f"a committed int4 exchange sends {fmt(exchange, '.3f')} B/param with the base pushed for it "
+        f"({fmt(waiting, '.3f')} of it after the round's last step); rounds without a committed exchange "
+        "send less, and state served to joiners adds to a round"
     )
     return _check(name, value, text, value <= 0.7, why)

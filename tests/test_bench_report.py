@@ -288,6 +288,31 @@ def test_a_baseline_that_never_reached_the_target_is_timed_by_a_run_to_the_end(
     assert hivemind_check()["met"] is None
 
 
+def test_speed_up_runs_at_a_longer_step_are_reused_from_their_own_report(
+    tmp_path: Path, codecs_json: Path
+) -> None:
+    report = _report(tmp_path, codecs_json)
+    saved, scaling = tmp_path / "report.json", tmp_path / "scaling.json"
+    saved.write_text(json.dumps(report))
+    longer = report["scaling"] | {"step_time_s": 0.25, "rate": "1500kbit", "cap_s": 300.0}
+    longer["points"] = [p | {"seconds_to_target": 2.5 * p["seconds_to_target"]} for p in longer["points"]]
+    scaling.write_text("a progress line\n" + json.dumps({"scaling": longer}))
+    args = bench_report.parse_args(["--quick", "--scaling-json", str(scaling)])
+    assert args.scaling == []  # the comparison runs, the speed-up runs do not
+    with pytest.raises(SystemExit):
+        bench_report.parse_args(["--scaling-only", "--scaling-json", str(scaling)])
+    doc, img = tmp_path / "benchmarks.md", tmp_path / "img"
+    argv = ["--from-json", str(saved), "--scaling-json", str(scaling), "--doc", str(doc)]
+    assert bench_report.main([*argv, "--img-dir", str(img)]) == 0
+    text = doc.read_text()
+    speed_up = text[text.index("### Speed-up over one device") :]
+    assert f"Reused from `{scaling}`" in speed_up and "an emulated device of 0.25 s" in speed_up
+    assert "after 300 s" in speed_up and "over 1500kbit links" in speed_up
+    assert "| gossip-int8 | 4 | 1.9 | 2.44x | 4x | 70 |" in speed_up  # the saved run's times
+    training = text[: text.index("### Speed-up over one device")]
+    assert "an emulated device of 0.1 s" in training  # the comparison keeps its own step
+
+
 def test_link_rate_makes_an_exchange_take_half_a_round() -> None:
     n, h, step = _runner.n_params(), 10, 0.1
     rate = _plans.link_rate(n, h, step)
@@ -465,3 +490,4 @@ def test_a_run_s_exchange_rate_is_the_bytes_a_peer_sent_per_exchange_over_its_da
     numbers = _rows.summary_numbers([fast, slow, never])
     assert numbers["exchange_bytes_per_s"] == pytest.approx(150.0)  # 200 and 100; none from a peer with none
     assert numbers["dial_s"] == pytest.approx(0.2) and numbers["exchange_s"] == pytest.approx(0.625)
+    assert numbers["waiting_bytes_per_param"] == pytest.approx(0.5)  # after a round's last step, mean
