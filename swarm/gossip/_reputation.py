@@ -147,6 +147,7 @@ class Reputation:
             excess = clip.excess
             logger.warning("suspicious partner %s: its update was %.3gx our plausible radius", peer, excess)
         verdict, why = self._suspicions.judge(peer, clip.excess, clip.hard, blame=knows_own_norm)
+        logger.debug("judged %s: excess %.3g, hard %s, %s", peer, clip.excess, clip.hard, verdict.value)
         if verdict is Verdict.BAN:
             last = f"its update was {clip.excess:.3g}x our plausible radius (clipped to {clip.scale:.3g})"
             self.bans.ban(peer, f"suspicious exchanges: {why}; the last: {last}")
