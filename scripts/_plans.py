@@ -390,8 +390,8 @@ def plot_scaling(scaling: dict[str, Any], path) -> bool:
     ax.set_xlabel("devices")
     ax.set_ylabel(f"speed-up to {scaling['target']:g} bits/byte vs one device")
     ax.set_xticks(counts)
-    step = f", {scaling['step_time_s']:g} s steps" if "step_time_s" in scaling else ""
-    ax.set_title(f"batch {scaling['batch_size']:g} per device{step}, {scaling['rate']} links")
+    step = f"{scaling['step_time_s']:g} s steps"
+    ax.set_title(f"batch {scaling['batch_size']:g} per device, {step}, {scaling['rate']} links")
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()

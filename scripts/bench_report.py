@@ -104,6 +104,14 @@ def load_json(path: Path) -> dict[str, Any]:
         raise SystemExit(f"{path}: the last line is not JSON ({exc})") from exc
 
 
+def saved_section(path: Path, key: str) -> dict[str, Any]:
+    """Section ``key`` of a saved report (``--json``), marked as reused from ``path``."""
+    report = load_json(path)
+    if not isinstance(report.get(key), dict):
+        raise SystemExit(f"{path}: no {key!r} section; expected the JSON line of a bench_report --json run")
+    return {**report[key], "reused": str(path)}
+
+
 def regime() -> dict[str, Any]:
     """The settings every testbed run shares, with the link rate they imply."""
     h = int(_plans.GOSSIP["sync_every_steps"])
@@ -264,11 +272,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     args.budget = args.budget or (90.0 if args.quick else 150.0)
     args.cap = args.cap or (150.0 if args.quick else 300.0)
-    args.scaling = [1, 2, 4, 8] if args.scaling is None else args.scaling
     if args.scaling_json:
-        if args.scaling_only:
-            parser.error("--scaling-json reuses the speed-up runs: --scaling-only would run nothing")
+        if args.scaling_only or args.scaling:
+            parser.error(
+                "--scaling-json reuses the speed-up runs: --scaling-only and --scaling would run them"
+            )
         args.scaling = []
+    args.scaling = [1, 2, 4, 8] if args.scaling is None else args.scaling
     if args.step_time is not None and args.step_time <= 0:
         parser.error(f"--step-time {args.step_time}: must be positive")
     if args.rate not in (None, "none"):
@@ -336,9 +346,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         report = load_json(args.from_json) if args.from_json else collect(args, argv, say)
         if args.sweep_json:
-            report["sweep"] = {**load_json(args.sweep_json)["sweep"], "reused": str(args.sweep_json)}
+            report["sweep"] = saved_section(args.sweep_json, "sweep")
         if args.scaling_json:
-            report["scaling"] = {**load_json(args.scaling_json)["scaling"], "reused": str(args.scaling_json)}
+            report["scaling"] = saved_section(args.scaling_json, "scaling")
         if args.baselines_json:
             report["baselines"] = {**load_json(args.baselines_json), "reused": str(args.baselines_json)}
         if args.note:

@@ -299,8 +299,11 @@ def test_speed_up_runs_at_a_longer_step_are_reused_from_their_own_report(
     scaling.write_text("a progress line\n" + json.dumps({"scaling": longer}))
     args = bench_report.parse_args(["--quick", "--scaling-json", str(scaling)])
     assert args.scaling == []  # the comparison runs, the speed-up runs do not
-    with pytest.raises(SystemExit):
-        bench_report.parse_args(["--scaling-only", "--scaling-json", str(scaling)])
+    for running in (["--scaling-only"], ["--scaling", "8"]):
+        with pytest.raises(SystemExit):
+            bench_report.parse_args([*running, "--scaling-json", str(scaling)])
+    with pytest.raises(SystemExit, match="no 'scaling' section"):  # a baselines file, say
+        bench_report.saved_section(_averaging_json(tmp_path), "scaling")
     doc, img = tmp_path / "benchmarks.md", tmp_path / "img"
     argv = ["--from-json", str(saved), "--scaling-json", str(scaling), "--doc", str(doc)]
     assert bench_report.main([*argv, "--img-dir", str(img)]) == 0
