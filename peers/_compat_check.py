@@ -49,7 +49,8 @@ def open_probe(network: NetworkOptions, config: RunConfig) -> Iterator[SwarmNode
         host_maddrs=["/ip4/127.0.0.1/tcp/0"],
         announce_maddrs=[],
     )
-    info = NodeInfo(run_id=config.run.run_id, config_hash=config.config_hash(), role="trainer")
+    run = config.run
+    info = NodeInfo(run.run_id, config.config_hash(), "trainer", member_shards=run.member_shards)
     node = open_node(probe_network, info, config, announce=False)
     try:
         yield node
@@ -74,8 +75,9 @@ def look_at_swarm(node: SwarmNode, network: NetworkOptions, run_id: str | None) 
     run_id = run_id or discover_run_id(node.dht, trusted, LOOKUP_TIMEOUT_S)
     if run_id is None:
         return SwarmView(run_id="", published_yaml=None, published_hash=None, members=[])
-    members = list_members(node.dht, run_id, timeout_s=LOOKUP_TIMEOUT_S)
     chosen = fetch_run_config(node.dht, run_id, trusted, LOOKUP_TIMEOUT_S)
+    shards = chosen.config.run.member_shards if chosen is not None else node.info.member_shards
+    members = list_members(node.dht, run_id, member_shards=shards, timeout_s=LOOKUP_TIMEOUT_S)
     if chosen is None:
         return SwarmView(run_id=run_id, published_yaml=None, published_hash=None, members=members)
     return SwarmView(run_id, chosen.yaml, chosen.config_hash, members)

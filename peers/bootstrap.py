@@ -79,6 +79,7 @@ def run_bootstrap(
         public_name=public_name,
         device=device,
         device_memory_gb=memory,
+        member_shards=config.run.member_shards,
     )
     mirror: StateMirror | None = None
     watch: RunWatch | None = None

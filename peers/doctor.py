@@ -300,7 +300,8 @@ def check_reachability(report: Report, config: RunConfig, network: NetworkOption
         return
     from swarm import NodeInfo
 
-    info = NodeInfo(config.run.run_id, config.config_hash(), "averager", public_name=public_name[:64])
+    run, name = config.run, public_name[:64]
+    info = NodeInfo(run.run_id, config.config_hash(), "averager", name, member_shards=run.member_shards)
     node = common.open_node(network, info, config)
     try:
         result = node.check_reachability()

@@ -137,7 +137,7 @@ def _watched_run(
     if config.config_hash() != published.config_hash():
         typer.echo(f"run config: with your overrides its config hash is {config.config_hash()}", err=True)
     if node is not None:
-        node.observe_run(config.run.run_id, config.config_hash())
+        node.observe_run(config.run.run_id, config.config_hash(), config.run.member_shards)
     return config, common.resolve_network(config, flags), node
 
 
@@ -169,7 +169,8 @@ def observer_info(config: RunConfig) -> NodeInfo:
     """Identity of a read-only observer; it never announces, so the role is nominal."""
     from swarm import NodeInfo
 
-    return NodeInfo(run_id=config.run.run_id, config_hash=config.config_hash(), role="trainer")
+    run = config.run
+    return NodeInfo(run.run_id, config.config_hash(), "trainer", member_shards=run.member_shards)
 
 
 def snapshot_policy(

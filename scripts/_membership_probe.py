@@ -59,12 +59,12 @@ def key_kinds(run_id: str) -> dict[bytes, str]:
     """The DHT ids (as sent in RPCs) of ``run_id``'s membership and published-config keys."""
     from hivemind.dht.routing import DHTID
 
-    from swarm.membership import record_key, run_config_key
+    from swarm.membership import MAX_MEMBER_SHARDS, record_key, run_config_key
 
-    return {
-        DHTID.generate(source=record_key(run_id)).to_bytes(): "members",
-        DHTID.generate(source=run_config_key(run_id)).to_bytes(): "config",
+    members = {
+        DHTID.generate(source=record_key(run_id, s)).to_bytes(): "members" for s in range(MAX_MEMBER_SHARDS)
     }
+    return {**members, DHTID.generate(source=run_config_key(run_id)).to_bytes(): "config"}
 
 
 def _kind(keys: list[bytes], kinds: dict[bytes, str]) -> str:

@@ -174,9 +174,9 @@ def _kb(value: float | None) -> str:
 def table(rows: list[dict[str, Any]]) -> str:
     """The markdown table of N against membership bytes (kB/s, 1 kB = 1000 B)."""
     lines = [
-        "| N | peer sends kB/s | peer receives kB/s | peer total kB/s (max) | key holders serve kB/s "
-        "(busiest) | all nodes serve kB/s | record store B | list answer B | wire per peer tx+rx kB/s |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| N | shards | peer sends kB/s | peer receives kB/s | peer total kB/s (max) | key holders serve "
+        "kB/s (busiest) | all nodes serve kB/s | record store B | list answer B | wire per peer tx+rx kB/s |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
         m, sizes = r["membership"], r["sizes"]
@@ -185,7 +185,8 @@ def table(rows: list[dict[str, Any]]) -> str:
             wire = m["wire_peer_tx"]["mean"] + m["wire_peer_rx"]["mean"]
         busiest = m["holders"][0]["bytes_per_s"] if m["holders"] else None
         lines.append(
-            f"| {r['peers']} | {_kb(m['peer_sent']['mean'])} | {_kb(m['peer_received']['mean'])} | "
+            f"| {r['peers']} | {r.get('member_shards', 1)} | {_kb(m['peer_sent']['mean'])} | "
+            f"{_kb(m['peer_received']['mean'])} | "
             f"{_kb(m['peer_total']['mean'])} ({_kb(m['peer_total']['max'])}) | {_kb(m['holder_mean'])} "
             f"({_kb(busiest)}) | {_kb(m['served_total'])} | {_size(sizes['store_request_bytes'])} | "
             f"{_size(sizes['find_response_bytes'])} | {_kb(wire)} |"

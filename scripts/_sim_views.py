@@ -11,6 +11,11 @@ phases drawn at random:
   one random shard. No partner can fill a sample: what one source offers keeps at most ``SAMPLE // 4``
   places, and the shard reads (placed by a hash, not by anyone's say) refill the rest. No schedule:
   a round's partner is a random entry.
+* ``shards`` (the trainer with ``run.member_shards`` > 1): records are stored in shards as for
+  ``sample``; every other refresh a peer reads one shard, the next of a random rotation of them all
+  (four at once for a first view), and its view is what it read whose records have not expired (plus
+  a read period), at most 32 a read: the product's :class:`swarm.membership.MemberView`. No
+  schedule (the trainer needs ``averaging.partners: random``): a round's partner is a random entry.
 * ``lookup``: no view of the run. Round ``r``'s partner is the live node nearest (XOR) to
   ``id(me) XOR 2^(63 - k)``, ``k = r mod d``, found by a Kademlia lookup and kept ``FINGER_TTL_S``
   (or until a dial to it fails); ``d = round(log2 N')`` with ``N'`` estimated from the distance to
@@ -35,6 +40,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from swarm.gossip import consensus_order, hypercube_partner
+from swarm.membership import Member, MemberView, shard_of
 
 if TYPE_CHECKING:
     from scripts._sim_host import Host
@@ -58,13 +64,18 @@ SHARD_EVERY = 4
 FINGER_TTL_S = 30.0
 SELF_EVERY = 10
 SALT = "sim"
-KINDS = ("full", "sample", "lookup")
+KINDS = ("full", "sample", "shards", "lookup")
 
 
 def lookup_bytes(n: int) -> int:
     """Bytes a Kademlia lookup among ``n`` nodes sends and receives."""
     hops = math.ceil(math.log(max(n, 2)) / math.log(BUCKET)) + 1
     return hops * ALPHA * (2 * REQUEST_BYTES + BUCKET * CONTACT_BYTES)
+
+
+def shard_count(peers: int) -> int:
+    """Shards for ``peers`` records, about ``SHARD_TARGET`` each (a power of two)."""
+    return 2 ** max(0, round(math.log2(max(1, peers) / SHARD_TARGET)))
 
 
 def node_id(pid: str) -> int:
@@ -155,7 +166,7 @@ class SampleView(Views):
 
     def __init__(self, sim: Host) -> None:
         super().__init__(sim)
-        self.shards = 2 ** max(0, round(math.log2(max(1, sim.cfg.peers) / SHARD_TARGET)))
+        self.shards = shard_count(sim.cfg.peers)
         self._members: list[list[Peer]] = [[] for _ in range(self.shards)]
         self._reads: dict[str, int] = {}
 
@@ -241,6 +252,46 @@ def merge(sample: dict[str, tuple[float, str]], offered: dict[str, float], sourc
         kept[pid] = (seen, src)
     sample.clear()
     sample.update(kept)
+
+
+class ShardView(Views):
+    name = "shards"
+
+    def __init__(self, sim: Host) -> None:
+        super().__init__(sim)
+        self.shards = shard_count(sim.cfg.peers)
+        self._members: list[list[Peer]] = [[] for _ in range(self.shards)]
+        self._views: dict[str, MemberView] = {}
+
+    def add(self, peer: Peer) -> None:
+        self._members[shard_of(peer.pid, self.shards)].append(peer)
+
+    def start(self, peer: Peer, joining: bool) -> None:
+        self._views[peer.pid] = MemberView.for_run(self.shards, self.sim.cfg.view_refresh_s, self.sim.rng)
+        self.read(peer)
+
+    def refresh(self, peer: Peer) -> None:
+        self.count(peer, REPLICAS * RECORD_BYTES, 0)
+        self.read(peer)
+
+    def read(self, peer: Peer) -> None:
+        """The product's refresh: the next shards of the rotation, each a lookup and its records."""
+        view, now = self._views[peer.pid], self.sim.clock.now
+        read: dict[int, list[Member] | None] = {}  # no shard at some refreshes: the view is kept
+        for shard in view.next_shards():
+            found = [p.pid for p in self._members[shard] if self.listed(p)]
+            got = len(found) * RECORD_BYTES
+            self.count(peer, REQUEST_BYTES, lookup_bytes(self.sim.cfg.peers) + got)
+            self.serve(f"shard-{shard}", got)
+            # a record read now lives on for about the rest of its lifetime: half of it, on average
+            expires = now + self.sim.cfg.record_ttl_s - self.sim.cfg.view_refresh_s / 2
+            read[shard] = [Member(pid, None, expires) for pid in found]  # type: ignore[arg-type]
+        view.update(read, now)
+        peer.view = [m.peer_id for m in view.members(now) if m.peer_id != peer.pid]
+
+    def failed(self, peer: Peer, pid: str) -> None:
+        super().failed(peer, pid)
+        peer.view = [p for p in peer.view if p != pid]
 
 
 class LookupView(Views):
@@ -338,7 +389,7 @@ class LookupView(Views):
 
 def make_views(kind: str, sim: Host) -> Views:
     """The design ``kind`` (one of :data:`KINDS`) for ``sim``."""
-    designs = {"full": FullView, "sample": SampleView, "lookup": LookupView}
+    designs = {"full": FullView, "sample": SampleView, "shards": ShardView, "lookup": LookupView}
     if kind not in designs:
         raise ValueError(f"unknown view {kind!r}: {', '.join(KINDS)}")
     return designs[kind](sim)

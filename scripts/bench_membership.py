@@ -54,9 +54,17 @@ def _say(text: str) -> None:
     print(f"[bench-membership] {text}", file=sys.stderr, flush=True)
 
 
-def _common(args: argparse.Namespace) -> list[str]:
-    sets = [f"averaging.backend={args.backend}", *args.set]
+def _common(args: argparse.Namespace, peers: int) -> list[str]:
+    sets = [f"averaging.backend={args.backend}", *_shard_sets(args, peers), *args.set]
     return ["--config", CONFIG, *[a for s in sets for a in ("--set", s)]]
+
+
+def _shard_sets(args: argparse.Namespace, peers: int) -> list[str]:
+    """With ``--records-per-shard K``: the run's records spread over about N / K keys."""
+    if not args.records_per_shard:
+        return []
+    shards = max(1, round(peers / args.records_per_shard))
+    return [f"run.member_shards={shards}", "averaging.partners=random"] if shards > 1 else []
 
 
 def _wait(swarm: Swarm, seconds: float, what: str, done: Any = None) -> float:
@@ -97,7 +105,7 @@ def _start(swarm: Swarm, peers: int, args: argparse.Namespace) -> tuple[str, flo
     joiner's ping in time); return the bootstrap's address and the seconds until all had joined."""
     from peers.local import wait_for_join_line
 
-    common = _common(args)
+    common = _common(args, peers)
     boot = swarm.start("bootstrap", 0, ["bootstrap", *common, "--public-name", "bench-bootstrap"])
     maddr = wait_for_join_line(boot.log.with_suffix(".out"), boot.proc, timeout_s=START_TIMEOUT_S)
     started = time.monotonic()
@@ -201,11 +209,12 @@ def run_one(peers: int, args: argparse.Namespace, log_dir: Path) -> dict[str, An
         lab.start()
     swarm = Swarm(log_dir, RUN_ID, lab, nice=args.peer_nice)
     row: dict[str, Any] = {"peers": peers, "backend": args.backend, "netns": args.netns, "logs": str(log_dir)}
+    row["member_shards"] = max(1, round(peers / args.records_per_shard)) if args.records_per_shard else 1
     try:
         maddr, joined_s = _start(swarm, peers, args)
         row |= _measure(swarm, peers, args, joined_s)
         if args.monitor:
-            row["monitor"] = time_monitor(swarm, peers + 1, maddr, _common(args), args.profile, _say)
+            row["monitor"] = time_monitor(swarm, peers + 1, maddr, _common(args, peers), args.profile, _say)
     except (RuntimeError, KeyboardInterrupt) as exc:
         row["error"] = str(exc) or type(exc).__name__
     finally:
@@ -268,6 +277,12 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         default=0,
         help="run the bootstrap and trainers at this niceness; the monitor runs at 0, as on its own machine",
+    )
+    parser.add_argument(
+        "--records-per-shard",
+        type=int,
+        default=0,
+        help="spread the records over N / K keys (run.member_shards; averaging.partners: random); 0: one key",
     )
     parser.add_argument("--set", action="append", default=[], help="more config overrides")
     parser.add_argument("--log-dir", type=Path, help="where the logs go (default: a new folder in runs/)")

@@ -114,6 +114,7 @@ def plan(args: argparse.Namespace) -> list[tuple]:
                     churn_per_min=args.churn_per_min,
                     join_delay_s=args.join_delay_s,
                     view_refresh_s=args.view_refresh_s,
+                    record_ttl_s=args.record_ttl_s,
                     view=view,
                     cosine=not args.flat,
                     lr=args.lr,
@@ -212,6 +213,7 @@ def parser() -> argparse.ArgumentParser:
     add("--churn-per-min", type=float, default=0.0, help="share of N replaced per minute")
     add("--join-delay-s", type=float, default=defaults.join_delay_s)
     add("--view-refresh-s", type=float, default=defaults.view_refresh_s)
+    add("--record-ttl-s", type=float, default=defaults.record_ttl_s, help="a membership record's lifetime")
     add("--views", default="full", help=f"comma-separated membership designs: {', '.join(VIEWS)}")
     add("--sync-every", type=int, default=5, help="H, inner steps per round")
     add("--max-lag", type=int, default=None, help="rounds a non-blocking exchange may lag (default 3)")

@@ -16,17 +16,22 @@ from typing import Any
 
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.utils.crypto import RSAPrivateKey
+from hivemind.utils.timed_storage import get_dht_time
 
 from swarm import __version__
 from swarm.membership import (
     PROTOCOL_VERSION,
     Announcer,
     Member,
+    MemberView,
     PeerRecord,
     PeerRole,
     Reachability,
     list_members,
     membership_validators,
+    read_shards,
+    record_key,
+    shard_of,
 )
 from swarm.network import (
     ANNOUNCED_LOOKUP_TIMEOUT_S,
@@ -57,6 +62,8 @@ class NodeInfo:
     public_name: str = ""
     device: str = "cpu"
     device_memory_gb: float = 0.0
+    member_shards: int = 1
+    """``run.member_shards``: how many DHT keys the run's records are spread over."""
 
 
 class SwarmNode:
@@ -79,6 +86,7 @@ class SwarmNode:
         record_ttl_s: float = 10.0,
     ):
         self.info, self.network = info, network
+        self._record_interval_s = record_interval_s
         identity_path = network.resolved_identity_path()
         self._identity_key = load_identity(identity_path)
         self._signer = RSASignatureValidator(self._identity_key)
@@ -88,7 +96,7 @@ class SwarmNode:
         self._relay_addresses: list[str] = []
         self.reachability: Reachability = "client" if network.client_mode else "unknown"
         self._checker: ReachabilityChecker | None = None
-        self._recent_members: list[Member] | None = None
+        self._view: MemberView | None = None  # made by the first recent_members(): peers that pick partners
         self._next_rejoin = time.monotonic() + REJOIN_EVERY_S
         self._rejoining: Any = None  # the pings in flight (an MPFuture of how many answered)
         self._connecting: Any = None  # connections out to direct members, while relayed (an MPFuture)
@@ -102,7 +110,7 @@ class SwarmNode:
         if announce:
             self._announcer = Announcer(
                 self.dht,
-                info.run_id,
+                record_key(info.run_id, shard_of(self.peer_id, info.member_shards)),
                 self._signer,
                 self.record,
                 interval_s=record_interval_s,
@@ -232,12 +240,16 @@ class SwarmNode:
 
     def _announced_addresses(self, peer_id: str) -> list[str] | None:
         """The addresses in ``peer_id``'s live record (for the checks we answer); None without one."""
-        for member in list_members(self.dht, self.info.run_id, timeout_s=ANNOUNCED_LOOKUP_TIMEOUT_S):
+        run_id, shards = self.info.run_id, self.info.member_shards
+        own = [shard_of(peer_id, shards)]
+        for member in list_members(
+            self.dht, run_id, member_shards=shards, shards=own, timeout_s=ANNOUNCED_LOOKUP_TIMEOUT_S
+        ):
             if member.peer_id == peer_id:
                 return list(member.record.addresses) or None
         return None
 
-    def observe_run(self, run_id: str, config_hash: str) -> None:
+    def observe_run(self, run_id: str, config_hash: str, member_shards: int = 1) -> None:
         """Read run ``run_id`` from now on (a node that does not announce, opened before it knew the run,
         e.g. a monitor that found the run through its initial peers): that run's record validators are
         added to the DHT, and :meth:`members` reads its members. Saves starting a second DHT."""
@@ -245,31 +257,48 @@ class SwarmNode:
             raise RuntimeError("an announcing node cannot change its run")
         if run_id != self.info.run_id:
             self.dht.add_validators(membership_validators(run_id, self._signer))
-        self.info = dataclasses.replace(self.info, run_id=run_id, config_hash=config_hash)
+        self.info = dataclasses.replace(
+            self.info, run_id=run_id, config_hash=config_hash, member_shards=member_shards
+        )
 
     def members(self) -> list[Member]:
-        """The live members of this run, this peer included once its record is stored.
+        """The live members of this run (every shard of it, read at once), this peer included once its
+        record is stored. For a whole view taken once (a monitor, a joiner choosing donors); a trainer's
+        rounds use :meth:`recent_members`, whose reads stay bounded as the run grows.
 
         The circuit addresses of relayed members are noted for :func:`swarm.p2p.dial`, which reaches
         them through those relays.
         """
-        members = list_members(self.dht, self.info.run_id)
+        members = list_members(self.dht, self.info.run_id, member_shards=self.info.member_shards)
+        self._note_relays(members)
+        return members
+
+    def _note_relays(self, members: list[Member]) -> None:
         for member in members:
             if member.peer_id != self.peer_id:
                 note_relay_addresses(member.peer_id, member.record.addresses)
-        return members
 
     def recent_members(self) -> list[Member]:
-        """The live members as read by the announcer thread right after its last announcement (every
-        record interval, and after :meth:`announce_soon`); read here only before the first one.
+        """This peer's view of the live members (:class:`~swarm.membership.MemberView`), as the announcer
+        thread last refreshed it, right after its last announcement (every record interval, and after
+        :meth:`announce_soon`); the first call reads it here.
 
-        For the training thread, which must not wait on a DHT lookup after every round; the list is
-        at most one record interval older than :meth:`members`'.
+        For the training thread, which must not wait on a DHT lookup after every round; the view is at
+        most one record interval old. With one member shard it is the whole list; with more, the
+        members of the shards read within one record lifetime.
         """
-        recent = self._recent_members
-        if recent is None:  # from now on the announcer thread keeps it current
-            recent = self._recent_members = self.members()
-        return list(recent)
+        if self._view is None:  # from now on the announcer thread keeps it current
+            self._view = MemberView.for_run(self.info.member_shards, self._record_interval_s)
+            self._read_view(self._view)
+        return self._view.members(get_dht_time())
+
+    def _read_view(self, view: MemberView) -> None:
+        shards = view.next_shards()
+        if not shards:
+            return
+        read = read_shards(self.dht, self.info.run_id, view.shards, shards)
+        view.update(read, get_dht_time())
+        self._note_relays([m for found in read.values() for m in found or ()])
 
     def _after_announcing(self) -> None:
         """On the announcer's thread, after each periodic announcement."""
@@ -281,8 +310,9 @@ class SwarmNode:
             self._rejoin()
 
     def _read_members(self) -> None:
-        if self._recent_members is not None:  # only for nodes that use the view (not bootstraps, monitors)
-            self._recent_members = self.members()
+        view = self._view
+        if view is not None:  # only for nodes that use the view (not bootstraps, monitors)
+            self._read_view(view)
 
     def _connect_out(self) -> None:
         """While relayed: connect out to the direct members, so that their streams to us need no relay
@@ -290,7 +320,7 @@ class SwarmNode:
         pending = self._connecting
         if pending is not None and not pending.done():
             return
-        members = self._recent_members if self._recent_members is not None else []
+        members = self._view.members(get_dht_time()) if self._view is not None else []
         direct = {
             m.peer_id: list(m.record.addresses)
             for m in members

@@ -21,6 +21,10 @@ frames as whole models.
 ``companion`` part are gone), so a version-6 peer that still offers pseudo-gradients never meets one
 that reads them as a model."""
 
+MAX_MEMBER_SHARDS = 256
+"""The most DHT keys a run's membership records may be spread over (``run.member_shards``); every
+node's record schema covers that many keys."""
+
 
 def protocol_id(service: str, run_id: str) -> str:
     """The libp2p protocol id of one of swarm's stream services (``gossip``, ``state``, ``reach``...)

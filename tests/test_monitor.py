@@ -220,11 +220,11 @@ def test_the_monitor_watches_through_the_node_that_fetched_the_config_and_says_s
     )
 
     class Probe:
-        watched: tuple[str, str] | None = None
+        watched: tuple[str, str, int] | None = None
         closed = False
 
-        def observe_run(self, run_id: str, config_hash: str) -> None:
-            Probe.watched = (run_id, config_hash)
+        def observe_run(self, run_id: str, config_hash: str, member_shards: int = 1) -> None:
+            Probe.watched = (run_id, config_hash, member_shards)
 
     @contextmanager
     def probe(network, cfg):
@@ -239,7 +239,7 @@ def test_the_monitor_watches_through_the_node_that_fetched_the_config_and_says_s
     result = runner.invoke(app, ["monitor", "--initial-peers", peer, "--once"])
     assert result.exit_code == 0, result.output
     assert isinstance(ran["node"], Probe) and Probe.closed  # the same node watched, closed at the end
-    assert Probe.watched == (config.run.run_id, config.config_hash())
+    assert Probe.watched == (config.run.run_id, config.config_hash(), config.run.member_shards)
     assert ran["policy"].trusted_peers == {peer.rsplit("/", 1)[-1]}  # its bootstrap's totals count
     (line,) = result.output.splitlines()
     digest = config.config_hash()

@@ -1,4 +1,5 @@
-"""`swarm monitor` against a real swarm on loopback: a bootstrap and 3 `swarm join` trainers."""
+"""`swarm monitor` against a real swarm on loopback: a bootstrap and 3 `swarm join` trainers, their
+records spread over two DHT keys (``run.member_shards``): the bootstrap and the monitor read both."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import urllib.request
 import pytest
 
 from swarm.membership import PROTOCOL_VERSION
-from tests._local_swarm import spawn_live_monitor, spawn_local_swarm, spawn_monitor
+from tests._local_swarm import SHARDED_RUN, spawn_live_monitor, spawn_local_swarm, spawn_monitor
 from tests._processes import heavy_scenario, swarm_cli, wait_until
 
 PEER_FIELDS = {
@@ -43,13 +44,16 @@ def _snapshot_lines(process) -> list[dict]:
 @heavy_scenario
 @pytest.mark.multipeer
 def test_monitor_against_a_local_swarm_of_three(spawn, tmp_path) -> None:
-    boot, maddr, joiners = spawn_local_swarm(spawn, "local-bootstrap", [f"local-{n}" for n in (1, 2, 3)])
+    names = [f"local-{n}" for n in (1, 2, 3)]
+    boot, maddr, joiners = spawn_local_swarm(spawn, "local-bootstrap", names, SHARDED_RUN)
     for joiner in joiners:
         joiner.wait_for_line(lambda text: "joined run" in text, timeout=120)
 
     history = tmp_path / "history.jsonl"
-    live = spawn_live_monitor(spawn, maddr, "--prometheus-port", "0", "--history", str(history))
-    once = spawn_monitor(spawn, maddr, "--once", "--format", "json")
+    live = spawn_live_monitor(
+        spawn, maddr, "--prometheus-port", "0", "--history", str(history), run=SHARDED_RUN
+    )
+    once = spawn_monitor(spawn, maddr, "--once", "--format", "json", run=SHARDED_RUN)
     assert once.wait(timeout=120) == 0, once.output()
     doc = _json_document(once.output())
 
@@ -100,7 +104,7 @@ def test_monitor_against_a_local_swarm_of_three(spawn, tmp_path) -> None:
 def _assert_the_run_outlives_its_trainers(spawn, boot, maddr: str, trained: int) -> None:
     """The trainers left: a monitor started now still shows what the run trained, as a finished run
     (the bootstrap kept the count and announces it), and the bootstrap named who came and went."""
-    late = spawn_live_monitor(spawn, maddr)
+    late = spawn_live_monitor(spawn, maddr, run=SHARDED_RUN)
     wait_until(
         lambda: any(s["totals"]["run_state"] == "finished" for s in _snapshot_lines(late)),
         120,

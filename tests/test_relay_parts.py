@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 
 from peers._common import reachability_lines
+from swarm.membership import MemberView
 from swarm.network import NetworkOptions, ReachabilityResult
 from swarm.p2p import RelayedBytes, note_relay_addresses, relays_of, split_circuit
 from swarm.p2p import _relay as relay_module
@@ -127,17 +128,19 @@ def test_a_relayed_node_connects_out_to_direct_members_only_one_batch_at_a_time(
     def member(peer_id: str, reachability: str, client_mode: bool = False) -> SimpleNamespace:
         addresses = [f"/ip4/10.77.0.9/tcp/4200/p2p/{peer_id}"]
         record = SimpleNamespace(reachability=reachability, client_mode=client_mode, addresses=addresses)
-        return SimpleNamespace(peer_id=peer_id, record=record)
+        return SimpleNamespace(peer_id=peer_id, record=record, expires_at=float("inf"))
 
     node = _node.SwarmNode.__new__(_node.SwarmNode)
     node.dht, node._connecting = None, None
-    node._recent_members = [
+    node._view = MemberView(1)
+    members = [
         member("direct1", "direct"),
         member("relayed", "relay"),
         member("client", "client", client_mode=True),
         member("unknown", "unknown"),
         member("direct2", "direct"),
     ]
+    node._view.update({0: members}, now=0.0)
     node._connect_out()
     assert asked == [{p: [f"/ip4/10.77.0.9/tcp/4200/p2p/{p}"] for p in ("direct1", "direct2")}]
     node._connect_out()  # the first batch is still out: no second one

@@ -246,6 +246,36 @@ def test_with_training_off_the_spread_of_8_shrinks_geometrically_under_churn(wor
     assert result["pairing"]["success"] > 0.8
 
 
+def test_sharded_views_pair_under_churn_for_a_fraction_of_the_whole_lists_bytes(world: World) -> None:
+    """The product's sharded membership (scripts/_sim_views.py ``shards``: each peer reads one shard every
+    other refresh) at N = 64: partners found as reliably, models pulled together, bytes cut."""
+    results = {}
+    for view in ("full", "shards"):
+        cfg = SimConfig(
+            rule=Rule("late", model_wire="fp32", max_lag=1),
+            peers=64,
+            samples=64 * 5 * 8,
+            step_times="0.5",
+            churn_per_min=1.0,
+            join_delay_s=1.0,
+            view_refresh_s=1.0,
+            record_ttl_s=4.0,
+            view=view,
+            training=False,
+            init_spread=1.0,
+            eval_every=64 * 5 * 8,
+            curve_batches=0,
+            eval_batches=0,
+        )
+        results[view] = Simulation(cfg, world=world).run()
+    full, shards = results["full"], results["shards"]
+    assert shards["churn"]["left"] >= 5 and shards["churn"]["joined"] >= 1
+    assert shards["pairing"]["success"] > 0.9 and shards["pairing"]["scheduled_partner"] == 0
+    assert shards["curve"][-1][3] < 0.05  # 8 rounds of random pairs: the spread of 1.0 shrank 20-fold
+    assert shards["membership"]["bytes_per_peer_s"] < full["membership"]["bytes_per_peer_s"] / 2
+    assert shards["membership"]["hottest_key_served_s"] < full["membership"]["hottest_key_served_s"] / 10
+
+
 def test_the_cli_prints_one_row_per_run_with_its_gaps(capsys: pytest.CaptureFixture[str]) -> None:
     from scripts import simulate
 

@@ -113,6 +113,15 @@ def _record_commits(peer: TrainingPeer) -> list[_Commit]:
 
 
 @pytest.mark.multipeer
+def _served_steps(peer: TrainingPeer) -> int:
+    """The fewest steps of the states ``peer`` serves now (the one it announces, and those it replaced
+    that a record may still name); -1 before it serves any."""
+    server = peer.backend.state_server
+    with server._lock:
+        states = [published.state for published in server._open]
+    return min((state.meta["step"] for state in states), default=-1)
+
+
 def test_joiner_adopts_live_parameters_and_slow_fast_peers_both_contribute(tmp_path) -> None:
     """A fresh peer starts from a live peer's published state; then the 3x slower peer and the fast one
     average their models, each side starting exchanges and serving them."""
@@ -130,12 +139,14 @@ def test_joiner_adopts_live_parameters_and_slow_fast_peers_both_contribute(tmp_p
         fast_commits = _record_commits(fast.peer)
         fast.start()
         maddrs = fast.peer.node.visible_maddrs()
-        # A trainer publishes its state at each sync round (here every second), not at each step: wait
-        # for a round whose published state has trained TRAINED_STEPS steps, whatever the machine's speed.
+        # A trainer publishes its state after a round at most once per record lifetime (a record may
+        # name the state it replaces), so the state a joiner finds lags the rounds by seconds, more on a
+        # loaded machine: wait until the state every live record of it can name has trained
+        # TRAINED_STEPS steps, whatever the machine's speed.
         wait_until(
-            lambda: any(r.step >= TRAINED_STEPS for r in fast.reports),
+            lambda: _served_steps(fast.peer) >= TRAINED_STEPS,
             timeout=120,
-            what=f"the first peer to publish a state trained for {TRAINED_STEPS} steps",
+            what=f"the first peer to serve only states trained for {TRAINED_STEPS} steps",
         )
         slow_config = base.model_copy(
             update={"emulation": base.emulation.model_copy(update={"slowdown": 3.0})}
@@ -230,8 +241,14 @@ def test_a_joiner_without_a_trusted_donor_is_not_dialled_while_joining_and_retri
         assert len(calls) == 3 and "attempt 3/3: test: refused" in caplog.text, caplog.text
         backend = joiner.peer.backend
         assert backend._model_offers.offer() is None  # at the seed: nothing for a partner to judge
-        backend._own_round()  # its next round tries once more, as the sync worker would
-        assert len(calls) == 4 and backend._model_offers.accepting
+        # each later round tries once more, as the sync worker would run it; a try may still fail on a
+        # loaded machine (the live peer busy with its own round), so a few rounds are allowed
+        for rounds in range(1, 6):
+            backend._own_round()
+            assert len(calls) == 3 + rounds  # one try a round
+            if backend._model_offers.accepting:
+                break
+        assert backend._model_offers.accepting
         assert [u.kind for u in backend.live.apply_pending()] == ["anchor"]  # the partner's state
         assert joiner.peer.join_result.donors == ()  # no download: the anchor exchange
         assert evaluate(joiner.peer.model, joiner.peer.eval_set, 2) < 8.0 - 1.0, "it started from the seed"

@@ -89,8 +89,10 @@ def _origin(loc: Loc, tree: Any, origins: dict[Loc, str]) -> str:
 
 def _format(error: Any, tree: dict[str, Any], origins: dict[Loc, str]) -> str:
     loc: Loc = tuple(error["loc"])
-    origin = _origin(loc, tree, origins)
     kind = error["type"]
+    if kind == "section_key":  # a section's check that names one of its keys
+        loc, error = (*loc, error["ctx"]["key"]), {**error, "input": error["ctx"]["value"]}
+    origin = _origin(loc, tree, origins)
     if kind == "extra_forbidden":
         message = _unknown_key_message(loc)
     else:

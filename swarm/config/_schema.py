@@ -14,6 +14,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from swarm._protocol import MAX_MEMBER_SHARDS
 from swarm._tokenizer import Tokenizer, TokenizerError, load_tokenizer
 from swarm.config._exchange_sections import AveragingSection, CompressionSection, PipelineSection
 from swarm.config._section import Section, cross_field, per_peer_field
@@ -41,6 +42,15 @@ class RunSection(Section):
     seed: int = Field(0, ge=0, description="Seed for model initialisation and data order.")
     target_samples: Annotated[int, Field(gt=0)] | None = Field(
         None, description="Samples the whole swarm aims to process; the monitor shows progress and ETA."
+    )
+    member_shards: int = Field(
+        1,
+        ge=1,
+        le=MAX_MEMBER_SHARDS,
+        description="DHT keys the members' records are spread over. 1: every peer reads the whole member "
+        "list each record interval. More (about peers / 8 for runs of hundreds): each trainer reads one "
+        "key per interval, so its membership traffic stays flat as the run grows; needs "
+        "averaging.partners: random (docs/architecture.md, 'What membership costs as the swarm grows').",
     )
 
 
@@ -318,7 +328,9 @@ class RunConfig(BaseModel):
     model: ModelSection = Field(default_factory=ModelSection, description="The model.")
     data: DataSection = Field(default_factory=DataSection, description="Training data.")
     train: TrainSection = Field(default_factory=TrainSection, description="Inner training loop.")
-    averaging: AveragingSection = Field(default_factory=AveragingSection, description="Gossip averaging.")
+    averaging: AveragingSection = Field(
+        default_factory=AveragingSection, validate_default=True, description="Gossip averaging."
+    )
     compression: CompressionSection = Field(default_factory=CompressionSection, description="Wire codecs.")
     pipeline: PipelineSection = Field(default_factory=PipelineSection, description="Pipeline stages.")
     emulation: EmulationSection = per_peer_field(
@@ -335,6 +347,29 @@ class RunConfig(BaseModel):
         if isinstance(data, dict):
             return {key: ({} if value is None and key in SECTIONS else value) for key, value in data.items()}
         return data
+
+    @field_validator("averaging")
+    @classmethod
+    def _schedule_needs_all(cls, averaging: AveragingSection, info: ValidationInfo) -> AveragingSection:
+        """The hypercube schedule orders every live trainer, and the all-reduce baseline's group waits
+        for every one, so both need the whole member list; a peer of a sharded run sees only part of
+        it, and views that differ would pair nobody as scheduled."""
+        run = info.data.get("run")
+        if run is not None and run.member_shards > 1 and averaging.backend == "allreduce":
+            message = (
+                "cannot be 'allreduce' when run.member_shards > 1 (here {shards}): its group waits for "
+                "every live trainer, and a peer of a sharded run sees only some"
+            )
+            context = {"key": "backend", "value": averaging.backend, "shards": run.member_shards}
+            raise PydanticCustomError("section_key", message, context)
+        if run is not None and run.member_shards > 1 and averaging.partners == "hypercube":
+            message = (
+                "must be 'random' when run.member_shards > 1 (here {shards}): the hypercube schedule needs "
+                "every peer to read the whole member list"
+            )
+            context = {"key": "partners", "value": averaging.partners, "shards": run.member_shards}
+            raise PydanticCustomError("section_key", message, context)
+        return averaging
 
     @field_validator("data")
     @classmethod

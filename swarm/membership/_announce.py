@@ -1,4 +1,4 @@
-"""Periodic announcement of this peer's record under the run's DHT key."""
+"""Periodic announcement of this peer's record under its shard of the run's DHT keys."""
 
 from __future__ import annotations
 
@@ -10,14 +10,15 @@ from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.utils.timed_storage import get_dht_time
 
 from swarm._periodic import PeriodicTask
-from swarm.membership._record import PeerRecord, record_key
+from swarm.membership._record import PeerRecord
 from swarm.membership._signed import MAX_RECORD_AHEAD_S
 
 logger = logging.getLogger(__name__)
 
 
 class Announcer:
-    """Stores a fresh signed record every ``interval_s`` with an expiration ``ttl_s`` ahead.
+    """Stores a fresh signed record under ``key`` (:func:`~swarm.membership.record_key` of its shard) every
+    ``interval_s`` with an expiration ``ttl_s`` ahead.
 
     The record is built by ``snapshot`` at each announcement, so it always carries current metrics.
     ``after`` runs on the announcer's thread after each periodic announcement.
@@ -28,7 +29,7 @@ class Announcer:
     def __init__(
         self,
         dht: hivemind.DHT,
-        run_id: str,
+        key: str,
         signer: RSASignatureValidator,
         snapshot: Callable[[], PeerRecord],
         *,
@@ -38,7 +39,7 @@ class Announcer:
     ):
         if ttl_s < interval_s:
             raise ValueError(f"record ttl {ttl_s}s must not be shorter than the interval {interval_s}s")
-        self._dht, self._key, self._signer = dht, record_key(run_id), signer
+        self._dht, self._key, self._signer = dht, key, signer
         # nodes refuse records that expire later than this (swarm/membership/_validators.py)
         self._snapshot, self._ttl_s, self._after = snapshot, min(ttl_s, MAX_RECORD_AHEAD_S), after
         self._task = PeriodicTask(self._announce_then, interval_s, name="swarm-announcer")

@@ -7,12 +7,14 @@ v1 model. Limits are generous but finite: a record is untrusted input from an ar
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal
+import hashlib
+from typing import TYPE_CHECKING, Any, Literal
 
 import pydantic.v1 as pydantic
 from hivemind.dht.schema import BytesWithPublicKey
 from pydantic.v1 import StrictBool, confloat, conint, conlist, constr
 
+from swarm._protocol import MAX_MEMBER_SHARDS
 from swarm.membership._signed import StrictSchemaValidator
 
 RECORD_KEY_SUFFIX = "members"
@@ -99,15 +101,30 @@ class PeerRecord(FrozenModel):
     started_at: NonNegative = 0.0
 
 
-class _MembersSchema(pydantic.BaseModel):
-    """DHT schema: key ``<run_id>_members`` maps a signed subkey (the owner's public key) to a record."""
+def shard_field(shard: int) -> str:
+    """The schema field (and key suffix) of shard ``shard``: ``members`` for shard 0, as before shards."""
+    return RECORD_KEY_SUFFIX if shard == 0 else f"{RECORD_KEY_SUFFIX}_{shard}"
 
-    members: dict[BytesWithPublicKey, PeerRecord]
+
+def record_key(run_id: str, shard: int = 0) -> str:
+    """The DHT key under which the members of run ``run_id`` in shard ``shard`` announce themselves."""
+    if not 0 <= shard < MAX_MEMBER_SHARDS:
+        raise ValueError(f"member shard {shard} is outside 0..{MAX_MEMBER_SHARDS - 1}")
+    return f"{run_id}_{shard_field(shard)}"
 
 
-def record_key(run_id: str) -> str:
-    """The DHT key under which the members of run ``run_id`` announce themselves."""
-    return f"{run_id}_{RECORD_KEY_SUFFIX}"
+def shard_of(peer_id: str, shards: int) -> int:
+    """The shard (of ``shards``) that holds ``peer_id``'s record: a hash, so nobody chooses it cheaply."""
+    digest = hashlib.sha256(peer_id.encode()).digest()
+    return int.from_bytes(digest[:8], "big") % max(1, shards)
+
+
+# DHT schema: each shard key ``<run_id>_members[_<s>]`` maps a signed subkey (its owner's public key) to
+# that owner's record
+_SHARD_FIELDS: dict[str, Any] = {
+    shard_field(s): (dict[BytesWithPublicKey, PeerRecord], None) for s in range(MAX_MEMBER_SHARDS)
+}
+_MembersSchema = pydantic.create_model("_MembersSchema", **_SHARD_FIELDS)
 
 
 def members_validator(run_id: str) -> StrictSchemaValidator:

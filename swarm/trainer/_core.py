@@ -143,7 +143,15 @@ class PeerCore(Generic[T]):
         # the node announces at once, while the trainee is still being built: a joining peer's record
         self._fields = lambda: self.progress.record_fields("joining", ExchangeMetrics())
         device_name, memory = describe_device(str(self.device))
-        info = NodeInfo(config.run.run_id, config.config_hash(), "trainer", public_name, device_name, memory)
+        info = NodeInfo(
+            config.run.run_id,
+            config.config_hash(),
+            "trainer",
+            public_name,
+            device_name,
+            memory,
+            member_shards=config.run.member_shards,
+        )
         self.node = SwarmNode(
             network,
             info,
