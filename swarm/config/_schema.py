@@ -355,20 +355,24 @@ class RunConfig(BaseModel):
         for every one, so both need the whole member list; a peer of a sharded run sees only part of
         it, and views that differ would pair nobody as scheduled."""
         run = info.data.get("run")
-        if run is not None and run.member_shards > 1 and averaging.backend == "allreduce":
-            message = (
+        if run is None or run.member_shards == 1:
+            return averaging
+        refused = {
+            "backend": (
+                averaging.backend == "allreduce",
                 "cannot be 'allreduce' when run.member_shards > 1 (here {shards}): its group waits for "
-                "every live trainer, and a peer of a sharded run sees only some"
-            )
-            context = {"key": "backend", "value": averaging.backend, "shards": run.member_shards}
-            raise PydanticCustomError("section_key", message, context)
-        if run is not None and run.member_shards > 1 and averaging.partners == "hypercube":
-            message = (
+                "every live trainer, and a peer of a sharded run sees only some",
+            ),
+            "partners": (
+                averaging.partners == "hypercube",
                 "must be 'random' when run.member_shards > 1 (here {shards}): the hypercube schedule needs "
-                "every peer to read the whole member list"
-            )
-            context = {"key": "partners", "value": averaging.partners, "shards": run.member_shards}
-            raise PydanticCustomError("section_key", message, context)
+                "every peer to read the whole member list",
+            ),
+        }
+        for key, (bad, message) in refused.items():
+            if bad:
+                context = {"key": key, "value": getattr(averaging, key), "shards": run.member_shards}
+                raise PydanticCustomError("section_key", message, context)
         return averaging
 
     @field_validator("data")
