@@ -3,17 +3,30 @@ shard returns, and a trainer's bounded view, which reads one shard at a time and
 
 from __future__ import annotations
 
+import pickle
 import random
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.dht.routing import DHTID
+from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.timed_storage import get_dht_time
 
 from swarm import NetworkOptions, NodeInfo, PeerRecord, SwarmNode
 from swarm.config import ConfigError, load_config
-from swarm.membership import MAX_MEMBER_SHARDS, Member, MemberView, list_members, record_key, shard_of
+from swarm.membership import (
+    MAX_MEMBER_SHARDS,
+    Member,
+    MemberView,
+    list_members,
+    membership_validators,
+    record_key,
+    shard_of,
+)
+from swarm.membership._signed import StrictSchemaValidator
 from swarm.membership._view import FIRST_READ_SHARDS, SHARD_READ_EVERY, SHARD_READ_LIMIT
 from swarm.network import ensure_identity, peer_id_of_identity
 from tests._processes import wait_until
@@ -59,6 +72,14 @@ def test_shards_are_a_stable_hash_within_range() -> None:
     assert record_key(RUN, 3) == f"{RUN}_members_3"
     with pytest.raises(ValueError, match="outside"):
         record_key(RUN, MAX_MEMBER_SHARDS)
+
+
+def test_the_record_validators_of_every_shard_pickle_into_the_dht_process() -> None:
+    """``DHT.add_validators`` (a monitor that learns its run late) pickles them to the DHT's process."""
+    validators = membership_validators(RUN, RSASignatureValidator(RSAPrivateKey()))
+    schema = next(v for v in pickle.loads(pickle.dumps(validators)) if isinstance(v, StrictSchemaValidator))
+    keys = {DHTID.generate(source=record_key(RUN, s)).to_bytes() for s in range(MAX_MEMBER_SHARDS)}
+    assert keys <= set(schema._key_id_to_field_name)
 
 
 def test_a_view_reads_one_shard_at_a_time_and_visits_every_shard() -> None:

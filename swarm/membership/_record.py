@@ -124,7 +124,8 @@ def shard_of(peer_id: str, shards: int) -> int:
 _SHARD_FIELDS: dict[str, Any] = {
     shard_field(s): (dict[BytesWithPublicKey, PeerRecord], None) for s in range(MAX_MEMBER_SHARDS)
 }
-_MembersSchema = pydantic.create_model("_MembersSchema", **_SHARD_FIELDS)
+# named here (its module and name), so that validators holding it pickle into the DHT's process
+_MembersSchema = pydantic.create_model("_MembersSchema", __module__=__name__, **_SHARD_FIELDS)
 
 
 def members_validator(run_id: str) -> StrictSchemaValidator:

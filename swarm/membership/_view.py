@@ -8,8 +8,9 @@ period (its copy of a record is older than the one in the DHT, which its owner k
 view is then the few shards read within that time, about ``(record_ttl_s / (2 * record_interval_s) +
 1) * N / S`` peers, and what it reads per second stays the same as the run grows if ``S`` grows with
 it (docs/architecture.md, "What membership costs as the swarm grows"). A read is a DHT lookup, which
-at a thousand peers costs more bytes than the records it returns; reading every other refresh keeps
-a peer under 10 kB/s there (docs/benchmarks.md, "Membership with many peers on one machine").
+costs about what the record's store costs (hivemind's holders answer both with the shard's records):
+reading every other refresh keeps reads to a third of the lookups, and a read takes the first holder's
+answer (``SwarmNode`` reads with ``latest=False``).
 
 With one shard (the default) every refresh reads the whole list, and the view is that list.
 
