@@ -59,11 +59,14 @@ def _common(args: argparse.Namespace, peers: int) -> list[str]:
     return ["--config", CONFIG, *[a for s in sets for a in ("--set", s)]]
 
 
+def _member_shards(args: argparse.Namespace, peers: int) -> int:
+    """The run's ``run.member_shards``: about N / K keys with ``--records-per-shard K``, else one."""
+    return max(1, round(peers / args.records_per_shard)) if args.records_per_shard else 1
+
+
 def _shard_sets(args: argparse.Namespace, peers: int) -> list[str]:
-    """With ``--records-per-shard K``: the run's records spread over about N / K keys."""
-    if not args.records_per_shard:
-        return []
-    shards = max(1, round(peers / args.records_per_shard))
+    """The overrides that spread the run's records over :func:`_member_shards` keys."""
+    shards = _member_shards(args, peers)
     return [f"run.member_shards={shards}", "averaging.partners=random"] if shards > 1 else []
 
 
@@ -209,7 +212,7 @@ def run_one(peers: int, args: argparse.Namespace, log_dir: Path) -> dict[str, An
         lab.start()
     swarm = Swarm(log_dir, RUN_ID, lab, nice=args.peer_nice)
     row: dict[str, Any] = {"peers": peers, "backend": args.backend, "netns": args.netns, "logs": str(log_dir)}
-    row["member_shards"] = max(1, round(peers / args.records_per_shard)) if args.records_per_shard else 1
+    row["member_shards"] = _member_shards(args, peers)
     try:
         maddr, joined_s = _start(swarm, peers, args)
         row |= _measure(swarm, peers, args, joined_s)

@@ -296,9 +296,7 @@ class SwarmNode:
         shards = view.next_shards()
         if not shards:
             return
-        # any holder's copy will do for a view (latest=False): the DHT stops at the first answer with live
-        # records instead of asking every holder of the key
-        read = read_shards(self.dht, self.info.run_id, view.shards, shards, latest=view.shards == 1)
+        read = read_shards(self.dht, self.info.run_id, view.shards, shards, latest=view.latest)
         view.update(read, get_dht_time())
         self._note_relays([m for found in read.values() for m in found or ()])
 

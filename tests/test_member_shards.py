@@ -99,8 +99,10 @@ def test_a_view_reads_one_shard_at_a_time_and_visits_every_shard() -> None:
 def test_a_run_of_one_shard_reads_it_all_every_refresh_and_more_shards_read_less_often() -> None:
     whole = MemberView.for_run(1, interval_s=3.0)
     assert [whole.next_shards() for _ in range(4)] == [[0]] * 4
+    assert whole.latest  # the schedule orders the whole list: every holder is asked for its newest
     rng = random.Random(4)
     view = MemberView.for_run(SHARDS, interval_s=3.0, rng=rng)
+    assert not view.latest  # a view of a few shards takes the first holder's copy
     view.update({s: [] for s in view.next_shards()}, now=0.0)
     reads = [view.next_shards() for _ in range(4 * SHARD_READ_EVERY)]
     assert sum(map(len, reads)) == 4 and all(len(r) <= 1 for r in reads)

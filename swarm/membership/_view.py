@@ -10,7 +10,7 @@ view is then the few shards read within that time, about ``(record_ttl_s / (2 * 
 it (docs/architecture.md, "What membership costs as the swarm grows"). A read is a DHT lookup, which
 costs about what the record's store costs (hivemind's holders answer both with the shard's records):
 reading every other refresh keeps reads to a third of the lookups, and a read takes the first holder's
-answer (``SwarmNode`` reads with ``latest=False``).
+answer (:attr:`MemberView.latest`).
 
 With one shard (the default) every refresh reads the whole list, and the view is that list.
 
@@ -40,11 +40,20 @@ class MemberView:
     """Which shards to read next, and the members read so far that have not expired."""
 
     def __init__(
-        self, shards: int, rng: random.Random | None = None, *, read_every: int = 1, keep_s: float = 0.0
+        self,
+        shards: int,
+        rng: random.Random | None = None,
+        *,
+        read_every: int = 1,
+        keep_s: float = 0.0,
+        latest: bool = True,
     ) -> None:
         if shards < 1:
             raise ValueError(f"a run has at least one member shard, not {shards}")
         self.shards, self._read_every, self._keep_s = shards, read_every, keep_s
+        self.latest = latest
+        """Whether a read asks every holder of a key for its newest records (hivemind's ``latest``), or
+        takes the first holder's live copy."""
         self._refreshes = 0
         self._rng = rng or random.Random()
         self._rotation: list[int] = []
@@ -55,10 +64,13 @@ class MemberView:
     @classmethod
     def for_run(cls, shards: int, interval_s: float, rng: random.Random | None = None) -> MemberView:
         """The view of a peer refreshing every ``interval_s`` in a run of ``shards`` shards: the whole
-        list every refresh with one shard, else a shard every :data:`SHARD_READ_EVERY` refreshes."""
+        list every refresh with one shard (from every holder: the schedule orders it), else a shard
+        every :data:`SHARD_READ_EVERY` refreshes, from the first holder that answers (any live copy
+        will do for a view, and the DHT stops asking there)."""
         if shards == 1:
             return cls(1, rng)
-        return cls(shards, rng, read_every=SHARD_READ_EVERY, keep_s=SHARD_READ_EVERY * interval_s)
+        keep_s = SHARD_READ_EVERY * interval_s
+        return cls(shards, rng, read_every=SHARD_READ_EVERY, keep_s=keep_s, latest=False)
 
     def next_shards(self) -> list[int]:
         """The shards to read at this refresh: several for the first view, then one every
